@@ -1,0 +1,33 @@
+# Two commands: `make demo` runs the main job on the embedded default; `make test` runs the suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# DeepSpeed runs on the CPU in tests and the demo.
+export DS_ACCELERATOR ?= cpu
+export TOKENIZERS_PARALLELISM ?= false
+export PYTHONUNBUFFERED := 1
+
+.PHONY: demo test test-fast install clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned to the build the machines carry, so nothing pulls a GPU build
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/iga-ds demo --out demo_out
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info demo_out

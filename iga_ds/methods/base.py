@@ -1,0 +1,111 @@
+"""The one contract every method follows.
+
+A method turns per-domain LoRA gradients into the gradient the optimizer sees. It is pure
+tensor code: no process groups, no DeepSpeed. The engine hook (``iga_ds.ds``) collects the
+per-domain gradients, hands each method the modules it owns, and writes the result back.
+
+Three scopes, because methods differ in what they need to see at once:
+
+- ``"module"``: the update of a module depends on that module alone (IGA, AND-mask, ...),
+  so modules can be spread over data-parallel ranks.
+- ``"global"``: the update needs every module's gradients at once (PCGrad, MGDA take inner
+  products of whole gradient vectors).
+- ``"loss"``: the method changes the objective (ERM, IRM, V-REx) and the optimizer takes the
+  plain gradient of that objective; no per-domain gradients are captured.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal, Sequence
+
+import torch
+
+Scope = Literal["module", "global", "loss"]
+
+
+@dataclass
+class ModuleGrads:
+    """Per-domain mean gradients of one LoRA module, PEFT layout.
+
+    A: r x in (lora_A.weight), B: out x r (lora_B.weight), gA: N x r x in, gB: N x out x r,
+    scaling: s in dW = s * B @ A. ``index`` is the module's position in the model's list of
+    LoRA modules; it seeds the module's random sketch so results do not depend on which rank
+    computes them.
+    """
+
+    name: str
+    index: int
+    A: torch.Tensor
+    B: torch.Tensor
+    gA: torch.Tensor
+    gB: torch.Tensor
+    scaling: float
+
+    @property
+    def num_domains(self) -> int:
+        return int(self.gA.shape[0])
+
+
+@dataclass
+class ModuleUpdate:
+    """The gradients the optimizer will see for one module, with per-module statistics."""
+
+    gA: torch.Tensor
+    gB: torch.Tensor
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def module_generator(seed: int, step: int, index: int, device: torch.device | str) -> torch.Generator:
+    """A generator seeded by (seed, step, module index): the same sketch on any rank, any world size."""
+    # Mix with large odd constants so neighbouring (step, index) pairs give unrelated seeds.
+    mixed = (seed * 0x9E3779B1 + step * 0x85EBCA77 + index * 0xC2B2AE3D) % (2**63 - 1)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(mixed)
+    return gen
+
+
+class GradientMethod:
+    """Base class: subclasses set ``name``, ``scope`` and ``paper`` and override one hook."""
+
+    name: ClassVar[str] = ""
+    scope: ClassVar[Scope] = "module"
+    paper: ClassVar[str] = ""
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+
+    # -- gradient-level methods ------------------------------------------------------------
+    def combine(self, modules: Sequence[ModuleGrads], step: int) -> list[ModuleUpdate]:
+        """Per-domain gradients in, one update per module out (same order)."""
+        if self.scope == "loss":
+            raise TypeError(f"method {self.name!r} acts on the loss; it has no gradient combination")
+        return [self.combine_module(m, step) for m in modules]
+
+    def combine_module(self, module: ModuleGrads, step: int) -> ModuleUpdate:
+        raise NotImplementedError
+
+    # -- loss-level methods ----------------------------------------------------------------
+    def objective(
+        self,
+        sequence_losses: torch.Tensor,
+        domain_ids: torch.Tensor,
+        num_domains: int,
+        dummy_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The scalar passed to backward for one micro-batch: mean of per-sequence losses.
+
+        The engine hook relies on this normalization to turn captured sums into per-domain
+        means; loss-level methods add their penalty to it.
+        """
+        return sequence_losses.mean()
+
+    def needs_dummy_scale(self) -> bool:
+        """True when ``objective`` needs logits multiplied by a scalar it can differentiate."""
+        return False
+
+    @property
+    def needs_domain_gradients(self) -> bool:
+        return self.scope != "loss"
+
+    def describe(self) -> str:
+        return f"{self.name}: {self.paper}"
