@@ -38,7 +38,11 @@ def register(cls: type[GradientMethod]) -> type[GradientMethod]:
 
 def _load_all() -> None:
     for mod in _METHOD_MODULES:
-        importlib.import_module(f"iga_ds.methods.{mod}")
+        try:
+            importlib.import_module(f"iga_ds.methods.{mod}")
+        except ModuleNotFoundError as exc:  # TEMPORARY while methods are being written
+            if exc.name != f"iga_ds.methods.{mod}":
+                raise
 
 
 def available_methods() -> list[str]:
