@@ -38,11 +38,7 @@ def register(cls: type[GradientMethod]) -> type[GradientMethod]:
 
 def _load_all() -> None:
     for mod in _METHOD_MODULES:
-        try:
-            importlib.import_module(f"iga_ds.methods.{mod}")
-        except ModuleNotFoundError as exc:  # TEMPORARY while methods are being written
-            if exc.name != f"iga_ds.methods.{mod}":
-                raise
+        importlib.import_module(f"iga_ds.methods.{mod}")
 
 
 def available_methods() -> list[str]:

@@ -1,0 +1,69 @@
+"""Truncated SVD, exact or randomized (Halko, Martinsson and Tropp, SIAM Review 2011).
+
+Singular vectors are defined up to sign; both paths flip each pair (u_i, v_i) so that the
+largest-magnitude entry of u_i is positive, which makes factor gradients reproducible.
+"""
+from __future__ import annotations
+
+import torch
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _canonical_signs(U: torch.Tensor, Vh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = U.abs().argmax(dim=0, keepdim=True)
+    signs = torch.sign(torch.gather(U, 0, idx)).squeeze(0)
+    signs = torch.where(signs == 0, torch.ones_like(signs), signs)
+    return U * signs, Vh * signs[:, None]
+
+
+def exact_svd(M: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank-`rank` truncation of the full SVD (the reference)."""
+    work = M.float() if M.dtype in _LOW_PRECISION else M
+    U, S, Vh = torch.linalg.svd(work, full_matrices=False)
+    U, Vh = _canonical_signs(U[:, :rank], Vh[:rank])
+    return U.to(M.dtype), S[:rank].to(M.dtype), Vh.to(M.dtype)
+
+
+def randomized_svd(
+    M: torch.Tensor,
+    rank: int,
+    *,
+    oversample: int = 10,
+    power_iters: int = 2,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank-`rank` SVD from a Gaussian sketch of width rank + oversample.
+
+    Power iterations (with re-orthonormalization, HMT Algorithm 4.4) sharpen the range
+    estimate when the spectrum decays slowly; each costs two passes over M.
+    """
+    work = M.float() if M.dtype in _LOW_PRECISION else M
+    m, n = work.shape
+    width = min(rank + oversample, m, n)
+    omega = torch.randn(n, width, dtype=work.dtype, device=work.device, generator=generator)
+    Q, _ = torch.linalg.qr(work @ omega)
+    for _ in range(power_iters):
+        Z, _ = torch.linalg.qr(work.mT @ Q)
+        Q, _ = torch.linalg.qr(work @ Z)
+    small = Q.mT @ work  # width x n
+    Ub, S, Vh = torch.linalg.svd(small, full_matrices=False)
+    U = Q @ Ub[:, :rank]
+    U, Vh = _canonical_signs(U, Vh[:rank])
+    return U.to(M.dtype), S[:rank].to(M.dtype), Vh.to(M.dtype)
+
+
+def truncated_svd(
+    M: torch.Tensor,
+    rank: int,
+    *,
+    method: str = "randomized",
+    oversample: int = 10,
+    power_iters: int = 2,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if method == "exact":
+        return exact_svd(M, rank)
+    if method == "randomized":
+        return randomized_svd(M, rank, oversample=oversample, power_iters=power_iters, generator=generator)
+    raise ValueError(f"svd must be 'randomized' or 'exact', got {method!r}")

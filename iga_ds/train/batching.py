@@ -1,0 +1,225 @@
+"""Isomer-group batching: whole groups per step, sharded over ranks by a deterministic sampler.
+
+Every optimizer step holds ``K = groups_per_step`` isomer groups with all N domains (so each
+domain is present in every step, as the per-domain gradients of IGA need). The order of
+groups is a permutation seeded by (seed, epoch), so the batch of global step ``s`` does not
+depend on the world size: rank ``r`` of ``W`` takes the ``r``-th slice of the step's groups.
+The loss is token-level cross-entropy on the target (chain of thought and answer); prompt and
+padding tokens are masked.
+"""
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from iga_ds.errors import ConfigError, DataError
+
+IGNORE_INDEX = -100
+
+
+# -- records ---------------------------------------------------------------------------------
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """Isomer JSON Lines; the data package's reader when present (it checks the schema)."""
+    try:
+        from iga_ds.data.schema import read_isomer_jsonl
+    except ImportError:
+        read_isomer_jsonl = None
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: data file not found (data.train)")
+    if read_isomer_jsonl is not None:
+        return [r if isinstance(r, dict) else _record_to_dict(r) for r in read_isomer_jsonl(path)]
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            for key in ("group_id", "domain", "problem", "cot", "answer"):
+                if key not in rec:
+                    raise DataError(f"{path}:{lineno}: missing field {key!r}")
+            records.append(rec)
+    return records
+
+
+def _record_to_dict(rec: Any) -> dict[str, Any]:
+    if hasattr(rec, "to_dict"):
+        return rec.to_dict()
+    import dataclasses
+
+    return dataclasses.asdict(rec)
+
+
+def format_example(record: dict[str, Any]) -> tuple[str, str]:
+    """(prompt, target); the evaluation package owns the prompt so training and decoding agree."""
+    try:
+        from iga_ds.evaluation.prompts import format_prompt, format_target
+    except ImportError:
+        return f"Problem: {record['problem']}\nSolution: ", f"{record['cot']}\nAnswer: {record['answer']}"
+    return format_prompt(record), format_target(record)
+
+
+def complete_groups(records: Sequence[dict[str, Any]], domains: Sequence[str], source: str = "data") -> list[list[dict]]:
+    """Groups (in first-seen order) that have exactly one instance of every domain, each
+    ordered like ``domains``; groups missing a domain are dropped (the caller reports it)."""
+    by_group: "OrderedDict[str, dict[str, dict]]" = OrderedDict()
+    wanted = set(domains)
+    for rec in records:
+        if rec["domain"] not in wanted:
+            continue
+        slot = by_group.setdefault(str(rec["group_id"]), {})
+        if rec["domain"] in slot:
+            raise DataError(f"{source}: group {rec['group_id']!r} has two {rec['domain']!r} instances")
+        slot[rec["domain"]] = rec
+    return [[slot[d] for d in domains] for slot in by_group.values() if len(slot) == len(domains)]
+
+
+# -- sampler ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GroupSampler:
+    """Which groups each rank sees at each global step; stateless apart from the step index."""
+
+    num_groups: int
+    groups_per_step: int
+    seed: int
+
+    def __post_init__(self):
+        if self.num_groups < self.groups_per_step:
+            raise ConfigError(
+                f"data.groups_per_step: {self.groups_per_step} groups per step but the data has only "
+                f"{self.num_groups} complete groups"
+            )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_groups // self.groups_per_step  # the incomplete last batch is dropped
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        import torch
+
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_groups, generator=gen).tolist()
+
+    def step_groups(self, step: int) -> list[int]:
+        epoch, within = divmod(step, self.steps_per_epoch)
+        order = self.epoch_order(epoch)
+        return order[within * self.groups_per_step : (within + 1) * self.groups_per_step]
+
+    def rank_groups(self, step: int, rank: int, world_size: int) -> list[int]:
+        groups = self.step_groups(step)
+        per_rank = len(groups) // world_size
+        return groups[rank * per_rank : (rank + 1) * per_rank]
+
+
+def check_batch_layout(groups_per_step: int, groups_per_micro_batch: int, world_size: int) -> int:
+    """Gradient accumulation steps that make K groups per step over ``world_size`` ranks."""
+    per_rank, rem = divmod(groups_per_step, world_size)
+    if rem or per_rank == 0:
+        raise ConfigError(
+            f"data.groups_per_step: expected a multiple of the world size {world_size}, got {groups_per_step}"
+        )
+    accum, rem = divmod(per_rank, groups_per_micro_batch)
+    if rem or accum == 0:
+        raise ConfigError(
+            f"data.groups_per_micro_batch: expected a divisor of groups_per_step / world size = {per_rank}, "
+            f"got {groups_per_micro_batch}"
+        )
+    return accum
+
+
+# -- tensors ---------------------------------------------------------------------------------
+
+
+@dataclass
+class MicroBatch:
+    input_ids: Any  # (B, T) long
+    attention_mask: Any  # (B, T) long
+    labels: Any  # (B, T) long, IGNORE_INDEX on prompt and padding
+    domain_ids: Any  # (B,) long, index into the domain list
+    num_target_tokens: int
+    num_tokens: int
+
+    def to(self, device) -> "MicroBatch":
+        return MicroBatch(
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            self.labels.to(device),
+            self.domain_ids.to(device),
+            self.num_target_tokens,
+            self.num_tokens,
+        )
+
+
+def encode_example(tokenizer, prompt: str, target: str, max_length: int) -> tuple[list[int], list[int]]:
+    """Token ids and labels for one instance: [bos] prompt target [eos], prompt labels masked.
+    Too long: the prompt loses tokens from its start, then the target from its end."""
+    p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    t = tokenizer(target, add_special_tokens=False)["input_ids"]
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    t = t + eos
+    room = max_length - len(bos)
+    if len(t) > room - 1:
+        t = t[: room - 1]  # keep at least one prompt token so the first target has a context
+    p = p[-(room - len(t)) :] if len(p) > room - len(t) else p
+    ids = bos + p + t
+    labels = [IGNORE_INDEX] * (len(bos) + len(p)) + t
+    return ids, labels
+
+
+def collate(tokenizer, groups: Sequence[Sequence[dict]], domains: Sequence[str], max_length: int) -> MicroBatch:
+    import torch
+
+    rows, dom = [], []
+    index = {d: i for i, d in enumerate(domains)}
+    for group in groups:
+        for rec in group:
+            prompt, target = format_example(rec)
+            rows.append(encode_example(tokenizer, prompt, target, max_length))
+            dom.append(index[rec["domain"]])
+    width = max(len(ids) for ids, _ in rows)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (ids, lab) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        labels[i, : len(lab)] = torch.tensor(lab)
+        mask[i, : len(ids)] = 1
+    return MicroBatch(
+        input_ids,
+        mask,
+        labels,
+        torch.tensor(dom, dtype=torch.long),
+        int((labels != IGNORE_INDEX).sum()),
+        int(mask.sum()),
+    )
+
+
+def sequence_losses(logits, labels):
+    """Each sequence's mean token cross-entropy over its target tokens, shape (B,), float32.
+
+    Position t predicts token t+1, so logits drop the last position and labels the first."""
+    import torch
+    import torch.nn.functional as F
+
+    shift_logits = logits[:, :-1, :].float()
+    shift_labels = labels[:, 1:]
+    tok = F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.size(-1)),
+        shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    ).view(shift_labels.shape)
+    counts = (shift_labels != IGNORE_INDEX).sum(dim=1)
+    return tok.sum(dim=1) / counts.clamp(min=1).to(tok.dtype)

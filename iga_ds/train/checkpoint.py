@@ -1,0 +1,201 @@
+"""Checkpoints, resume and stop signals.
+
+A checkpoint is a DeepSpeed checkpoint (``engine.save_checkpoint`` with frozen weights
+excluded: only the LoRA factors, their optimizer state and the LR schedule) plus, in
+``client_state``, the global step (the sampler needs nothing else), and one small file per
+rank with its random-number generator states. DeepSpeed writes the ``latest`` tag file last,
+so a run killed while saving resumes from the previous complete checkpoint.
+
+The DeepSpeed configs set ``zero_optimization.elastic_checkpoint``, which lets ZeRO-1/2 merge
+the optimizer partitions of all saved ranks and re-split them: a run saved on 2 ranks
+resumes on 1 (or the reverse).
+
+SIGUSR1 and SIGTERM only raise a flag; the trainer checks it at the next step boundary (all
+ranks agree through one all-reduce), saves, and exits 0, so Slurm can requeue the job
+(``#SBATCH --signal=B:USR1@120`` and ``--requeue``).
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+from pathlib import Path
+from typing import Any, Callable
+
+from iga_ds.errors import ConfigError
+
+TAG_PREFIX = "step_"
+
+
+def tag_for(step: int) -> str:
+    return f"{TAG_PREFIX}{step:08d}"
+
+
+def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint folder named by DeepSpeed's ``latest`` file, or None."""
+    latest = Path(ckpt_dir) / "latest"
+    if not latest.is_file():
+        return None
+    tag = latest.read_text(encoding="utf-8").strip()
+    path = Path(ckpt_dir) / tag
+    return path if path.is_dir() else None
+
+
+def resolve_resume(resume: str, ckpt_dir: Path) -> Path | None:
+    """``auto``: the latest checkpoint if there is one; ``never``: none; else a folder."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return latest_checkpoint(ckpt_dir)
+    path = Path(resume)
+    if not path.is_dir():
+        raise ConfigError(f"resume: expected auto, never or a checkpoint folder, got {resume!r} (not found)")
+    return path
+
+
+# -- random state ----------------------------------------------------------------------------
+
+
+def capture_rng() -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype("int64")), *np_state[2:]],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _to_tuples(obj: Any) -> Any:
+    """torch.load(weights_only) returns lists where random.setstate needs tuples."""
+    if isinstance(obj, list):
+        return tuple(_to_tuples(x) for x in obj)
+    return obj
+
+
+def _rng_file(path: Path, rank: int) -> Path:
+    return path / f"rng_rank{rank:05d}.pt"
+
+
+# -- save / load -----------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    engine,
+    ckpt_dir: Path,
+    step: int,
+    client_state: dict[str, Any],
+    rank: int,
+    keep_last: int,
+    save_adapter: Callable[[Path], None] | None = None,
+) -> Path:
+    """Save on every rank (DeepSpeed's call is collective); rank 0 also writes the adapter
+    and prunes old checkpoints. Returns the checkpoint folder."""
+    import torch
+    import torch.distributed as dist
+
+    tag = tag_for(step)
+    path = ckpt_dir / tag
+    path.mkdir(parents=True, exist_ok=True)
+    # before DeepSpeed writes "latest": a checkpoint it names is complete
+    tmp = _rng_file(path, rank).with_suffix(".tmp")
+    torch.save(capture_rng(), tmp)
+    os.replace(tmp, _rng_file(path, rank))
+    if rank == 0 and save_adapter is not None:
+        save_adapter(path / "adapter")
+    if dist.is_initialized():
+        dist.barrier()
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, exclude_frozen_parameters=True)
+    if rank == 0:
+        prune_checkpoints(ckpt_dir, keep_last)
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+def prune_checkpoints(ckpt_dir: Path, keep_last: int) -> None:
+    tags = sorted(p for p in ckpt_dir.glob(f"{TAG_PREFIX}*") if p.is_dir())
+    latest = latest_checkpoint(ckpt_dir)
+    for old in tags[:-keep_last]:
+        if latest is None or old.resolve() != latest.resolve():
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(engine, path: Path, rank: int) -> dict[str, Any]:
+    """Restore LoRA weights, optimizer, schedule and this rank's random state; return the
+    client state. A rank that did not exist when saving takes rank 0's random state."""
+    import torch
+
+    # frozen weights are not in the file, so the module load cannot be strict
+    load_path, client = engine.load_checkpoint(
+        str(path.parent), tag=path.name, load_module_strict=False, load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+    )
+    if load_path is None:
+        raise ConfigError(f"resume: {path} is not a DeepSpeed checkpoint")
+    rng_path = _rng_file(path, rank)
+    if not rng_path.is_file():
+        rng_path = _rng_file(path, 0)
+    if rng_path.is_file():
+        state = torch.load(rng_path, weights_only=True)
+        state["python"] = _to_tuples(state["python"])
+        restore_rng(state)
+    return client or {}
+
+
+# -- stop signals ----------------------------------------------------------------------------
+
+
+class StopSignal:
+    """Remembers SIGUSR1/SIGTERM; ``requested()`` is collective so all ranks stop together."""
+
+    SIGNALS = tuple(s for s in (getattr(signal, "SIGUSR1", None), signal.SIGTERM) if s is not None)
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> "StopSignal":
+        for sig in self.SIGNALS:
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: signals stay with their old handlers
+                pass
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def requested(self, device=None) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        flag = self.received is not None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.tensor([1.0 if flag else 0.0], device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flag = bool(t.item() > 0)
+        return flag

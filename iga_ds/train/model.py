@@ -1,0 +1,318 @@
+"""Models for training: any local Hugging Face causal LM, or the built-in tiny LLaMA base.
+
+The built-in base needs no download. Its word-level tokenizer is built from the vocabulary
+of the text it is pretrained on (generator text), and the model is a small
+LLaMA-architecture network (Touvron et al., 2023, "LLaMA: Open and Efficient Foundation
+Language Models") pretrained from scratch with next-token cross-entropy. The result is
+cached under ``$IGA_DS_CACHE`` (default ``~/.cache/iga-ds``) in a folder named by a hash of
+the pretraining settings and the corpus, written atomically (built in a temporary folder,
+then renamed), so a second call with the same inputs loads it instantly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from iga_ds.errors import ConfigError
+from iga_ds.utils_io import atomic_write_json
+
+# Word-level splitting with the leading space kept on the word: lossless, so decoding is a
+# plain concatenation and answer extraction sees the original text. Digits are single tokens
+# so that numbers outside the corpus still tokenize.
+WORD_PATTERN = r" ?[A-Za-z]+| ?[0-9]| ?[^A-Za-z0-9\s]|\s"
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "<s>", "</s>")
+_TOKENIZER_VERSION = 1  # bump when WORD_PATTERN or the vocabulary rule changes
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("IGA_DS_CACHE") or Path.home() / ".cache" / "iga-ds")
+
+
+# -- tokenizer -------------------------------------------------------------------------------
+
+
+def _pre_tokenizer():
+    from tokenizers import Regex, pre_tokenizers
+
+    return pre_tokenizers.Split(Regex(WORD_PATTERN), behavior="isolated")
+
+
+def build_vocab(texts: Iterable[str]) -> list[str]:
+    """Special tokens, then every printable ASCII character (with and without a leading space,
+    so no single character is unknown), then corpus words by falling frequency."""
+    pre = _pre_tokenizer()
+    counts: Counter[str] = Counter()
+    for text in texts:
+        counts.update(piece for piece, _ in pre.pre_tokenize_str(text))
+    vocab = list(SPECIAL_TOKENS)
+    seen = set(vocab)
+    base_chars = [chr(c) for c in range(33, 127)]
+    for tok in ["\n", " ", "\t"] + base_chars + [" " + c for c in base_chars]:
+        if tok not in seen:
+            vocab.append(tok)
+            seen.add(tok)
+    for tok, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        if tok not in seen:
+            vocab.append(tok)
+            seen.add(tok)
+    return vocab
+
+
+def build_word_tokenizer(vocab: Sequence[str]):
+    """A ``PreTrainedTokenizerFast`` over a fixed word list (no merges, no training)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = _pre_tokenizer()
+    tok.decoder = decoders.Fuse()  # tokens carry their own spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        bos_token="<s>",
+        eos_token="</s>",
+        padding_side="right",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+# -- tiny base -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TinyBaseConfig:
+    """Shape of the built-in base and its pretraining; every field enters the cache key."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 344
+    num_layers: int = 2
+    num_heads: int = 4
+    max_length: int = 384
+    steps: int = 250
+    batch_size: int = 16
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    seed: int = 0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def corpus_digest(texts: Sequence[str]) -> str:
+    h = hashlib.sha256()
+    for t in texts:
+        h.update(t.encode("utf-8"))
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def tiny_base_key(config: TinyBaseConfig, texts: Sequence[str]) -> str:
+    import torch
+    import transformers
+
+    payload = {
+        "config": config.to_dict(),
+        "corpus": corpus_digest(texts),
+        "tokenizer_version": _TOKENIZER_VERSION,
+        # a different major library version may initialize or compute differently
+        "torch": torch.__version__.split("+")[0].rsplit(".", 1)[0],
+        "transformers": transformers.__version__.split(".")[0],
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build_tiny_llama(vocab_size: int, config: TinyBaseConfig, special_ids: dict[str, int]):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_heads,
+        max_position_embeddings=config.max_length,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        pad_token_id=special_ids["pad"],
+        bos_token_id=special_ids["bos"],
+        eos_token_id=special_ids["eos"],
+    )
+    torch.manual_seed(config.seed)
+    return LlamaForCausalLM(cfg)
+
+
+def _pretrain(model, tokenizer, texts: Sequence[str], config: TinyBaseConfig, progress: bool) -> list[float]:
+    """Next-token pretraining on whole texts; returns the loss curve."""
+    import torch
+    from tqdm.auto import tqdm
+
+    ids = [
+        [tokenizer.bos_token_id] + tokenizer(t, add_special_tokens=False)["input_ids"][: config.max_length - 2]
+        + [tokenizer.eos_token_id]
+        for t in texts
+    ]
+    gen = torch.Generator().manual_seed(config.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
+
+    def lr_at(step: int) -> float:
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        t = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    model.train()
+    losses: list[float] = []
+    order = torch.randperm(len(ids), generator=gen).tolist()
+    cursor = 0
+    bar = tqdm(range(config.steps), desc="pretrain tiny base", disable=not progress, dynamic_ncols=True)
+    for _ in bar:
+        if cursor + config.batch_size > len(order):
+            order, cursor = torch.randperm(len(ids), generator=gen).tolist(), 0
+        batch = [ids[i] for i in order[cursor : cursor + config.batch_size]]
+        cursor += config.batch_size
+        width = max(len(b) for b in batch)
+        input_ids = torch.full((len(batch), width), tokenizer.pad_token_id)
+        labels = torch.full((len(batch), width), -100)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, seq in enumerate(batch):
+            input_ids[row, : len(seq)] = torch.tensor(seq)
+            labels[row, : len(seq)] = torch.tensor(seq)
+            mask[row, : len(seq)] = 1
+        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss))
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    model.eval()
+    return losses
+
+
+def ensure_tiny_base(
+    texts: Sequence[str],
+    config: TinyBaseConfig | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+    log=print,
+) -> Path:
+    """Return the folder of the tiny base pretrained on ``texts``; build it on a cache miss.
+
+    The folder is a normal Hugging Face model directory (``config.json``,
+    ``model.safetensors``, ``tokenizer.json``) plus ``pretrain.json`` (settings, corpus hash,
+    loss curve), so ``from_pretrained`` and PEFT accept it like any local model.
+    """
+    import torch
+
+    if not texts:
+        raise ConfigError("tiny base: the pretraining corpus is empty")
+    config = config or TinyBaseConfig()
+    root = Path(cache_dir) if cache_dir else cache_root()
+    key = tiny_base_key(config, texts)
+    final = root / "tiny-base" / key
+    if (final / "pretrain.json").is_file():
+        log(f"tiny base: cached at {final}")
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{key}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    log(f"tiny base: pretraining from scratch on {len(texts)} texts ({config.steps} steps); cached afterwards")
+    start = time.perf_counter()
+    tokenizer = build_word_tokenizer(build_vocab(texts))
+    special = {"pad": tokenizer.pad_token_id, "bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id}
+    with torch.random.fork_rng():
+        model = build_tiny_llama(len(tokenizer), config, special)
+        losses = _pretrain(model, tokenizer, texts, config, progress)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    atomic_write_json(
+        tmp / "pretrain.json",
+        {
+            "key": key,
+            "config": config.to_dict(),
+            "corpus_sha256": corpus_digest(texts),
+            "num_texts": len(texts),
+            "vocab_size": len(tokenizer),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "loss_first": losses[0],
+            "loss_last": losses[-1],
+            "losses": losses,
+            "seconds": round(time.perf_counter() - start, 2),
+        },
+    )
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        # another process finished the same key first: theirs is identical, keep it
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (final / "pretrain.json").is_file():
+            raise
+    log(f"tiny base: done in {time.perf_counter() - start:.0f}s, loss {losses[0]:.2f} -> {losses[-1]:.2f}")
+    return final
+
+
+# -- loading for fine-tuning -----------------------------------------------------------------
+
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def load_base_model(path: str, dtype: str = "float32", attn_implementation: str | None = "eager"):
+    """A local causal-LM directory (no download, no remote code) and its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if not Path(path).is_dir():
+        raise ConfigError(f"model.name_or_path: {path!r} is not a local model directory (or use builtin:tiny)")
+    kwargs = {"dtype": getattr(torch, _DTYPES[dtype]), "local_files_only": True}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    if not Path(path).is_dir():
+        raise ConfigError(f"tokenizer: {path!r} is not a local tokenizer directory")
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token  # causal LMs often ship without one; padding is masked anyway
+    return tok
+
+
+def add_lora(model, r: int, alpha: float, dropout: float, target_modules: list[str], rslora: bool = False):
+    """Wrap ``model`` with PEFT LoRA adapters (Hu et al., 2021) on ``target_modules``."""
+    from peft import LoraConfig, get_peft_model
+
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in target_modules if t not in names]
+    if missing:
+        raise ConfigError(
+            f"lora.target_modules: {missing} not found in the model; it has e.g. "
+            f"{sorted(n for n in names if n.endswith('proj'))[:8]}"
+        )
+    cfg = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=list(target_modules),
+        use_rslora=rslora,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, cfg)

@@ -1,0 +1,263 @@
+"""A real one-node Slurm on localhost for tests: munged, slurmctld and slurmd in a temp dir.
+
+Debian's ``slurm-wlm`` and ``munge`` are enough (``.ci/system-deps`` installs them). Everything the
+daemons write (key, sockets, state, spool, logs) stays under the given directory; ports are picked
+free so that two test runs on one machine do not collide. Clients reach this cluster through the
+``SLURM_CONF`` variable in :attr:`LocalSlurm.env`.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+DAEMONS = ("munged", "slurmctld", "slurmd")
+CLIENTS = ("sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo")
+
+
+def missing_slurm_tools() -> list[str]:
+    """Names of the programs this helper needs that are not on PATH (empty when all are)."""
+    search = os.environ.get("PATH", "") + os.pathsep + "/usr/sbin" + os.pathsep + "/sbin"
+    return [name for name in DAEMONS + CLIENTS if shutil.which(name, path=search) is None]
+
+
+def _which(name: str) -> str:
+    search = os.environ.get("PATH", "") + os.pathsep + "/usr/sbin" + os.pathsep + "/sbin"
+    found = shutil.which(name, path=search)
+    if found is None:
+        raise FileNotFoundError(name)
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _total_memory_mb() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) // 1024
+    return 2048
+
+
+SLURM_CONF = """\
+# Minimal one-node cluster for the test suite; written by tests/slurm_helpers.py.
+ClusterName=igatest
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={munge_socket}
+SlurmUser={user}
+SlurmdUser=root
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/builtin
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+ReturnToService=2
+# Use the CPU count below even when the machine has fewer cores: tests need 2 tasks.
+SlurmdParameters=config_overrides
+SlurmdTimeout=30
+InactiveLimit=0
+KillWait=10
+MinJobAge=600
+NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory} State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+class LocalSlurm:
+    """Start and stop a one-node Slurm rooted at ``root``. Use as a context manager."""
+
+    def __init__(self, root: str | os.PathLike, cpus: int | None = None):
+        self.root = Path(root)
+        self.cpus = max(cpus or os.cpu_count() or 2, 4)
+        self.host = socket.gethostname().split(".")[0]
+        self.conf = self.root / "slurm.conf"
+        self.munge_socket = self.root / "munge" / "munge.socket"
+        self._procs: list[subprocess.Popen] = []
+        self.env = dict(os.environ, SLURM_CONF=str(self.conf))
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def __enter__(self) -> "LocalSlurm":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self, timeout: float = 60.0) -> None:
+        for sub in ("munge", "state", "spool"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root / "munge", 0o700)
+        self._start_munged()
+        self.conf.write_text(
+            SLURM_CONF.format(
+                host=self.host,
+                ctld_port=_free_port(),
+                slurmd_port=_free_port(),
+                munge_socket=self.munge_socket,
+                user=_current_user(),
+                root=self.root,
+                cpus=self.cpus,
+                memory=max(_total_memory_mb() - 1024, 1024),
+            )
+        )
+        self._spawn([_which("slurmctld"), "-D", "-i", "-f", str(self.conf)], "slurmctld.out")
+        self._spawn([_which("slurmd"), "-D", "-N", self.host, "-f", str(self.conf)], "slurmd.out")
+        self.wait_idle(timeout)
+
+    def stop(self) -> None:
+        for proc in reversed(self._procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in reversed(self._procs):
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._procs.clear()
+
+    # -- clients -----------------------------------------------------------------------------
+    def run(self, *argv: str, check: bool = True, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+        """Run a Slurm client (``sbatch``, ``scontrol`` ...) against this cluster."""
+        env = dict(self.env, **kw.pop("env", {}))
+        return subprocess.run(
+            [_which(argv[0]), *argv[1:]], env=env, check=check, timeout=timeout,
+            capture_output=True, text=True, **kw,
+        )
+
+    def job_field(self, job_id: str, field: str) -> str:
+        """One ``Key=Value`` field of ``scontrol show job``, e.g. ``JobState`` or ``Restarts``."""
+        out = self.run("scontrol", "show", "job", "-o", job_id).stdout
+        for token in out.split():
+            key, _, value = token.partition("=")
+            if key == field:
+                return value
+        raise KeyError(f"{field} not in scontrol output: {out!r}")
+
+    def wait_state(self, job_id: str, states: set[str], timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        state = ""
+        while time.monotonic() < deadline:
+            state = self.job_field(job_id, "JobState")
+            if state in states:
+                return state
+            time.sleep(0.5)
+        raise TimeoutError(f"job {job_id} still {state} after {timeout:.0f} s; {self.logs_tail()}")
+
+    def wait_idle(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            self._check_alive()
+            res = self.run("sinfo", "-h", "-o", "%T", check=False, timeout=10)
+            last = (res.stdout + res.stderr).strip()
+            if res.returncode == 0 and last.startswith("idle"):
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"Slurm node not idle after {timeout:.0f} s (sinfo: {last!r}); {self.logs_tail()}")
+
+    def logs_tail(self, lines: int = 15) -> str:
+        parts = []
+        for name in ("slurmctld.log", "slurmd.log", "munged.log"):
+            path = self.root / name
+            if path.exists():
+                tail = path.read_text(errors="replace").splitlines()[-lines:]
+                parts.append(f"--- {name}\n" + "\n".join(tail))
+        return "\n".join(parts)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _start_munged(self) -> None:
+        key = self.root / "munge" / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        os.chmod(key, 0o400)
+        subprocess.run(
+            [
+                _which("munged"), "--force",
+                f"--socket={self.munge_socket}",
+                f"--key-file={key}",
+                f"--pid-file={self.root / 'munge' / 'munged.pid'}",
+                f"--log-file={self.root / 'munged.log'}",
+                f"--seed-file={self.root / 'munge' / 'munged.seed'}",
+            ],
+            check=True, capture_output=True, timeout=30,
+        )
+        self._munge_pid_file = self.root / "munge" / "munged.pid"
+        # munged daemonizes itself; keep a handle through its pid file for stop().
+        pid = int(self._munge_pid_file.read_text().strip())
+        self._procs.insert(0, _PidHandle(pid))
+
+    def _spawn(self, argv: list[str], log_name: str) -> None:
+        log = open(self.root / log_name, "wb")
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                start_new_session=True)
+        log.close()
+        self._procs.append(proc)
+
+    def _check_alive(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}; {self.logs_tail()}")
+
+
+class _PidHandle:
+    """Minimal Popen look-alike for a daemon that forked away from us (munged)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.args = ["munged", f"pid {pid}"]
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                self.returncode = 0
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = time.monotonic() + (timeout or 0)
+        while self.poll() is None:
+            if timeout is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.1)
+        return self.returncode or 0
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _current_user() -> str:
+    import pwd
+
+    return pwd.getpwuid(os.getuid()).pw_name
