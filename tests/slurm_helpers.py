@@ -261,3 +261,43 @@ def _current_user() -> str:
     import pwd
 
     return pwd.getpwuid(os.getuid()).pw_name
+
+
+# A stand-in that follows the trainer's contract (key=value overrides, output_dir, resume=auto,
+# SIGUSR1/SIGTERM -> checkpoint and exit 0) in a few lines, so the Slurm signal, requeue and resume
+# plumbing is tested on its own; the real trainer is tested the same way when it exists.
+CONTRACT_TRAINER = r'''
+import json, os, signal, sys, time
+from iga_ds.launch.ranks import resolve_dist_env
+
+args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a and not a.startswith("-"))
+out = args["output_dir"]
+max_steps = int(args.get("max_steps", 4))
+step_seconds = float(args.get("step_seconds", 1))
+env = resolve_dist_env()
+os.makedirs(out, exist_ok=True)
+ckpt = os.path.join(out, f"checkpoint-rank{env.rank}.json")
+stop = []
+signal.signal(signal.SIGUSR1, lambda *_: stop.append("USR1"))
+signal.signal(signal.SIGTERM, lambda *_: stop.append("TERM"))
+step = 0
+if args.get("resume") == "auto" and os.path.exists(ckpt):
+    step = json.load(open(ckpt))["step"]
+    print(f"rank {env.rank}: resumed at step {step}", flush=True)
+print(f"rank {env.rank}/{env.world_size} via {env.source}: starting at step {step}", flush=True)
+while step < max_steps:
+    if stop:
+        tmp = ckpt + ".tmp"
+        json.dump({"step": step}, open(tmp, "w"))
+        os.replace(tmp, ckpt)
+        print(f"rank {env.rank}: SIG{stop[0]} -> checkpoint at step {step}, exiting", flush=True)
+        sys.exit(0)
+    time.sleep(step_seconds)
+    step += 1
+    with open(os.path.join(out, f"steps-rank{env.rank}.log"), "a") as f:
+        f.write(f"{step}\n")
+if env.rank == 0:
+    os.makedirs(os.path.join(out, "adapter"), exist_ok=True)
+    json.dump({"steps": step}, open(os.path.join(out, "adapter", "adapter_config.json"), "w"))
+print(f"rank {env.rank}: done after step {step}", flush=True)
+'''

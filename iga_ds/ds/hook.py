@@ -1,42 +1,299 @@
-"""Engine hook (work in progress: loss-level methods only so far)."""
+"""The ZeRO engine hook: per-domain LoRA gradients in, the method's gradient out, before the step.
+
+Flow of one optimizer step (K isomer groups over R ranks and G accumulation micro-steps):
+
+1. Each micro-batch's forward and backward run inside ``micro_batch(domain_ids)``; the
+   capture adds each domain's LoRA weight-gradient sums into one flat fp32 buffer laid out
+   by owner rank (DeepSpeed's own reduction of the plain gradient goes on untouched).
+2. At the accumulation boundary DeepSpeed calls the optimizer's ``step``, which this hook
+   wraps: domain counts are summed over ranks; the buffer is reduce-scattered so that each
+   module's N sums land on its owner; owners divide by the counts and run the method with a
+   sketch seeded by (step, module index), so the result does not depend on the world size;
+   an all-gather brings every module's new factor gradients to every rank.
+3. The new gradients replace the reduced ones in ZeRO's partitions, then the original step
+   runs (clipping and AdamW see the method's gradient).
+"""
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
+from iga_ds.ds.comm import Collectives
+from iga_ds.ds.compat import check_engine, skip_optimizer_step, write_full_grad
 from iga_ds.ds.config import IGAConfig
+from iga_ds.errors import ConfigError
+from iga_ds.lora.capture import DomainGradientCapture
+from iga_ds.lora.modules import LoraModule, find_lora_modules
+from iga_ds.methods.base import ModuleGrads
+
+log = logging.getLogger(__name__)
+
+# per-module statistics carried back from owners (NaN where a method has none)
+STAT_KEYS = ("mask_mean", "mask_frac_below_half", "mask_min", "gir", "energy_kept")
+
+
+def assign_owners(modules: list[LoraModule], world_size: int, balance: str = "out_x_in") -> list[int]:
+    """Owner rank of each module: largest first onto the least-loaded rank (deterministic)."""
+    if balance == "round_robin":
+        return [m.index % world_size for m in modules]
+    load = [0] * world_size
+    owners = [0] * len(modules)
+    for m in sorted(modules, key=lambda m: (-m.full_rank_cost, m.index)):
+        rank = min(range(world_size), key=lambda k: (load[k], k))
+        owners[m.index] = rank
+        load[rank] += m.full_rank_cost
+    return owners
+
+
+@dataclass
+class _Layout:
+    """Where each module's per-domain sums and results sit in the flat buffers."""
+
+    owners: list[int]
+    in_offsets: list[int]  # into the flat input buffer (rank chunk offset included)
+    out_offsets: list[int]  # into the gathered output buffer
+    in_chunk: int
+    out_chunk: int
+
+
+def build_layout(modules: list[LoraModule], owners: list[int], world_size: int, num_domains: int) -> _Layout:
+    in_sizes = [num_domains * (m.rank * m.in_features + m.out_features * m.rank) for m in modules]
+    out_sizes = [m.rank * m.in_features + m.out_features * m.rank + len(STAT_KEYS) for m in modules]
+    in_used = [0] * world_size
+    out_used = [0] * world_size
+    in_local, out_local = [0] * len(modules), [0] * len(modules)
+    for m in modules:
+        k = owners[m.index]
+        in_local[m.index], out_local[m.index] = in_used[k], out_used[k]
+        in_used[k] += in_sizes[m.index]
+        out_used[k] += out_sizes[m.index]
+    in_chunk, out_chunk = max(in_used) or 1, max(out_used) or 1
+    return _Layout(
+        owners=owners,
+        in_offsets=[owners[i] * in_chunk + in_local[i] for i in range(len(modules))],
+        out_offsets=[owners[i] * out_chunk + out_local[i] for i in range(len(modules))],
+        in_chunk=in_chunk,
+        out_chunk=out_chunk,
+    )
 
 
 class IGAEngineHook:
+    """Attach with :func:`attach`; see the package docstring for the training loop."""
+
     def __init__(self, engine, config: IGAConfig):
         self.engine = engine
         self.config = config
         self.method = config.build_method()
+        check_engine(engine, self.method.needs_domain_gradients)
+        self.num_domains = config.num_domains
+        self.device = engine.device
         self._stats: dict = {}
+        self._nonfinite_loss = False
         self.skipped_last_step = False
+        self.skipped_steps = 0
+        self._capture_seconds = 0.0
+        self.comm = Collectives(timeout_s=config.timeout_s)
+        self.capture: DomainGradientCapture | None = None
+        self.modules: list[LoraModule] = []
         if self.method.needs_domain_gradients:
-            raise NotImplementedError("gradient-level methods are not wired yet")
+            self._setup_capture()
+        self._original_step = engine.optimizer.step
+        engine.optimizer.step = self._boundary_step
 
+    # -- setup -----------------------------------------------------------------------------
+    def _setup_capture(self) -> None:
+        self.modules = find_lora_modules(self.engine.module)
+        if not self.modules:
+            raise ConfigError("the model has no trainable LoRA linear layers: wrap it with peft.get_peft_model first")
+        lora_ids = {id(p) for m in self.modules for p in (m.lora_A.weight, m.lora_B.weight)}
+        others = [n for n, p in self.engine.module.named_parameters() if p.requires_grad and id(p) not in lora_ids]
+        if others:
+            log.warning("IGA acts on LoRA factors only; %d other trainable tensors (e.g. %s) keep the plain gradient",
+                        len(others), others[0])
+        N, W = self.num_domains, self.comm.world_size
+        owners = assign_owners(self.modules, W, self.config.owner_balance)
+        self.layout = build_layout(self.modules, owners, W, N)
+        self.flat_in = torch.zeros(W * self.layout.in_chunk, dtype=torch.float32, device=self.device)
+        buffers = []
+        for m in self.modules:
+            off = self.layout.in_offsets[m.index]
+            nA, nB = N * m.rank * m.in_features, N * m.out_features * m.rank
+            gA = self.flat_in[off: off + nA].view(N, m.rank, m.in_features)
+            gB = self.flat_in[off + nA: off + nA + nB].view(N, m.out_features, m.rank)
+            buffers.append((gA, gB))
+        self.buffers = buffers
+        self.capture = DomainGradientCapture(self.modules, buffers, N)
+        # the capture's backward adds into these buffers; time it on the host side
+        self.owned = [m for m in self.modules if owners[m.index] == self.comm.rank]
+
+    # -- per micro-batch -------------------------------------------------------------------
     @contextlib.contextmanager
-    def micro_batch(self, domain_ids: torch.Tensor):
-        yield self
+    def micro_batch(self, domain_ids: torch.Tensor) -> Iterator["IGAEngineHook"]:
+        """Run one micro-batch's forward and backward inside this context."""
+        if self.capture is None:
+            yield self
+            return
+        batch = int(torch.as_tensor(domain_ids).numel())
+        # the loss is a mean over the micro-batch and DeepSpeed divides it by the accumulation steps
+        scale = 1.0 / (batch * self.engine.gradient_accumulation_steps())
+        start = time.perf_counter()
+        with self.capture.micro_batch(domain_ids, scale):
+            yield self
+        self._capture_seconds += time.perf_counter() - start
 
-    def dummy_scale(self):
+    def dummy_scale(self) -> torch.Tensor | None:
         if self.method.needs_dummy_scale():
-            return torch.ones((), requires_grad=True, device=self.engine.device)
+            return torch.ones((), requires_grad=True, device=self.device)
         return None
 
-    def objective(self, sequence_losses, domain_ids, dummy_scale=None):
-        return self.method.objective(sequence_losses, domain_ids, self.config.num_domains, dummy_scale)
+    def objective(self, sequence_losses: torch.Tensor, domain_ids: torch.Tensor, dummy_scale=None) -> torch.Tensor:
+        loss = self.method.objective(sequence_losses, domain_ids.to(sequence_losses.device), self.num_domains, dummy_scale)
+        if not bool(torch.isfinite(loss.detach())):
+            self._nonfinite_loss = True
+        return loss
 
+    # -- at the accumulation boundary ------------------------------------------------------
+    def _boundary_step(self, *args, **kwargs):
+        step = int(self.engine.global_steps)
+        stats: dict = {"step": step}
+        t0 = time.perf_counter()
+        updates = None
+        bad = self._nonfinite_loss
+        if self.capture is not None:
+            updates, bad_local, stats_comm = self._combine(step)
+            bad = bad or bad_local
+            stats.update(stats_comm)
+        flag = torch.tensor([1.0 if bad else 0.0], device=self.device)
+        bad = bool(self.comm.all_reduce_max(flag).item() > 0)
+        self._nonfinite_loss = False
+        self.skipped_last_step = bad
+        if bad:
+            self.skipped_steps += 1
+            log.warning("step %d: non-finite loss or gradient; skipping the optimizer step", step)
+            skip_optimizer_step(self.engine.optimizer)
+            result = None
+        else:
+            if updates is not None:
+                for m, (gA, gB) in zip(self.modules, updates):
+                    write_full_grad(m.lora_A.weight, gA)
+                    write_full_grad(m.lora_B.weight, gB)
+            result = self._original_step(*args, **kwargs)
+        if self.capture is not None:
+            self.capture.reset()
+        stats["skipped"] = bad
+        stats["time/capture_s"] = self._capture_seconds
+        stats["time/boundary_s"] = time.perf_counter() - t0
+        self._capture_seconds = 0.0
+        self._stats = stats
+        return result
+
+    def _combine(self, step: int):
+        """Reduce to owners, run the method, gather: returns per-module (gA, gB), a non-finite flag, stats."""
+        N, lay = self.num_domains, self.layout
+        t0 = time.perf_counter()
+        counts = self.comm.all_reduce_sum(self.capture.counts.to(self.device))
+        counts_cpu = counts.cpu()
+        if bool((counts_cpu == 0).any()):
+            missing = [self.config.domains[i] for i in range(N) if counts_cpu[i] == 0]
+            raise RuntimeError(f"step {step}: no sequence of domain(s) {missing} in the global batch; "
+                               "each optimizer step needs every domain (whole isomer groups)")
+        global_scope = self.method.scope == "global"
+        if global_scope:
+            summed = self.comm.all_reduce_sum(self.flat_in)
+            mine, base = self.modules, 0
+        else:
+            summed = self.comm.reduce_scatter_sum(self.flat_in)
+            mine, base = self.owned, self.comm.rank * lay.in_chunk
+        t1 = time.perf_counter()
+        inv = (1.0 / counts).to(torch.float32)
+        grads = []
+        for m in mine:
+            off = lay.in_offsets[m.index] - base
+            nA, nB = N * m.rank * m.in_features, N * m.out_features * m.rank
+            gA = summed[off: off + nA].view(N, m.rank, m.in_features) * inv.view(N, 1, 1)
+            gB = summed[off + nA: off + nA + nB].view(N, m.out_features, m.rank) * inv.view(N, 1, 1)
+            grads.append(ModuleGrads(m.name, m.index, m.lora_A.weight.detach().float(),
+                                     m.lora_B.weight.detach().float(), gA, gB, m.scaling))
+        bad = any(not bool(torch.isfinite(g.gA).all() and torch.isfinite(g.gB).all()) for g in grads)
+        results = self.method.combine(grads, step) if grads and not bad else []
+        t2 = time.perf_counter()
+        per_module_stats = {}
+        if global_scope:
+            updates = [(u.gA, u.gB) for u in results] if results else None
+            for m, u in zip(mine, results):
+                per_module_stats[m.name] = u.stats
+            method_stats = {f"method/{k}": v for k, v in (results[0].stats if results else {}).items()}
+            bad = bad or (updates is not None and any(not bool(torch.isfinite(a).all() and torch.isfinite(b).all())
+                                                       for a, b in updates))
+            t3 = t2
+        else:
+            out = torch.zeros(lay.out_chunk, dtype=torch.float32, device=self.device)
+            obase = self.comm.rank * lay.out_chunk
+            for m, u in zip(mine, results):
+                off = lay.out_offsets[m.index] - obase
+                nA, nB = m.rank * m.in_features, m.out_features * m.rank
+                out[off: off + nA] = u.gA.reshape(-1)
+                out[off + nA: off + nA + nB] = u.gB.reshape(-1)
+                out[off + nA + nB: off + nA + nB + len(STAT_KEYS)] = torch.tensor(
+                    [float(u.stats.get(k, math.nan)) for k in STAT_KEYS])
+            bad = bad or any(not bool(torch.isfinite(u.gA).all() and torch.isfinite(u.gB).all()) for u in results)
+            gathered = self.comm.all_gather(out)
+            t3 = time.perf_counter()
+            method_stats = {}
+            updates = []
+            for m in self.modules:
+                off = lay.out_offsets[m.index]
+                nA, nB = m.rank * m.in_features, m.out_features * m.rank
+                updates.append((gathered[off: off + nA].view(m.rank, m.in_features),
+                                gathered[off + nA: off + nA + nB].view(m.out_features, m.rank)))
+                vals = gathered[off + nA + nB: off + nA + nB + len(STAT_KEYS)].tolist()
+                per_module_stats[m.name] = {k: v for k, v in zip(STAT_KEYS, vals) if not math.isnan(v)}
+        stats = {
+            "time/comm_s": (t1 - t0) + (t3 - t2),
+            "time/method_s": t2 - t1,
+            "domain_counts": counts_cpu.tolist(),
+            "modules": per_module_stats,
+            **method_stats,
+        }
+        stats.update(summarize(per_module_stats, {m.name: m.full_rank_cost for m in self.modules}))
+        return updates, bad, stats
+
+    # -- results ---------------------------------------------------------------------------
     def pop_stats(self) -> dict:
+        """Statistics of the last optimizer step ({} if none happened since the last call)."""
         stats, self._stats = self._stats, {}
         return stats
 
     def detach(self) -> None:
-        pass
+        """Restore the engine: remove capture hooks and the step wrapper."""
+        if self.capture is not None:
+            self.capture.remove()
+            self.capture = None
+        self.engine.optimizer.step = self._original_step
+
+
+def summarize(per_module: dict[str, dict[str, float]], weights: dict[str, int]) -> dict[str, float]:
+    """Model-level figures: element-weighted mask statistics, summed GIR."""
+    out: dict[str, float] = {}
+    for key in ("mask_mean", "mask_frac_below_half", "energy_kept"):
+        pairs = [(s[key], weights[n]) for n, s in per_module.items() if key in s]
+        if pairs:
+            out[key] = sum(v * w for v, w in pairs) / sum(w for _, w in pairs)
+    girs = [s["gir"] for s in per_module.values() if "gir" in s]
+    if girs:
+        out["gir"] = sum(girs)
+    mins = [s["mask_min"] for s in per_module.values() if "mask_min" in s]
+    if mins:
+        out["mask_min"] = min(mins)
+    return out
 
 
 def attach(engine, config: IGAConfig) -> IGAEngineHook:
+    """Hook a method into a DeepSpeed engine made by deepspeed.initialize over a PEFT LoRA model."""
     return IGAEngineHook(engine, config)

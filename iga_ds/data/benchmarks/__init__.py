@@ -1,0 +1,48 @@
+"""Loaders for the paper's public benchmarks, reading the user's local copies.
+
+None of these datasets is bundled (see each module for where to obtain it and its licence):
+``logiqa2`` (LogiQA 2.0), ``reclor`` (ReClor), ``math`` (MATH), ``arb`` (ARB).
+``load_benchmark(name, root, **options)`` returns a list of ``EvalItem`` with the configured
+ID/OOD split; ``benchmark_defaults(name)`` shows the default options.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from iga_ds.data.benchmarks import arb, logiqa, math_dataset, reclor
+from iga_ds.data.benchmarks.base import BenchmarkSource, EvalItem
+from iga_ds.errors import ConfigError
+
+_LOADERS: dict[str, ModuleType] = {m.NAME: m for m in (logiqa, reclor, math_dataset, arb)}
+BENCHMARKS = tuple(sorted(_LOADERS))
+
+
+def _loader(name: str) -> ModuleType:
+    try:
+        return _LOADERS[name]
+    except KeyError:
+        raise ConfigError(f"unknown benchmark {name!r}; expected one of: {', '.join(BENCHMARKS)}") from None
+
+
+def benchmark_defaults(name: str) -> dict[str, Any]:
+    return dict(_loader(name).DEFAULTS)
+
+
+def benchmark_source(name: str) -> BenchmarkSource:
+    return _loader(name).SOURCE
+
+
+def load_benchmark(name: str, root: str | Path, **options: Any) -> list[EvalItem]:
+    """Items of benchmark ``name`` from the local copy at ``root``; options override the defaults."""
+    module = _loader(name)
+    unknown = sorted(set(options) - set(module.DEFAULTS))
+    if unknown:
+        raise ConfigError(
+            f"benchmark {name!r} has no option {unknown[0]!r}; expected some of: {', '.join(sorted(module.DEFAULTS))}"
+        )
+    return module.load(root, **options)
+
+
+__all__ = ["BENCHMARKS", "BenchmarkSource", "EvalItem", "benchmark_defaults", "benchmark_source", "load_benchmark"]

@@ -1,0 +1,130 @@
+"""ARB (Sawada et al., 2023, "ARB: Advanced Reasoning Benchmark for Large Language Models").
+
+ARB is served through its API (``https://arb.duckai.org/api/lib/<category>``), not as files.
+Local layout read here: one file per API category, saved as returned (a JSON array, or JSON
+Lines), named after the category: ``math_numerical.json``, ``math_symbolic.json``,
+``physics_numerical.json``, ``physics_symbolic.json``, ``law.json``, ``mcat_reading.json``,
+``mcat_science.json``, ... The file name (without extension) is the item's domain.
+Fields: ``Problem_Statement``, ``Final_Answer``, ``Topic`` (math, physics) and camelCase
+``problemStatement``, ``finalAnswer``, ``answerCandidates`` (law, MCAT); keys are matched
+ignoring case, spaces and underscores.
+
+Scoring: items with answer candidates are multiple choice; the others are scored as MATH-style
+answers (strict and symbolic). Proof-like problems have no exact answer (ARB grades them with a
+rubric) and are skipped unless ``include_prooflike=True``.
+
+Split: the paper withholds "law and biology". ARB's biology questions are in MCAT Science, so
+the default OOD domains are ``law`` and ``mcat_science``; all other files are in-distribution.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+from iga_ds.data.benchmarks.base import (
+    BenchmarkSource,
+    EvalItem,
+    check_options,
+    format_choice_problem,
+    iter_json_lines,
+    missing_benchmark,
+    read_json,
+    strip_option_prefix,
+)
+from iga_ds.errors import DataError
+
+NAME = "arb"
+SOURCE = BenchmarkSource(
+    title="ARB",
+    where="its API https://arb.duckai.org/api/lib/ (save each category as <category>.json)",
+    licence="see the ARB project's terms; its repository github.com/TheDuckAI/arb is GPL-3.0",
+    layout="<category>.json files (JSON arrays) such as math_numerical.json, law.json, mcat_science.json",
+)
+DEFAULTS = {"ood_domains": ("law", "mcat_science"), "include_prooflike": False}
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def _field(obj: dict[str, Any], name: str) -> Any:
+    wanted = _key(name)
+    for key, value in obj.items():
+        if _key(key) == wanted:
+            return value
+    return None
+
+
+def _records(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    if path.suffix == ".jsonl":
+        return [(f"{path}:{lineno}", obj) for lineno, obj in iter_json_lines(path)]
+    data = read_json(path)
+    if isinstance(data, dict):  # some API answers wrap the list
+        lists = [v for v in data.values() if isinstance(v, list)]
+        data = lists[0] if len(lists) == 1 else data
+    if not isinstance(data, list):
+        raise DataError(f"{path}: expected a JSON array of problems, got {type(data).__name__}")
+    out = []
+    for index, obj in enumerate(data):
+        if not isinstance(obj, dict):
+            raise DataError(f"{path}: item {index}: expected an object, got {type(obj).__name__}")
+        out.append((f"{path}: item {index}", obj))
+    return out
+
+
+def _choice_letter(final: str, options: list[str], where: str) -> str:
+    final = final.strip()
+    match = re.fullmatch(r"\(?([A-Ea-e])\)?[.)]?", final) or re.match(r"^\(?([A-E])\)?[.):]\s", final)
+    if match:
+        letter = match.group(1).upper()
+        if "ABCDE".index(letter) < len(options):
+            return letter
+    bare = [strip_option_prefix(o).lower() for o in options]
+    if strip_option_prefix(final).lower() in bare:
+        return "ABCDE"[bare.index(strip_option_prefix(final).lower())]
+    raise DataError(f"{where}: field 'finalAnswer': {final!r:.60} is neither an option letter nor an option")
+
+
+def load(
+    root: str | Path,
+    ood_domains: Sequence[str] = DEFAULTS["ood_domains"],
+    include_prooflike: bool = DEFAULTS["include_prooflike"],
+) -> list[EvalItem]:
+    root = Path(root)
+    files = sorted(p for p in root.glob("*.json*") if p.suffix in (".json", ".jsonl")) if root.is_dir() else []
+    if not include_prooflike:
+        files = [p for p in files if "proof" not in p.stem]
+    if not files:
+        raise missing_benchmark(NAME, root, SOURCE, "no category files" if root.is_dir() else "")
+    items: list[EvalItem] = []
+    for path in files:
+        domain = path.stem
+        for index, (where, obj) in enumerate(_records(path)):
+            problem = _field(obj, "problem_statement")
+            final = _field(obj, "final_answer")
+            if not isinstance(problem, str) or not problem.strip():
+                raise DataError(f"{where}: missing field 'Problem_Statement'/'problemStatement' (the problem text)")
+            if final is None or (isinstance(final, str) and not final.strip()):
+                raise DataError(f"{where}: missing field 'Final_Answer'/'finalAnswer' (the answer)")
+            candidates = _field(obj, "answer_candidates")
+            if candidates:
+                options = check_options(candidates, where, "answerCandidates", count=None)
+                text = format_choice_problem("", problem, options)
+                answer, kind = _choice_letter(str(final), options, where), "choice"
+            else:
+                text, answer, kind = problem.strip(), str(final).strip().strip("$").strip(), "math"
+                text += "\n\nPut the final answer in \\boxed{}."
+            items.append(
+                EvalItem(
+                    id=f"{NAME}/{domain}/{obj.get('_id', obj.get('id', index))}",
+                    benchmark=NAME,
+                    problem=text,
+                    answer=answer,
+                    kind=kind,
+                    domain=domain,
+                    split="ood" if domain in set(ood_domains) else "id",
+                    meta={"topic": _field(obj, "topic")} if _field(obj, "topic") else {},
+                )
+            )
+    return items

@@ -1,0 +1,78 @@
+"""ReClor (Yu et al., 2020, "ReClor: A Reading Comprehension Dataset Requiring Logical Reasoning").
+
+Public layout (the archive users download after accepting the terms): ``train.json``,
+``val.json``, ``test.json``, each a JSON array of objects with ``context``, ``question``,
+``answers`` (4 strings), ``label`` (0-3; absent in test) and ``id_string``.
+
+Split: the paper evaluates on ReClor's "hard" set. The ReClor authors define it on the test
+file: its first 440 questions are EASY, the remaining ones HARD; test labels are withheld and
+scored by the authors' leaderboard. With ``split="test"`` items are marked EASY -> ``id`` and
+HARD -> ``ood``; predictions are written but not scored locally. The default ``split="val"``
+(labelled, all ``id``) gives a local accuracy.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from iga_ds.data.benchmarks.base import (
+    BenchmarkSource,
+    EvalItem,
+    check_options,
+    format_choice_problem,
+    missing_benchmark,
+    read_json,
+    require,
+)
+from iga_ds.errors import DataError
+
+NAME = "reclor"
+SOURCE = BenchmarkSource(
+    title="ReClor",
+    where="https://whyu.me/reclor/ (password-protected download after accepting its terms)",
+    licence="research use only; derived data may not be redistributed",
+    layout="train.json / val.json / test.json, JSON arrays of {context, question, answers, label, id_string}",
+)
+DEFAULTS = {"split": "val", "hard_start": 440}
+
+
+def load(root: str | Path, split: str = DEFAULTS["split"], hard_start: int = DEFAULTS["hard_start"]) -> list[EvalItem]:
+    root = Path(root)
+    if split not in ("train", "val", "test"):
+        raise DataError(f"{NAME}: split must be train, val or test, got {split!r}")
+    path = root / f"{split}.json"
+    if not path.is_file():
+        raise missing_benchmark(NAME, root, SOURCE, f"missing {split}.json" if root.is_dir() else "")
+    data = read_json(path)
+    if not isinstance(data, list):
+        raise DataError(f"{path}: expected a JSON array of questions, got {type(data).__name__}")
+    items: list[EvalItem] = []
+    for index, obj in enumerate(data):
+        where = f"{path}: item {index}"
+        if not isinstance(obj, dict):
+            raise DataError(f"{where}: expected an object, got {type(obj).__name__}")
+        options = check_options(require(obj, "answers", list, where, "a list of 4 strings"), where, "answers")
+        context = require(obj, "context", str, where, "the passage")
+        question = require(obj, "question", str, where, "the question")
+        answer = ""
+        if split != "test" or "label" in obj:
+            label = require(obj, "label", int, where, "an option index 0-3")
+            if not 0 <= label < len(options):
+                raise DataError(f"{where}: field 'label': expected an index 0-{len(options) - 1}, got {label}")
+            answer = "ABCDE"[label]
+        if split == "test":
+            subset, item_split = ("easy", "id") if index < hard_start else ("hard", "ood")
+        else:
+            subset, item_split = split, "id"
+        items.append(
+            EvalItem(
+                id=f"{NAME}/{obj.get('id_string', f'{split}_{index}')}",
+                benchmark=NAME,
+                problem=format_choice_problem(context, question, options),
+                answer=answer,
+                kind="choice",
+                domain=subset,
+                split=item_split,
+                meta={"index": index},
+            )
+        )
+    return items

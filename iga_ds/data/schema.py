@@ -1,0 +1,223 @@
+"""Isomer record schema, file reading and corpus checks.
+
+One JSON object per line, one line per domain instance (paper section 3.3; the split rule is
+appendix "Data Split"):
+
+    group_id  str   the isomer group (all domains of one logical problem)
+    seed_id   str   the seed problem the group came from; the train/test split is by seed
+    domain    str   e.g. math, medical, legal, science
+    problem   str
+    cot       str   step-by-step solution; by convention its last line is "Answer: X"
+    answer    str   the final answer
+    dag       obj   optional: the typed logical DAG (see iga_ds.data.dag)
+    alignment_score  number in [0, 1], optional: the teacher's structural alignment score
+    meta      obj   optional: anything else (pattern, depth, planted cue, ...)
+
+Every error is a ``DataError`` whose message starts with ``FILE:LINE:`` and names the field.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+from iga_ds.errors import DataError
+
+REQUIRED_FIELDS = ("group_id", "seed_id", "domain", "problem", "cot", "answer")
+OPTIONAL_FIELDS = ("dag", "alignment_score", "meta")
+ALL_FIELDS = REQUIRED_FIELDS + OPTIONAL_FIELDS
+
+_INTEGER = re.compile(r"^[+-]?\d+$")
+_NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+_OPTION = re.compile(r"^\(?[A-Ea-e]\)?$")
+
+
+def answer_type(answer: str) -> str:
+    """Coarse answer type: boolean, integer, number, option (A-E) or text."""
+    a = answer.strip()
+    if a.lower() in ("yes", "no", "true", "false"):
+        return "boolean"
+    if _INTEGER.match(a):
+        return "integer"
+    if _NUMBER.match(a):
+        return "number"
+    if _OPTION.match(a):
+        return "option"
+    return "text"
+
+
+def validate_record(obj, where: str) -> dict:
+    """Check one parsed line; ``where`` is ``FILE:LINE`` for the message."""
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object, found {type(obj).__name__}")
+    for name in REQUIRED_FIELDS:
+        if name not in obj:
+            raise DataError(f"{where}: field {name!r} is missing (required: {', '.join(REQUIRED_FIELDS)})")
+        value = obj[name]
+        if not isinstance(value, str):
+            raise DataError(f"{where}: field {name!r} must be a string, found {type(value).__name__}")
+        if name != "cot" and not value.strip():
+            raise DataError(f"{where}: field {name!r} is empty")
+    for name in obj:
+        if name not in ALL_FIELDS:
+            raise DataError(f"{where}: unknown field {name!r} (allowed: {', '.join(ALL_FIELDS)}; "
+                            "put extra information in 'meta')")
+    dag = obj.get("dag")
+    if dag is not None:
+        if not isinstance(dag, dict):
+            raise DataError(f"{where}: field 'dag' must be an object or null, found {type(dag).__name__}")
+        from iga_ds.data.dag import DagError, check_dag
+
+        try:
+            check_dag(dag)
+        except DagError as exc:
+            raise DataError(f"{where}: field 'dag': {exc}") from None
+    score = obj.get("alignment_score")
+    if score is not None:
+        if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score) \
+                or not 0.0 <= score <= 1.0:
+            raise DataError(f"{where}: field 'alignment_score' must be a number in [0, 1], found {score!r}")
+    meta = obj.get("meta")
+    if meta is not None and not isinstance(meta, dict):
+        raise DataError(f"{where}: field 'meta' must be an object or null, found {type(meta).__name__}")
+    return obj
+
+
+def iter_jsonl(path: str | Path) -> Iterable[tuple[int, dict]]:
+    """(line number, parsed object) for each non-blank line; DataError on bad JSON."""
+    path = Path(path)
+    try:
+        f = path.open("r", encoding="utf-8")
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read ({exc.strerror})") from None
+    with f:
+        lineno = 0
+        try:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+                yield lineno, obj
+        except UnicodeDecodeError:
+            raise DataError(f"{path}:{lineno + 1}: not UTF-8 text") from None
+
+
+@dataclass
+class GroupIndex:
+    """What the group checks need: per group its domains, answer types, seeds, first line."""
+
+    domains: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    answer_types: dict[str, set] = field(default_factory=lambda: defaultdict(set))
+    seeds: dict[str, set] = field(default_factory=lambda: defaultdict(set))
+    first_line: dict[str, int] = field(default_factory=dict)
+
+
+def check_groups(records: list[dict], lines: list[int], path: str | Path,
+                 allow_partial: bool = False) -> None:
+    """Every group has each domain exactly once, one seed and one answer type; all groups
+    have the same domain set (unless ``allow_partial``: instance-level splits cut groups)."""
+    idx = GroupIndex()
+    seen: dict[tuple[str, str], int] = {}
+    for rec, line in zip(records, lines):
+        g, d = rec["group_id"], rec["domain"]
+        key = (g, d)
+        if key in seen:
+            raise DataError(f"{path}:{line}: field 'domain': group {g!r} already has a {d!r} "
+                            f"instance (line {seen[key]})")
+        seen[key] = line
+        idx.domains[g].append(d)
+        idx.answer_types[g].add(answer_type(rec["answer"]))
+        idx.seeds[g].add(rec["seed_id"])
+        idx.first_line.setdefault(g, line)
+    all_domains = sorted({d for ds in idx.domains.values() for d in ds})
+    for g, ds in idx.domains.items():
+        where = f"{path}:{idx.first_line[g]}"
+        if len(idx.seeds[g]) > 1:
+            raise DataError(f"{where}: field 'seed_id': group {g!r} mixes seeds "
+                            f"{', '.join(sorted(idx.seeds[g]))}; a group comes from one seed")
+        if len(idx.answer_types[g]) > 1:
+            raise DataError(f"{where}: field 'answer': group {g!r} mixes answer types "
+                            f"{', '.join(sorted(idx.answer_types[g]))}; its instances share one answer")
+        if not allow_partial and len(ds) != len(all_domains):
+            missing = sorted(set(all_domains) - set(ds))
+            raise DataError(f"{where}: field 'domain': group {g!r} lacks {', '.join(missing)} "
+                            f"(the file has domains {', '.join(all_domains)}; every group needs each once)")
+
+
+def read_isomer_jsonl(path: str | Path, check_group_structure: bool = True,
+                      allow_partial_groups: bool = False) -> list[dict]:
+    """Read and validate an isomer file; return its records in file order.
+
+    Raises ``DataError`` with ``FILE:LINE: field ...`` on the first problem found.
+    """
+    records, lines = read_with_lines(path)
+    if check_group_structure:
+        check_groups(records, lines, path, allow_partial=allow_partial_groups)
+    return records
+
+
+def read_with_lines(path: str | Path) -> tuple[list[dict], list[int]]:
+    records, lines = [], []
+    for lineno, obj in iter_jsonl(path):
+        records.append(validate_record(obj, f"{path}:{lineno}"))
+        lines.append(lineno)
+    if not records:
+        raise DataError(f"{path}: no records (expected one JSON object per line)")
+    return records, lines
+
+
+def check_no_leak(files: dict[str, tuple[list[dict], list[int]]]) -> None:
+    """No seed_id and no group_id may appear in two files (e.g. train and test)."""
+    owner_seed: dict[str, tuple[str, int]] = {}
+    owner_group: dict[str, tuple[str, int]] = {}
+    for path, (records, lines) in files.items():
+        local_seed, local_group = {}, {}
+        for rec, line in zip(records, lines):
+            local_seed.setdefault(rec["seed_id"], line)
+            local_group.setdefault(rec["group_id"], line)
+        for sid, line in local_seed.items():
+            if sid in owner_seed and owner_seed[sid][0] != path:
+                other, other_line = owner_seed[sid]
+                raise DataError(f"{path}:{line}: field 'seed_id': seed {sid!r} is also in "
+                                f"{other}:{other_line}; a seed must stay on one side of a split")
+            owner_seed.setdefault(sid, (path, line))
+        for gid, line in local_group.items():
+            if gid in owner_group and owner_group[gid][0] != path:
+                other, other_line = owner_group[gid]
+                raise DataError(f"{path}:{line}: field 'group_id': group {gid!r} is also in "
+                                f"{other}:{other_line}")
+            owner_group.setdefault(gid, (path, line))
+
+
+def summarize(records: list[dict]) -> dict:
+    """Counts a user wants to see after validation."""
+    groups = {r["group_id"] for r in records}
+    domains = Counter(r["domain"] for r in records)
+    summary = {
+        "groups": len(groups),
+        "instances": len(records),
+        "seeds": len({r["seed_id"] for r in records}),
+        "domains": dict(sorted(domains.items())),
+        "answer_types": dict(sorted(Counter(answer_type(r["answer"]) for r in records).items())),
+    }
+    patterns = Counter((r.get("meta") or {}).get("pattern") for r in records)
+    patterns.pop(None, None)
+    if patterns:
+        summary["patterns"] = dict(sorted(patterns.items()))
+    agrees = [(r.get("meta") or {}).get("cue_agrees") for r in records]
+    agrees = [a for a in agrees if a is not None]
+    if agrees:
+        summary["cue_agreement"] = sum(agrees) / len(agrees)
+    scores = [r["alignment_score"] for r in records if r.get("alignment_score") is not None]
+    if scores:
+        summary["mean_alignment_score"] = sum(scores) / len(scores)
+    return summary

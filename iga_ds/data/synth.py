@@ -1,0 +1,262 @@
+"""Procedural Logical Isomer Sets with an optional planted shortcut.
+
+A group is one typed logical DAG (``iga_ds.data.patterns``), solved by forward chaining
+(``iga_ds.data.dag``) and rendered in every domain (``iga_ds.data.render``): the instances of a
+group share the DAG, the chain of thought step for step, and the answer exactly. This is the
+embedded default data set and the controlled benchmark for shortcut learning: with
+``shortcut=s`` every instance opens with a domain-specific cue sentence whose slot word
+predicts the answer with probability ``s`` in the training split and is independent of the
+answer in the test split (paper, section 1: shortcuts are domain-specific surface features).
+
+Determinism: group ``i`` depends only on ``(seed, i)`` and its split, so the same arguments
+give byte-identical files.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+from iga_ds.data.dag import solve
+from iga_ds.data.domains import DEFAULT_DOMAINS, DOMAINS, Domain, get_domain
+from iga_ds.data.patterns import BOOLEAN_ANSWERS, INTEGER_ANSWERS, PATTERNS, SAMPLERS, SLOT_KIND
+from iga_ds.data.render import abstract_statements, render_cot, render_problem, slot_words
+from iga_ds.errors import UserError
+from iga_ds.utils_io import atomic_write_json
+
+FORMAT_VERSION = 1
+TEST_FRAC = 0.2
+
+
+def _check_args(groups: int, domains: Sequence[str], shortcut: float, patterns: Sequence[str],
+                min_depth: int, max_depth: int, test_frac: float) -> None:
+    if not isinstance(groups, int) or groups < 1:
+        raise UserError(f"--groups {groups!r}: expected a positive integer")
+    if not domains:
+        raise UserError("--domains: expected at least one domain")
+    if len(set(domains)) != len(domains):
+        raise UserError(f"--domains {','.join(domains)}: a domain is listed twice")
+    for d in domains:
+        get_domain(d)
+    if not 0.0 <= shortcut <= 1.0:
+        raise UserError(f"--shortcut {shortcut}: expected a probability in [0, 1]")
+    for p in patterns:
+        if p not in SAMPLERS:
+            raise UserError(f"--patterns: unknown pattern {p!r}; expected some of {', '.join(PATTERNS)}")
+    if not patterns:
+        raise UserError("--patterns: expected at least one pattern")
+    if not 1 <= min_depth <= max_depth <= 4:
+        raise UserError(f"--min-depth {min_depth} / --max-depth {max_depth}: expected 1 <= min <= max <= 4")
+    if not 0.0 <= test_frac < 1.0:
+        raise UserError(f"--test-frac {test_frac}: expected a fraction in [0, 1)")
+
+
+def test_indices(groups: int, seed: int, test_frac: float = TEST_FRAC) -> set[int]:
+    """Seed-level split: exactly round(test_frac * groups) groups go to test."""
+    n_test = int(round(test_frac * groups))
+    return set(random.Random(f"split:{seed}").sample(range(groups), n_test))
+
+
+def _group_rng(seed: int, index: int) -> random.Random:
+    # string seeds hash through sha512 inside random: stable across runs and platforms
+    return random.Random(f"group:{seed}:{index}")
+
+
+def _cue(domain: Domain, answer: str, answers: Sequence[str], split: str, shortcut: float,
+         rng: random.Random) -> tuple[str, str, bool]:
+    """(cue sentence, answer the cue signals, whether it agrees with the true answer)."""
+    if split == "train":
+        if rng.random() < shortcut:
+            signalled = answer
+        else:
+            signalled = rng.choice([a for a in answers if a != answer])
+    else:
+        signalled = rng.choice(answers)  # independent of the answer
+    word = domain.cue_words[signalled] if signalled in domain.cue_words else signalled
+    return domain.cue.format(c=word), signalled, signalled == answer
+
+
+def make_group(seed: int, index: int, split: str, domains: Sequence[str] = DEFAULT_DOMAINS,
+               shortcut: float = 0.0, patterns: Sequence[str] = PATTERNS,
+               min_depth: int = 1, max_depth: int = 4) -> list[dict]:
+    """All instances (one per domain) of group ``index``."""
+    rng = _group_rng(seed, index)
+    pattern = patterns[rng.randrange(len(patterns))]
+    depth = rng.randint(min_depth, max_depth)
+    want_yes = rng.random() < 0.5
+    dag = SAMPLERS[pattern](rng, depth, want_yes)
+    solution = solve(dag)
+    if pattern != "arithmetic" and (solution.answer == "yes") != want_yes:
+        raise AssertionError(f"{pattern} sampler built a DAG whose answer is {solution.answer}")
+    statements, question = abstract_statements(dag)
+    n_slots = sum(1 for n in dag["nodes"] if "slot" in n)
+    answers = INTEGER_ANSWERS if question[0] == "num" else BOOLEAN_ANSWERS
+    # CoT lines before "Answer:": one per derivation, plus a closing line for yes/no goals
+    dag["step_count"] = len(solution.steps) + (question[0] != "num")
+    group_id = f"synth-{seed}-{index:07d}"
+    records = []
+    for name in domains:
+        domain = DOMAINS[name]
+        lexicon = rng.sample(getattr(domain, SLOT_KIND[pattern]), n_slots)
+        words = slot_words(dag, lexicon)
+        meta = {"pattern": pattern, "depth": depth, "split": split, "status": solution.status,
+                "lexicon": lexicon, "cue": None, "cue_answer": None, "cue_agrees": None}
+        cue = None
+        if shortcut > 0.0:
+            cue, meta["cue_answer"], meta["cue_agrees"] = _cue(
+                domain, solution.answer, answers, split, shortcut, rng)
+            meta["cue"] = cue
+        cot = render_cot(domain, solution, question, words)
+        records.append({
+            "group_id": group_id,
+            "seed_id": group_id,
+            "domain": name,
+            "problem": render_problem(domain, statements, question, words, cue),
+            "cot": cot,
+            "answer": solution.answer,
+            "dag": dag,
+            "meta": meta,
+        })
+    return records
+
+
+def iter_groups(groups: int, seed: int, domains: Sequence[str] = DEFAULT_DOMAINS,
+                shortcut: float = 0.0, patterns: Sequence[str] = PATTERNS,
+                min_depth: int = 1, max_depth: int = 4,
+                test_frac: float = TEST_FRAC) -> Iterator[list[dict]]:
+    """Yield the records of each group in index order; ``meta.split`` says train or test."""
+    _check_args(groups, domains, shortcut, patterns, min_depth, max_depth, test_frac)
+    test = test_indices(groups, seed, test_frac)
+    for i in range(groups):
+        yield make_group(seed, i, "test" if i in test else "train", domains, shortcut,
+                         patterns, min_depth, max_depth)
+
+
+def generate_groups(groups: int, seed: int, domains: Sequence[str] = DEFAULT_DOMAINS,
+                    shortcut: float = 0.0, **kw) -> list[dict]:
+    """All records in memory (train and test together; ``meta.split`` tells them apart)."""
+    return [r for group in iter_groups(groups, seed, domains, shortcut, **kw) for r in group]
+
+
+# one encoder for all lines: json.dumps with options would build a new one per call
+_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def _dump_group(group: list[dict]) -> list[str]:
+    """JSON lines of one group; the shared DAG is encoded once (it dominates the cost)."""
+    dag_json = _encode(group[0]["dag"])
+    lines = []
+    for r in group:
+        head = {k: r[k] for k in ("group_id", "seed_id", "domain", "problem", "cot", "answer")}
+        lines.append(_encode(head)[:-1] + ',"dag":' + dag_json
+                     + ',"meta":' + _encode(r["meta"]) + "}\n")
+    return lines
+
+
+class _HashingWriter:
+    """Streams lines to a temp file beside ``path``, hashing as it goes; ``commit`` renames."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        fd, self.tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        self.f = os.fdopen(fd, "wb")
+        self.sha = hashlib.sha256()
+        self.records = 0
+
+    def write(self, lines: Iterable[str]) -> None:
+        data = "".join(lines).encode("utf-8")
+        self.sha.update(data)
+        self.f.write(data)
+
+    def commit(self) -> None:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        self.f.close()
+        try:
+            os.unlink(self.tmp)
+        except FileNotFoundError:
+            pass
+
+
+def synthesize(out_dir, groups: int, seed: int, domains: Sequence[str] = DEFAULT_DOMAINS,
+               shortcut: float = 0.0, patterns: Sequence[str] = PATTERNS, min_depth: int = 1,
+               max_depth: int = 4, test_frac: float = TEST_FRAC, progress: bool = False) -> dict:
+    """Write ``train.jsonl``, ``test.jsonl`` and ``manifest.json`` to ``out_dir``; return the manifest."""
+    domains, patterns = tuple(domains), tuple(patterns)
+    _check_args(groups, domains, shortcut, patterns, min_depth, max_depth, test_frac)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    writers = {"train": _HashingWriter(out / "train.jsonl"), "test": _HashingWriter(out / "test.jsonl")}
+    counts = {"train": Counter(), "test": Counter()}
+    cue_agree = {"train": 0, "test": 0}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=groups, unit="group", desc="synth", mininterval=0.5)
+    try:
+        for i, group in enumerate(iter_groups(groups, seed, domains, shortcut, patterns,
+                                              min_depth, max_depth, test_frac)):
+            meta = group[0]["meta"]
+            split = meta["split"]
+            c = counts[split]
+            c["groups"] += 1
+            c[f"pattern:{meta['pattern']}"] += 1
+            c[f"depth:{meta['depth']}"] += 1
+            c[f"answer:{group[0]['answer']}"] += 1
+            if shortcut > 0.0:
+                cue_agree[split] += sum(r["meta"]["cue_agrees"] for r in group)
+            writers[split].write(_dump_group(group))
+            writers[split].records += len(group)
+            if bar is not None and (i + 1) % 1000 == 0:
+                bar.update(1000)
+        for w in writers.values():
+            w.commit()
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    finally:
+        if bar is not None:
+            bar.update(bar.total - bar.n)
+            bar.close()
+
+    def split_summary(split: str) -> dict:
+        c = counts[split]
+        n_inst = writers[split].records
+        summary = {
+            "groups": c["groups"],
+            "instances": n_inst,
+            "patterns": {k.split(":", 1)[1]: v for k, v in sorted(c.items()) if k.startswith("pattern:")},
+            "depths": {k.split(":", 1)[1]: v for k, v in sorted(c.items()) if k.startswith("depth:")},
+            "answers": {k.split(":", 1)[1]: v for k, v in sorted(c.items()) if k.startswith("answer:")},
+        }
+        if shortcut > 0.0:
+            summary["cue_agreement"] = cue_agree[split] / n_inst if n_inst else None
+        return summary
+
+    manifest = {
+        "generator": "iga_ds.data.synth",
+        "format_version": FORMAT_VERSION,
+        "arguments": {
+            "groups": groups, "seed": seed, "domains": list(domains), "shortcut": shortcut,
+            "patterns": list(patterns), "min_depth": min_depth, "max_depth": max_depth,
+            "test_frac": test_frac,
+        },
+        "splits": {s: split_summary(s) for s in ("train", "test")},
+        "files": {
+            f"{s}.jsonl": {"sha256": writers[s].sha.hexdigest(), "records": writers[s].records}
+            for s in ("train", "test")
+        },
+    }
+    atomic_write_json(out / "manifest.json", manifest)
+    return manifest

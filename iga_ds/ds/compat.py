@@ -1,0 +1,62 @@
+"""What the hook needs from a DeepSpeed engine, checked once, with messages users can act on."""
+from __future__ import annotations
+
+import torch
+
+from iga_ds.errors import ConfigError
+
+MIN_DEEPSPEED = (0, 15, 3)  # safe_set_full_grad for ZeRO-1/2
+
+
+def check_engine(engine, needs_domain_gradients: bool) -> None:
+    import deepspeed
+
+    version = tuple(int(p) for p in deepspeed.__version__.split("+")[0].split(".")[:3] if p.isdigit())
+    if version < MIN_DEEPSPEED:
+        raise ConfigError(f"deepspeed {deepspeed.__version__} is too old: the IGA hook needs >= 0.15.3")
+    stage = engine.zero_optimization_stage()
+    if stage == 3:
+        raise ConfigError(
+            "zero_optimization.stage: 3 is not supported by the IGA hook yet (parameters are partitioned); use 0, 1 or 2"
+        )
+    if engine.zero_cpu_offload() if hasattr(engine, "zero_cpu_offload") else False:
+        raise ConfigError("zero_optimization.offload_optimizer: CPU offload is not supported by the IGA hook yet")
+    if needs_domain_gradients and engine.fp16_enabled():
+        raise ConfigError("fp16.enabled: the IGA hook supports bf16 and fp32 (dynamic loss scaling is not handled); use bf16")
+    if needs_domain_gradients and getattr(engine, "pipeline_parallelism", False):
+        raise ConfigError("pipeline parallelism is not supported by the IGA hook")
+
+
+def write_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Write a full gradient (same on every rank) into the optimizer's view of it.
+
+    ZeRO-1/2 keep gradients as fragments of flat partitions; DeepSpeed's tensor-fragment
+    mapping writes this rank's fragment (what deepspeed.utils.safe_set_full_grad does),
+    without communication. Without ZeRO the gradient lives in param.grad.
+    """
+    if hasattr(param, "_hp_mapping"):
+        if param._hp_mapping is not None:
+            param.set_full_hp_grad(value)
+        return  # this rank holds no fragment of the parameter
+    if param.grad is None:
+        param.grad = value.to(param.dtype).clone()
+    else:
+        param.grad.copy_(value)
+
+
+def skip_optimizer_step(optimizer) -> None:
+    """Discard the accumulated gradients as DeepSpeed's own overflow path does, so that the
+    engine counts a skipped step: parameters, optimizer state and LR schedule stay put."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        optimizer.micro_step_id = -1  # INITIAL_MICRO_STEP_ID, as step() sets it
+        optimizer.overflow = True
+        optimizer.zero_grad(set_to_none=True)
+        if hasattr(optimizer, "_release_preflattened_grad_buffers"):
+            optimizer._release_preflattened_grad_buffers()
+        for k in list(optimizer.averaged_gradients.keys()):
+            optimizer.averaged_gradients[k] = None
+            optimizer.all_grad_tensors[k] = None
+        return
+    optimizer.zero_grad(set_to_none=True)

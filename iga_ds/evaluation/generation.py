@@ -1,0 +1,140 @@
+"""Loading a local causal LM (plus an optional PEFT adapter) and batched greedy generation.
+
+Nothing is downloaded (``local_files_only``) and no remote code runs. Prompts are left-padded
+so every continuation starts right after its prompt; a batch is formed from prompts of similar
+length to waste little compute on padding.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from iga_ds.errors import UserError
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# a complete "Answer: ..." line (it ends in a newline): generation can stop there
+_ANSWER_DONE = re.compile(r"(?:^|\n)[\s*#>]*(?:final\s+)?answer\s*[:：][^\n]*\S[^\n]*\n", re.IGNORECASE)
+
+
+def _pick_dtype(dtype: str, device: str):
+    import torch
+
+    if dtype == "auto":
+        if device.startswith("cuda") and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    except KeyError:
+        raise UserError(f"--dtype: expected auto, float32, bfloat16 or float16, got {dtype!r}") from None
+
+
+def resolve_device(device: str = "auto") -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def load_model(
+    base: str | Path,
+    adapter: str | Path | None = None,
+    tokenizer_dir: str | Path | None = None,
+    dtype: str = "auto",
+    device: str = "auto",
+) -> tuple[Any, Any]:
+    """(model in eval mode, tokenizer) from local directories; the adapter is merged for speed."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = Path(base)
+    if not (base / "config.json").is_file():
+        raise UserError(f"--base: {base} is not a local Hugging Face model directory (no config.json)")
+    if adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
+        raise UserError(f"--adapter: {adapter} is not a PEFT adapter directory (no adapter_config.json)")
+    device = resolve_device(device)
+    model = AutoModelForCausalLM.from_pretrained(
+        base, dtype=_pick_dtype(dtype, device), local_files_only=True, trust_remote_code=False
+    )
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
+        model = model.merge_and_unload()  # same outputs, no per-layer adapter overhead
+    model.to(device).eval()
+    if tokenizer_dir is None:
+        # an adapter saved with its tokenizer (added tokens) takes precedence over the base's
+        has_own = adapter is not None and any((Path(adapter) / f).is_file() for f in _TOKENIZER_FILES)
+        tokenizer_dir = adapter if has_own else base
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True, trust_remote_code=False)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+class _StopAfterAnswer:
+    """Stopping criterion: a sequence is done once its continuation holds a full Answer line."""
+
+    def __init__(self, tokenizer: Any, prompt_len: int):
+        self.tokenizer = tokenizer
+        self.prompt_len = prompt_len
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_len:], skip_special_tokens=True)
+        return torch.tensor([bool(_ANSWER_DONE.search(t)) for t in texts], device=input_ids.device)
+
+
+def generate(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    max_new_tokens: int = 512,
+    batch_size: int = 8,
+    stop_after_answer: bool = True,
+    progress: bool = True,
+    on_batch: Callable[[list[int], list[str]], None] | None = None,
+) -> list[str]:
+    """Greedy continuations of ``prompts`` (same order).
+
+    ``on_batch(indices, texts)`` is called after each batch so a caller can save progress.
+    With ``stop_after_answer`` a sequence stops after its first complete ``Answer:`` line.
+    """
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import StoppingCriteriaList
+
+    device = next(model.parameters()).device
+    padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    lengths = [len(tokenizer(p, add_special_tokens=True)["input_ids"]) for p in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: -lengths[i])
+    outputs: list[str | None] = [None] * len(prompts)
+    try:
+        bar = tqdm(total=len(prompts), desc="generating", unit="prompt", disable=not progress)
+        for start in range(0, len(order), batch_size):
+            idx = order[start:start + batch_size]
+            batch = tokenizer([prompts[i] for i in idx], return_tensors="pt", padding=True)
+            batch = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+            prompt_len = batch["input_ids"].shape[1]
+            stops = StoppingCriteriaList([_StopAfterAnswer(tokenizer, prompt_len)]) if stop_after_answer else None
+            with torch.no_grad():
+                out = model.generate(
+                    **batch,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    num_beams=1,
+                    pad_token_id=tokenizer.pad_token_id,
+                    stopping_criteria=stops,
+                )
+            texts = tokenizer.batch_decode(out[:, prompt_len:], skip_special_tokens=True)
+            for i, text in zip(idx, texts):
+                outputs[i] = text
+            if on_batch is not None:
+                on_batch(idx, texts)
+            bar.update(len(idx))
+        bar.close()
+    finally:
+        tokenizer.padding_side = padding_side
+    return [o or "" for o in outputs]

@@ -1,0 +1,65 @@
+"""Isomer JSON Lines files as evaluation items.
+
+Record fields: ``group_id``, ``seed_id``, ``domain``, ``problem``, ``cot``, ``answer``; optional
+``dag``, ``alignment_score``, ``meta``. The optional ``meta.answer_kind`` overrides the answer
+kind inferred from the gold answer.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from iga_ds.data.benchmarks.base import EvalItem, iter_json_lines
+from iga_ds.errors import DataError
+from iga_ds.metrics.answers import ANSWER_KINDS, infer_answer_kind
+
+REQUIRED = ("group_id", "domain", "problem", "answer")
+
+
+def read_isomer_records(path: str | Path) -> list[dict[str, Any]]:
+    """Records of an isomer file; a missing file or field is an error naming file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such isomer file (JSON Lines, one record per domain instance)")
+    records = []
+    seen: dict[tuple[str, str], int] = {}
+    for lineno, rec in iter_json_lines(path):
+        for key in REQUIRED:
+            if key not in rec or rec[key] is None or (isinstance(rec[key], str) and not rec[key].strip()):
+                raise DataError(f"{path}:{lineno}: missing field {key!r}")
+        key = (str(rec["group_id"]), str(rec["domain"]))
+        if key in seen:
+            raise DataError(
+                f"{path}:{lineno}: group {key[0]!r} already has a {key[1]!r} instance (line {seen[key]})"
+            )
+        seen[key] = lineno
+        kind = (rec.get("meta") or {}).get("answer_kind") if isinstance(rec.get("meta"), dict) else None
+        if kind is not None and kind not in ANSWER_KINDS:
+            raise DataError(f"{path}:{lineno}: field 'meta.answer_kind': expected one of {ANSWER_KINDS}, got {kind!r}")
+        records.append(rec)
+    if not records:
+        raise DataError(f"{path}: no records")
+    return records
+
+
+def isomer_items(
+    records: Sequence[dict[str, Any]], name: str = "isomer", ood_domains: Sequence[str] = ()
+) -> list[EvalItem]:
+    """Evaluation items; domains listed in ``ood_domains`` are marked OOD, the rest ID."""
+    items = []
+    for rec in records:
+        meta = rec.get("meta") if isinstance(rec.get("meta"), dict) else {}
+        answer = str(rec["answer"]).strip()
+        items.append(
+            EvalItem(
+                id=f"{rec['group_id']}/{rec['domain']}",
+                benchmark=name,
+                problem=str(rec["problem"]),
+                answer=answer,
+                kind=meta.get("answer_kind") or infer_answer_kind(answer),
+                domain=str(rec["domain"]),
+                split="ood" if rec["domain"] in set(ood_domains) else "id",
+                meta={"group_id": rec["group_id"]},
+            )
+        )
+    return items

@@ -1,0 +1,165 @@
+"""Evaluate items end to end: generate (resumably), extract, score, summarize, write eval.json.
+
+Generations are appended to ``<out>.partial.jsonl`` after every batch (flushed to disk), so a
+killed run resumes where it stopped, without generating an item twice; the first line records
+the settings, and a resume with other settings is refused rather than mixed. ``eval.json`` is
+written atomically at the end and the partial file removed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from iga_ds.data.benchmarks.base import EvalItem
+from iga_ds.errors import DataError, UserError
+from iga_ds.metrics.accuracy import accuracy, accuracy_by_group, delta_gap
+from iga_ds.metrics.answers import score_generation
+from iga_ds.utils_io import atomic_write_json
+
+SCHEMA = "iga-ds.eval/1"
+
+
+def partial_path(out: Path) -> Path:
+    return out.with_name(out.name + ".partial.jsonl")
+
+
+class PartialGenerations:
+    """Append-only store of finished generations, keyed by item id."""
+
+    def __init__(self, path: Path, settings: dict[str, Any], restart: bool = False):
+        self.path = path
+        self.done: dict[str, str] = {}
+        if restart and path.exists():
+            path.unlink()
+        if path.exists():
+            self._load(settings)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("w", encoding="utf-8") as fh:
+                fh.write(json.dumps({"settings": settings}, sort_keys=True) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+
+    def _load(self, settings: dict[str, Any]) -> None:
+        raw = self.path.read_bytes()
+        end = raw.rfind(b"\n") + 1
+        if end < len(raw):  # a line cut off by a kill: drop it, the item is generated again
+            with self.path.open("r+b") as fh:
+                fh.truncate(end)
+            raw = raw[:end]
+        lines = raw.decode("utf-8").splitlines()
+        try:
+            header = json.loads(lines[0])["settings"] if lines else None
+        except (json.JSONDecodeError, KeyError, TypeError):
+            header = None
+        if header != json.loads(json.dumps(settings, sort_keys=True)):
+            raise UserError(
+                f"{self.path}: holds generations made with other settings (model, adapter, data or "
+                "generation options); delete it or pass --restart"
+            )
+        for lineno, line in enumerate(lines[1:], start=2):
+            try:
+                row = json.loads(line)
+                self.done[str(row["id"])] = str(row["output"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise DataError(f"{self.path}:{lineno}: malformed generation record; delete the file or pass --restart") from None
+
+    def add(self, ids: Sequence[str], outputs: Sequence[str]) -> None:
+        with self.path.open("a", encoding="utf-8") as fh:
+            for item_id, text in zip(ids, outputs):
+                fh.write(json.dumps({"id": item_id, "output": text}, ensure_ascii=False) + "\n")
+                self.done[item_id] = text
+            fh.flush()
+            os.fsync(fh.fileno())
+
+
+def score_items(items: Sequence[EvalItem], outputs: dict[str, str]) -> list[dict[str, Any]]:
+    rows = []
+    for item in items:
+        text = outputs[item.id]
+        row: dict[str, Any] = {
+            "id": item.id,
+            "domain": item.domain,
+            "split": item.split,
+            "kind": item.kind,
+            "gold": item.answer,
+            "output": text,
+        }
+        if item.labeled:
+            score = score_generation(text, item.answer, item.kind)
+            row.update(prediction=score.prediction, correct=score.correct, correct_symbolic=score.correct_symbolic)
+        else:
+            from iga_ds.metrics.answers import extract_answer
+
+            row.update(prediction=extract_answer(text, item.kind), correct=None, correct_symbolic=None)
+        rows.append(row)
+    return rows
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Accuracy overall, per domain and per split (strict and symbolic), and the Delta-gap."""
+    scored = [r for r in rows if r["correct"] is not None]
+    summary: dict[str, Any] = {
+        "n": len(rows),
+        "n_scored": len(scored),
+        "accuracy": accuracy([r["correct"] for r in scored]),
+        "accuracy_symbolic": accuracy([r["correct_symbolic"] for r in scored]),
+        "per_domain": accuracy_by_group(scored, "domain"),
+        "per_domain_symbolic": accuracy_by_group(scored, "domain", "correct_symbolic"),
+        "per_split": accuracy_by_group(scored, "split"),
+    }
+    per_split = summary["per_split"]
+    summary["id_accuracy"] = per_split.get("id", {}).get("accuracy")
+    summary["ood_accuracy"] = per_split.get("ood", {}).get("accuracy")
+    summary["delta_gap"] = delta_gap(summary["id_accuracy"], summary["ood_accuracy"])
+    return summary
+
+
+def evaluate(
+    items: Sequence[EvalItem],
+    model: Any,
+    tokenizer: Any,
+    out: str | Path,
+    settings: dict[str, Any],
+    format_prompt: Callable[[dict[str, Any]], str],
+    max_new_tokens: int = 512,
+    batch_size: int = 8,
+    stop_after_answer: bool = True,
+    progress: bool = True,
+    restart: bool = False,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Generate for every item not yet done, score all, write ``out`` (eval.json); return it."""
+    from iga_ds.evaluation.generation import generate
+
+    out = Path(out)
+    ids = [item.id for item in items]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise DataError(f"item id {dup!r} occurs twice in the evaluation data")
+    started = time.time()
+    store = PartialGenerations(partial_path(out), settings, restart=restart)
+    todo = [item for item in items if item.id not in store.done]
+    if todo:
+        prompts = [format_prompt(item.as_record()) for item in todo]
+        generate(
+            model,
+            tokenizer,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            stop_after_answer=stop_after_answer,
+            progress=progress,
+            on_batch=lambda idx, texts: store.add([todo[i].id for i in idx], texts),
+        )
+    rows = score_items(items, store.done)
+    result = {"schema": SCHEMA, **settings, **summarize(rows), **(extra or {})}
+    result["wall_time_s"] = time.time() - started
+    result["resumed_items"] = len(items) - len(todo)
+    result["items"] = rows
+    atomic_write_json(out, result)
+    store.path.unlink(missing_ok=True)
+    return result

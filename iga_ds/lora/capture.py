@@ -1,0 +1,123 @@
+"""Per-domain LoRA weight gradients from the one normal backward.
+
+Opacus computes per-sample gradients from each layer's input and output-gradient; here the
+same outer products are summed per domain instead of per sample. For a linear layer
+y = x W^T, dL/dW = sum_t dy_t^T x_t, so the part owed to domain n is the sum over the tokens
+of that domain's sequences: one extra small matmul per domain and layer.
+
+The hook wraps each lora_A / lora_B output in an autograd function that is the identity
+forward and, backward, adds dy^T x per domain into fp32 buffers. The input is kept with
+``save_for_backward``, so non-reentrant activation checkpointing recomputes it like any
+other saved tensor, and dropout is accounted for (lora_A sees the dropped-out input).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from iga_ds.lora.modules import LoraModule
+
+
+@dataclass
+class _MicroBatch:
+    """What backward needs to know about the micro-batch a forward saw."""
+
+    domain_rows: list[tuple[int, torch.Tensor]]  # (domain, indices of its sequences) for present domains
+    factor: float  # turns gradients of the (mean, GAS-scaled) loss into sums over sequences
+    batch_size: int
+
+
+class _CaptureFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, x, buffer, micro):
+        ctx.save_for_backward(x)
+        ctx.buffer = buffer
+        ctx.micro = micro
+        # a copy, not a view: PEFT may modify the sum in place later
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        micro: _MicroBatch = ctx.micro
+        buf: torch.Tensor = ctx.buffer  # N x out x in of this linear's weight
+        if grad_out.shape[0] != micro.batch_size:
+            raise RuntimeError(
+                f"LoRA input has leading dimension {grad_out.shape[0]}, expected the micro-batch size "
+                f"{micro.batch_size}: the capture needs inputs shaped (batch, ..., features)"
+            )
+        for domain, rows in micro.domain_rows:
+            dy = grad_out.index_select(0, rows).reshape(-1, grad_out.shape[-1]).float()
+            xs = x.index_select(0, rows).reshape(-1, x.shape[-1]).float()
+            buf[domain].addmm_(dy.mT, xs, alpha=micro.factor)
+        return grad_out, None, None, None
+
+
+class DomainGradientCapture:
+    """Accumulates per-domain sums of LoRA weight gradients into given fp32 buffers.
+
+    ``buffers[i]`` is (gA_sum N x r x in, gB_sum N x out x r) for ``modules[i]``. Each
+    forward must run inside ``micro_batch(domain_ids, loss_scale)``; ``loss_scale`` is what
+    the gradient of one sequence's loss is multiplied by in the loss given to backward
+    (1 / (B * gradient_accumulation_steps) for a mean over the micro-batch that DeepSpeed
+    divides by the accumulation steps), so the buffers end up holding plain sums.
+    """
+
+    def __init__(self, modules: Sequence[LoraModule], buffers: Sequence[tuple[torch.Tensor, torch.Tensor]], num_domains: int):
+        self.modules = list(modules)
+        self.buffers = list(buffers)
+        self.num_domains = num_domains
+        self._micro: _MicroBatch | None = None
+        self.counts = torch.zeros(num_domains, dtype=torch.float64)  # sequences seen per domain
+        self._handles = []
+        for module, (bufA, bufB) in zip(self.modules, self.buffers):
+            self._handles.append(module.lora_A.register_forward_hook(self._hook(bufA, module.name)))
+            self._handles.append(module.lora_B.register_forward_hook(self._hook(bufB, module.name)))
+
+    def _hook(self, buffer: torch.Tensor, name: str):
+        def hook(layer, inputs, output):
+            if not torch.is_grad_enabled() or not output.requires_grad:
+                return None  # evaluation forward: nothing to capture
+            if self._micro is None:
+                raise RuntimeError(
+                    f"{name}: forward with gradients outside micro_batch(domain_ids); "
+                    "wrap each training forward and backward in hook.micro_batch(...)"
+                )
+            return _CaptureFn.apply(output, inputs[0], buffer, self._micro)
+
+        return hook
+
+    @contextlib.contextmanager
+    def micro_batch(self, domain_ids: torch.Tensor, loss_scale: float) -> Iterator[None]:
+        domain_ids = torch.as_tensor(domain_ids).reshape(-1)
+        ids_cpu = domain_ids.cpu()
+        if ids_cpu.numel() == 0:
+            raise ValueError("empty micro-batch")
+        if int(ids_cpu.min()) < 0 or int(ids_cpu.max()) >= self.num_domains:
+            raise ValueError(f"domain ids must be in [0, {self.num_domains}), got {ids_cpu.tolist()}")
+        device = self.buffers[0][0].device
+        rows = [
+            (d, torch.nonzero(ids_cpu == d).reshape(-1).to(device))
+            for d in range(self.num_domains)
+            if bool((ids_cpu == d).any())
+        ]
+        self.counts += torch.bincount(ids_cpu, minlength=self.num_domains).double()
+        self._micro = _MicroBatch(rows, 1.0 / loss_scale, int(ids_cpu.numel()))
+        try:
+            yield
+        finally:
+            self._micro = None
+
+    def reset(self) -> None:
+        for bufA, bufB in self.buffers:
+            bufA.zero_()
+            bufB.zero_()
+        self.counts.zero_()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

@@ -1,0 +1,98 @@
+# shellcheck shell=bash
+# Shared by the sbatch templates in this folder (sourced from the batch script, never run).
+#
+# Provides: rendezvous and NCCL settings, a step runner that survives signals, and the
+# checkpoint-then-requeue protocol:
+#   1. Slurm sends SIGUSR1 to the batch shell some minutes before the time limit
+#      (#SBATCH --signal=B:USR1@SECONDS);
+#   2. the trap forwards it to the running srun, which forwards it to every rank; the trainer
+#      saves a checkpoint and exits 0;
+#   3. the batch script then runs `scontrol requeue`, and the requeued job (same job id, same
+#      output_dir) resumes from that checkpoint through `resume=auto`.
+# Preemption (SIGTERM to every process, then SIGKILL after the grace time) needs nothing here:
+# the trainer saves on SIGTERM and Slurm requeues the job itself when PreemptMode=REQUEUE.
+
+iga_log() {
+    printf '[%s] iga-ds job %s: %s\n' "$(date '+%F %T')" "${SLURM_JOB_ID:-?}" "$*"
+}
+
+# MASTER_ADDR: first host of the job's node list; MASTER_PORT: derived from the job id so that
+# jobs sharing a node do not collide. Both may be preset by the user.
+iga_rendezvous() {
+    if [[ -z ${MASTER_ADDR:-} ]]; then
+        MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+    fi
+    MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 10000))}
+    export MASTER_ADDR MASTER_PORT
+}
+
+# A collective that fails or stalls must abort the job, not hang it until the time limit.
+iga_nccl_env() {
+    export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+    export NCCL_ASYNC_ERROR_HANDLING=${NCCL_ASYNC_ERROR_HANDLING:-1}
+    # Minutes: DeepSpeed's process-group timeout (its default is 10); a collective stuck longer
+    # than this is aborted by the NCCL watchdog and the job fails instead of idling.
+    export DEEPSPEED_TIMEOUT=${DEEPSPEED_TIMEOUT:-30}
+}
+
+# Caches on writable, shared paths: a container run as the calling user cannot write /root.
+iga_cache_env() {
+    local base=${IGA_CACHE_DIR:-$IGA_WORKDIR/.cache}
+    export HF_HOME=${HF_HOME:-$base/huggingface}
+    export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$base/torch_extensions}
+    export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$base/triton}
+    mkdir -p "$HF_HOME" "$TORCH_EXTENSIONS_DIR" "$TRITON_CACHE_DIR"
+}
+
+iga_step_pid=""
+iga_requeue_requested=0
+
+iga_on_usr1() {
+    iga_requeue_requested=1
+    iga_log "SIGUSR1: asking the ranks to checkpoint, then requeueing"
+    if [[ -n $iga_step_pid ]]; then
+        kill -USR1 "$iga_step_pid" 2>/dev/null || true
+    fi
+}
+
+iga_on_term() {
+    # Preemption or scancel: the ranks got SIGTERM from Slurm too and are saving; wait for them.
+    iga_log "SIGTERM: waiting for the ranks to finish their checkpoint"
+}
+
+iga_install_traps() {
+    trap iga_on_usr1 USR1
+    trap iga_on_term TERM
+}
+
+# Run a command (an srun) in the background and wait for it; `wait` returns early when a trapped
+# signal arrives, so keep waiting until the step has really ended and return its status.
+iga_run_step() {
+    local status
+    "$@" &
+    iga_step_pid=$!
+    while true; do
+        wait "$iga_step_pid"
+        status=$?
+        if ((status > 128)) && kill -0 "$iga_step_pid" 2>/dev/null; then
+            continue
+        fi
+        break
+    done
+    iga_step_pid=""
+    return "$status"
+}
+
+# After the training step: requeue when the time-limit signal came, within IGA_MAX_REQUEUES.
+iga_maybe_requeue() {
+    local restarts=${SLURM_RESTART_COUNT:-0}
+    if ((iga_requeue_requested == 0)); then
+        return 0
+    fi
+    if ((restarts >= ${IGA_MAX_REQUEUES:-20})); then
+        iga_log "not requeueing: already requeued $restarts times (IGA_MAX_REQUEUES=${IGA_MAX_REQUEUES:-20})"
+        return 0
+    fi
+    iga_log "requeueing (restart $((restarts + 1))); the next run resumes from the checkpoint"
+    scontrol requeue "$SLURM_JOB_ID"
+}

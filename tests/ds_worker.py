@@ -1,0 +1,101 @@
+"""One rank of a ZeRO run of a tiny PEFT LLaMA with the IGA hook (started by tests/dist_helpers.launch)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from tiny_models import sequence_losses, tiny_peft_llama
+
+
+def global_batch(step: int, size: int, vocab=61, T=10, num_domains=3):
+    """The sequences of one optimizer step; sequence i belongs to domain i % num_domains."""
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, vocab, (size, T), generator=g)
+    attn = torch.ones(size, T, dtype=torch.long)
+    attn[::4, -2:] = 0
+    labels = ids.clone()
+    labels[:, :3] = -100
+    labels[attn == 0] = -100
+    domains = torch.arange(size) % num_domains
+    return ids, attn, labels, domains
+
+
+def ds_config(s: dict, world_size: int) -> dict:
+    micro = len(s["layout"][0][0])
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": s["gas"],
+        "train_batch_size": micro * s["gas"] * world_size,
+        "gradient_clipping": s.get("clip", 0.0),
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {
+            "stage": s.get("stage", 2),
+            "overlap_comm": s.get("overlap_comm", False),
+            "reduce_bucket_size": s.get("bucket", 500_000_000),
+            "allgather_bucket_size": s.get("bucket", 500_000_000),
+            "contiguous_gradients": True,
+        },
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def make_optimizer(params, s):
+    return torch.optim.AdamW(params, lr=s.get("lr", 1e-2), betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+def main() -> int:
+    import deepspeed
+
+    from iga_ds.ds import IGAConfig, attach
+
+    scenario_path, out_path = sys.argv[1], sys.argv[2]
+    s = json.load(open(scenario_path))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    import datetime
+
+    timeout = float(os.environ.get("IGA_DS_TEST_TIMEOUT", "300"))
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+    model = tiny_peft_llama(seed=0, dropout=0.0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=make_optimizer(params, s),
+                                           config=ds_config(s, world))
+    cfg = IGAConfig(method=s["method"], params=s.get("params", {}), domains=["a", "b", "c"], seed=7,
+                    timeout_s=timeout)
+    hook = attach(engine, cfg)
+    straddles = any(
+        getattr(p, "_hp_mapping", None) is not None and p._hp_mapping.lp_fragment_address.numel < p.numel()
+        for p in params
+    )
+    size = sum(len(m) for r in s["layout"] for m in r)
+    if s.get("die_rank") == rank:
+        os._exit(3)  # a rank that dies before the first boundary
+    stats = []
+    for step in range(s["steps"]):
+        ids, attn, labels, domains = global_batch(step, size)
+        for rows in s["layout"][rank]:
+            rows = torch.tensor(rows)
+            with hook.micro_batch(domains[rows]):
+                scale = hook.dummy_scale()
+                logits = engine(input_ids=ids[rows], attention_mask=attn[rows]).logits
+                if scale is not None:
+                    logits = logits * scale
+                losses = sequence_losses(logits, labels[rows])
+                if s.get("nan_step") == step and rank == 0:
+                    losses = losses * float("nan")
+                engine.backward(hook.objective(losses, domains[rows], scale))
+            engine.step()
+        st = hook.pop_stats()
+        stats.append({k: v for k, v in st.items() if k != "modules"})
+    if rank == 0:
+        state = {n: p.detach().clone() for n, p in engine.module.named_parameters() if p.requires_grad}
+        torch.save({"params": state, "stats": stats, "straddles": straddles,
+                    "skipped": engine.skipped_steps}, out_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Small PEFT LLaMA models for tests (random weights, nothing downloaded)."""
+from __future__ import annotations
+
+import torch
+
+
+def tiny_peft_llama(seed=0, dropout=0.0, dtype=torch.float32, r=4, hidden=32, layers=2, vocab=61, rslora=False):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )
+    base = LlamaForCausalLM(cfg).to(dtype)
+    lora = LoraConfig(
+        r=r, lora_alpha=2 * r, lora_dropout=dropout, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        use_rslora=rslora,
+        # one module of a different rank: exercises mixed shapes and, with 2 ranks, puts the
+        # ZeRO partition boundary inside a LoRA tensor instead of between two
+        rank_pattern={"layers.0.self_attn.q_proj": r + 2},
+    )
+    model = get_peft_model(base, lora)
+    # B starts at zero in PEFT; give it values so both factor gradients carry signal
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return model
+
+
+def batch(seed=0, B=6, T=10, vocab=61, num_domains=3):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (B, T), generator=g)
+    attention = torch.ones(B, T, dtype=torch.long)
+    attention[1, -3:] = 0  # some padding
+    labels = ids.clone()
+    labels[:, :3] = -100  # prompt masked
+    labels[attention == 0] = -100
+    domains = torch.arange(B) % num_domains
+    return ids, attention, labels, domains
+
+
+def sequence_losses(logits, labels):
+    """Mean token cross-entropy per sequence over target tokens (next-token shifted)."""
+    logits = logits[:, :-1].float()
+    targets = labels[:, 1:]
+    mask = targets != -100
+    ce = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.clamp_min(0).reshape(-1), reduction="none"
+    ).view(targets.shape)
+    return (ce * mask).sum(1) / mask.sum(1).clamp_min(1)
