@@ -38,6 +38,7 @@ def ds_config(s: dict, world_size: int) -> dict:
             "allgather_bucket_size": s.get("bucket", 500_000_000),
             "contiguous_gradients": True,
         },
+        "bf16": {"enabled": s.get("bf16", False)},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
@@ -58,7 +59,10 @@ def main() -> int:
     import datetime
 
     timeout = float(os.environ.get("IGA_DS_TEST_TIMEOUT", "300"))
-    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+    cuda = s.get("cuda", False)
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout))
     model = tiny_peft_llama(seed=0, dropout=0.0)
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=make_optimizer(params, s),
@@ -75,9 +79,9 @@ def main() -> int:
         os._exit(3)  # a rank that dies before the first boundary
     stats = []
     for step in range(s["steps"]):
-        ids, attn, labels, domains = global_batch(step, size)
+        ids, attn, labels, domains = (t.to(engine.device) for t in global_batch(step, size))
         for rows in s["layout"][rank]:
-            rows = torch.tensor(rows)
+            rows = torch.tensor(rows, device=engine.device)
             with hook.micro_batch(domains[rows]):
                 scale = hook.dummy_scale()
                 logits = engine(input_ids=ids[rows], attention_mask=attn[rows]).logits
@@ -90,8 +94,16 @@ def main() -> int:
             engine.step()
         st = hook.pop_stats()
         stats.append({k: v for k, v in st.items() if k != "modules"})
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    # the fp32 master weights (a collective: every rank asks): what the optimizer computed,
+    # before rounding to bf16
+    state = {}
+    for n, p in engine.module.named_parameters():
+        if p.requires_grad:
+            full = safe_get_full_fp32_param(p)
+            state[n] = (full if full is not None else p).detach().float().cpu().clone()
     if rank == 0:
-        state = {n: p.detach().clone() for n, p in engine.module.named_parameters() if p.requires_grad}
         torch.save({"params": state, "stats": stats, "straddles": straddles,
                     "skipped": engine.skipped_steps}, out_path)
     return 0

@@ -55,7 +55,9 @@ SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={munge_socket}
+# cred_expire: a requeued job waits this long before it may start again (Slurm's default, 120 s,
+# would make the requeue test slow).
+AuthInfo=socket={munge_socket},cred_expire=10
 SlurmUser={user}
 SlurmdUser=root
 StateSaveLocation={root}/state
@@ -69,6 +71,8 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/builtin
+# Look for startable jobs every 2 s, not every 60 s, so a requeued job starts promptly.
+SchedulerParameters=sched_interval=2
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none

@@ -91,24 +91,26 @@ def iter_jsonl(path: str | Path) -> Iterable[tuple[int, dict]]:
     """(line number, parsed object) for each non-blank line; DataError on bad JSON."""
     path = Path(path)
     try:
-        f = path.open("r", encoding="utf-8")
+        f = path.open("rb")  # decode per line, so a bad byte is reported on its own line
     except FileNotFoundError:
         raise DataError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise DataError(f"{path}: is a directory, expected a JSONL file") from None
     except OSError as exc:
         raise DataError(f"{path}: cannot read ({exc.strerror})") from None
     with f:
-        lineno = 0
-        try:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-                yield lineno, obj
-        except UnicodeDecodeError:
-            raise DataError(f"{path}:{lineno + 1}: not UTF-8 text") from None
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise DataError(f"{path}:{lineno}: not UTF-8 text") from None
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            yield lineno, obj
 
 
 @dataclass

@@ -85,17 +85,16 @@ def _load_items(args: argparse.Namespace) -> tuple[list, dict[str, Any], list[di
         items = isomer_items(records, name=name, ood_domains=ood)
         source = {"benchmark": name, "data": str(Path(args.data).resolve()), "ood_domains": ood}
         return items, source, records
-    from iga_ds.data.benchmarks import benchmark_defaults, load_benchmark
+    from iga_ds.data.benchmarks import load_benchmark, resolve_options
 
     if not args.benchmark_dir:
         raise UserError("--benchmark needs --benchmark-dir: the folder of your local copy")
-    options = dict(args.benchmark_option)
-    items = load_benchmark(args.benchmark, args.benchmark_dir, **options)
-    effective = {**benchmark_defaults(args.benchmark), **options}
+    effective = resolve_options(args.benchmark, dict(args.benchmark_option))
+    items = load_benchmark(args.benchmark, args.benchmark_dir, **effective)
     source = {
         "benchmark": args.name or args.benchmark,
         "benchmark_dir": str(Path(args.benchmark_dir).resolve()),
-        "benchmark_options": {k: list(v) if isinstance(v, tuple) else v for k, v in effective.items()},
+        "benchmark_options": effective,
     }
     return items, source, None
 

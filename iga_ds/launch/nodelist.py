@@ -67,7 +67,7 @@ def _expand_one(pattern: str) -> list[str]:
 
 
 def expand_nodelist(nodelist: str, source: str = "node list") -> list[str]:
-    """Expand Slurm hostlist syntax into host names, in Slurm's order, duplicates removed.
+    """Expand Slurm hostlist syntax into host names, in Slurm's order (as ``scontrol show hostnames``).
 
     ``node[01-03,07]`` -> ``node01 node02 node03 node07``. ``source`` names where the text came
     from (e.g. ``SLURM_JOB_NODELIST``) for the error message.
@@ -86,7 +86,7 @@ def expand_nodelist(nodelist: str, source: str = "node list") -> list[str]:
         raise UserError(
             f"{source}={nodelist!r} is not a Slurm node list ({exc}); expected e.g. node[01-03,07]"
         ) from None
-    return list(dict.fromkeys(hosts))
+    return hosts
 
 
 def expand_tasks_per_node(spec: str, source: str = "SLURM_TASKS_PER_NODE") -> list[int]:

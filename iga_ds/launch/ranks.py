@@ -21,7 +21,7 @@ import os
 import socket
 import sys
 from collections.abc import Mapping, MutableMapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from iga_ds.errors import UserError
 from iga_ds.launch.nodelist import expand_nodelist, expand_tasks_per_node
@@ -151,16 +151,16 @@ def _from_openmpi(environ: Mapping[str, str]) -> DistEnv | None:
     local_rank = _int(environ, "OMPI_COMM_WORLD_LOCAL_RANK") if "OMPI_COMM_WORLD_LOCAL_RANK" in environ else 0
     local_world = (_int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE")
                    if "OMPI_COMM_WORLD_LOCAL_SIZE" in environ else world)
-    addr = environ.get("MASTER_ADDR")
-    if not addr:
-        if world == local_world:
-            addr = "127.0.0.1"
-        elif _mpi4py_importable():
-            return None  # several nodes and no MASTER_ADDR: let mpi4py ask rank 0 for its host
-        else:
-            addr = _fallback_master(environ, world, local_world, "OMPI_COMM_WORLD_* variables")
     port = _port(environ, DEFAULT_MASTER_PORT)
-    return _check(DistEnv(rank, world, local_rank, local_world, addr, port, "openmpi"), "OMPI_COMM_WORLD_*")
+    env = _check(DistEnv(rank, world, local_rank, local_world, environ.get("MASTER_ADDR", ""), port, "openmpi"),
+                 "OMPI_COMM_WORLD_*")
+    if env.master_addr:
+        return env
+    if world == local_world:
+        return replace(env, master_addr="127.0.0.1")
+    if _mpi4py_importable() and any(v in environ for v in MPI_LAUNCHER_VARIABLES):
+        return None  # several nodes and no MASTER_ADDR: mpi4py asks rank 0 for its host
+    return replace(env, master_addr=_fallback_master(environ, world, local_world, "OMPI_COMM_WORLD_* variables"))
 
 
 def _mpi4py_importable() -> bool:
@@ -197,13 +197,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _openmpi_disagrees(slurm: DistEnv, environ: Mapping[str, str]) -> bool:
+def _openmpi_disagrees_with_slurm(environ: Mapping[str, str]) -> bool:
     # mpirun inside an allocation starts its daemons with srun, so its ranks inherit the daemon
     # step's SLURM_* (one task per node). The innermost launcher, Open MPI, is then the truth.
     if "OMPI_COMM_WORLD_RANK" not in environ or "OMPI_COMM_WORLD_SIZE" not in environ:
         return False
-    return (_int(environ, "OMPI_COMM_WORLD_SIZE") != slurm.world_size
-            or _int(environ, "OMPI_COMM_WORLD_RANK") != slurm.rank)
+    slurm_world = environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS"))
+    return (environ["OMPI_COMM_WORLD_SIZE"].strip() != (slurm_world or "").strip()
+            or environ["OMPI_COMM_WORLD_RANK"].strip() != environ.get("SLURM_PROCID", "").strip())
 
 
 def resolve_dist_env(environ: Mapping[str, str] | None = None, local_rank: int | None = None) -> DistEnv:
@@ -214,10 +215,8 @@ def resolve_dist_env(environ: Mapping[str, str] | None = None, local_rank: int |
     """
     environ = os.environ if environ is None else environ
     found = _from_launcher(environ, local_rank)
-    if found is None:
+    if found is None and not _openmpi_disagrees_with_slurm(environ):
         found = _from_slurm(environ)
-        if found is not None and _openmpi_disagrees(found, environ):
-            found = None
     if found is None:
         found = _from_openmpi(environ)
     if found is None:

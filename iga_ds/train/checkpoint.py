@@ -6,9 +6,13 @@ excluded: only the LoRA factors, their optimizer state and the LR schedule) plus
 rank with its random-number generator states. DeepSpeed writes the ``latest`` tag file last,
 so a run killed while saving resumes from the previous complete checkpoint.
 
-The DeepSpeed configs set ``zero_optimization.elastic_checkpoint``, which lets ZeRO-1/2 merge
-the optimizer partitions of all saved ranks and re-split them: a run saved on 2 ranks
-resumes on 1 (or the reverse).
+Another world size (2 ranks -> 1, or the reverse): DeepSpeed's engine refuses to load ZeRO
+optimizer partitions saved at another data-parallel size, so each checkpoint also holds
+``optimizer_full.safetensors``, the Adam moments of every LoRA parameter gathered to full
+size (``deepspeed.utils.safe_get_full_optimizer_state``). On a size change the weights come
+from the DeepSpeed checkpoint (``zero_optimization.elastic_checkpoint`` merges the fp32
+partitions of all saved ranks) and the moments from that file, set back into this run's
+partitions with ``safe_set_full_optimizer_state``.
 
 SIGUSR1 and SIGTERM only raise a flag; the trainer checks it at the next step boundary (all
 ranks agree through one all-reduce), saves, and exits 0, so Slurm can requeue the job
@@ -16,6 +20,7 @@ ranks agree through one all-reduce), saves, and exits 0, so Slurm can requeue th
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -24,8 +29,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 from iga_ds.errors import ConfigError
+from iga_ds.utils_io import atomic_write_json
 
 TAG_PREFIX = "step_"
+FULL_OPTIMIZER_FILE = "optimizer_full.safetensors"
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def tag_for(step: int) -> str:
@@ -119,8 +133,11 @@ def save_checkpoint(
     tmp = _rng_file(path, rank).with_suffix(".tmp")
     torch.save(capture_rng(), tmp)
     os.replace(tmp, _rng_file(path, rank))
-    if rank == 0 and save_adapter is not None:
-        save_adapter(path / "adapter")
+    save_full_optimizer_state(engine, path / FULL_OPTIMIZER_FILE, rank)
+    if rank == 0:
+        atomic_write_json(path / "meta.json", {"step": step, "world_size": _world_size()})
+        if save_adapter is not None:
+            save_adapter(path / "adapter")
     if dist.is_initialized():
         dist.barrier()
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, exclude_frozen_parameters=True)
@@ -144,13 +161,27 @@ def load_checkpoint(engine, path: Path, rank: int) -> dict[str, Any]:
     client state. A rank that did not exist when saving takes rank 0's random state."""
     import torch
 
+    meta_file = path / "meta.json"
+    saved_world = json.loads(meta_file.read_text())["world_size"] if meta_file.is_file() else _world_size()
+    same_world = saved_world == _world_size()
+    if not same_world and not engine.zero_elastic_checkpoint():
+        raise ConfigError(
+            f"resume: {path} was saved by {saved_world} ranks and this run has {_world_size()}; "
+            "that needs zero_optimization.elastic_checkpoint true in the DeepSpeed config"
+        )
     # frozen weights are not in the file, so the module load cannot be strict
     load_path, client = engine.load_checkpoint(
-        str(path.parent), tag=path.name, load_module_strict=False, load_optimizer_states=True,
+        str(path.parent), tag=path.name, load_module_strict=False, load_optimizer_states=same_world,
         load_lr_scheduler_states=True,
     )
     if load_path is None:
         raise ConfigError(f"resume: {path} is not a DeepSpeed checkpoint")
+    if not same_world:
+        load_full_optimizer_state(engine, path / FULL_OPTIMIZER_FILE)
+    if engine.lr_scheduler is not None:
+        # the elastic ZeRO restore brings back optimizer state but not the param groups' lr
+        for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
+            group["lr"] = lr
     rng_path = _rng_file(path, rank)
     if not rng_path.is_file():
         rng_path = _rng_file(path, 0)
@@ -159,6 +190,65 @@ def load_checkpoint(engine, path: Path, rank: int) -> dict[str, Any]:
         state["python"] = _to_tuples(state["python"])
         restore_rng(state)
     return client or {}
+
+
+# -- optimizer state independent of the world size ------------------------------------------
+
+
+def _trainable(engine):
+    return [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+
+
+def save_full_optimizer_state(engine, file: Path, rank: int) -> None:
+    """Gather every LoRA parameter's Adam moments to full size (collective); rank 0 writes."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, param in _trainable(engine):
+        for key in ADAM_MOMENTS:
+            full = safe_get_full_optimizer_state(param, key)
+            if full is None:
+                return  # not a ZeRO-partitioned optimizer: its own checkpoint suffices
+            if rank == 0:
+                tensors[f"{name}/{key}"] = full.detach().float().cpu().contiguous()
+    if rank == 0:
+        groups = engine.optimizer.param_groups
+        tmp = file.with_suffix(".tmp")
+        save_file(tensors, str(tmp), metadata={"adam_step": str(int(groups[0].get("step", 0)))})
+        os.replace(tmp, file)
+
+
+def load_full_optimizer_state(engine, file: Path) -> None:
+    """Set the Adam moments and step of ``file`` into this run's ZeRO partitions."""
+    import torch
+    from deepspeed.utils import safe_set_full_optimizer_state
+    from safetensors import safe_open
+
+    if not file.is_file():
+        raise ConfigError(f"resume: {file} is missing; this checkpoint cannot change the world size")
+    zero = engine.optimizer
+    opt = zero.optimizer  # the torch AdamW over this rank's flat fp32 partitions
+    link = getattr(zero, "_lazy_init_hp_params_optimizer_state", None)
+    if link is None:
+        raise ConfigError("resume: this DeepSpeed version cannot change the world size on resume (ZeRO-1/2 only)")
+    with safe_open(str(file), framework="pt") as f:
+        step = int(f.metadata()["adam_step"])
+        # A fresh engine has no Adam state yet (torch creates it at the first step) and
+        # DeepSpeed links each parameter to its slice of that state only then: create the
+        # state the way AdamW would, link, then write the gathered moments into the slices.
+        for group in opt.param_groups:
+            group["step"] = step
+            for flat in group["params"]:
+                opt.state[flat] = {
+                    "step": torch.tensor(float(step), dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(flat, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(flat, memory_format=torch.preserve_format),
+                }
+        link()
+        for name, param in _trainable(engine):
+            for key in ADAM_MOMENTS:
+                safe_set_full_optimizer_state(param, f.get_tensor(f"{name}/{key}").to(param.device), key)
 
 
 # -- stop signals ----------------------------------------------------------------------------

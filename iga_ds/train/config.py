@@ -72,6 +72,8 @@ class MethodConfig:
 class CheckpointConfig:
     every_steps: int = 0  # 0: only at the end and on SIGUSR1/SIGTERM
     keep_last: int = 2
+    # save and exit 0 at this global step, as SIGUSR1 would: splits a run over time-boxed jobs
+    stop_at_step: Optional[int] = None
 
 
 @dataclass
@@ -120,6 +122,8 @@ class RunConfig:
             (self.schedule.max_steps is None or self.schedule.max_steps >= 1, "schedule.max_steps",
              "a positive integer or null"),
             (self.checkpoint.every_steps >= 0, "checkpoint.every_steps", "an integer >= 0"),
+            (self.checkpoint.stop_at_step is None or self.checkpoint.stop_at_step >= 1,
+             "checkpoint.stop_at_step", "a positive integer or null"),
             (self.checkpoint.keep_last >= 1, "checkpoint.keep_last", "an integer >= 1"),
             (self.logging.every_steps >= 1, "logging.every_steps", "a positive integer"),
             (self.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype",

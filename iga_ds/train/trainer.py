@@ -167,20 +167,6 @@ def build_ds_config(run: RunConfig, ds_raw: dict[str, Any], world_size: int, acc
     return ds, iga
 
 
-def lr_lambda(total_steps: int, warmup_ratio: float, min_lr_ratio: float) -> Callable[[int], float]:
-    """Linear warmup over ``ceil(warmup_ratio * total)`` steps, then cosine decay to min_lr_ratio
-    (Loshchilov and Hutter, 2017, "SGDR"), as in the paper's implementation details."""
-    warmup = math.ceil(warmup_ratio * total_steps)
-
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        t = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
-
-    return f
-
-
 # -- the loop --------------------------------------------------------------------------------
 
 
@@ -230,6 +216,7 @@ class Trainer:
         from iga_ds.train.batching import sequence_losses
         from iga_ds.train.checkpoint import StopSignal, load_checkpoint, resolve_resume, save_checkpoint
         from iga_ds.train.model import add_lora, load_base_model, load_tokenizer
+        from iga_ds.train.optim import GroupStepAdamW, lr_lambda
 
         if not os.environ.get("IGA_DS_VERBOSE"):
             logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -266,7 +253,7 @@ class Trainer:
         n_trainable = sum(p.numel() for p in trainable)
         n_total = sum(p.numel() for p in model.parameters())
         s = cfg.schedule
-        optimizer = torch.optim.AdamW(trainable, lr=s.lr, betas=tuple(s.betas), eps=s.eps, weight_decay=s.weight_decay)
+        optimizer = GroupStepAdamW(trainable, lr=s.lr, betas=tuple(s.betas), eps=s.eps, weight_decay=s.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, s.warmup_ratio, s.min_lr_ratio))
         engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_dict, dist_init_required=False
@@ -347,14 +334,14 @@ class Trainer:
                 if self.on_step_end is not None:
                     self.on_step_end(step, record)
                 every = cfg.checkpoint.every_steps
-                stopping = stop.requested(engine.device)
+                stopping = stop.requested(engine.device) or step == cfg.checkpoint.stop_at_step
                 if stopping or step == total_steps or (every and step % every == 0):
                     save_checkpoint(
                         engine, ckpt_dir, step, client_state(step), dist.rank, cfg.checkpoint.keep_last, save_adapter
                     )
                 if stopping and step < total_steps:
                     status = "stopped"
-                    self._print(f"stop signal: checkpoint saved at step {step}; rerun with resume: auto to continue")
+                    self._print(f"stopping: checkpoint saved at step {step}; rerun with resume: auto to continue")
                     break
         finally:
             stop.uninstall()

@@ -34,15 +34,29 @@ def benchmark_source(name: str) -> BenchmarkSource:
     return _loader(name).SOURCE
 
 
-def load_benchmark(name: str, root: str | Path, **options: Any) -> list[EvalItem]:
-    """Items of benchmark ``name`` from the local copy at ``root``; options override the defaults."""
+def resolve_options(name: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The loader's defaults overridden by ``options``, checked and normalized.
+
+    A list option given as one string (``"geometry"`` or ``"geometry,precalculus"``) is a list.
+    """
     module = _loader(name)
+    options = dict(options or {})
     unknown = sorted(set(options) - set(module.DEFAULTS))
     if unknown:
         raise ConfigError(
             f"benchmark {name!r} has no option {unknown[0]!r}; expected some of: {', '.join(sorted(module.DEFAULTS))}"
         )
-    return module.load(root, **options)
+    resolved = dict(module.DEFAULTS)
+    for key, value in options.items():
+        if isinstance(module.DEFAULTS[key], (tuple, list)) and isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        resolved[key] = list(value) if isinstance(value, tuple) else value
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in resolved.items()}
 
 
-__all__ = ["BENCHMARKS", "BenchmarkSource", "EvalItem", "benchmark_defaults", "benchmark_source", "load_benchmark"]
+def load_benchmark(name: str, root: str | Path, **options: Any) -> list[EvalItem]:
+    """Items of benchmark ``name`` from the local copy at ``root``; options override the defaults."""
+    return _loader(name).load(root, **resolve_options(name, options))
+
+
+__all__ = ["BENCHMARKS", "BenchmarkSource", "EvalItem", "benchmark_defaults", "benchmark_source", "load_benchmark", "resolve_options"]

@@ -1,0 +1,212 @@
+"""``iga-ds data``: validate, synth, build, split."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from iga_ds.errors import UserError
+
+
+def register(subparsers) -> None:
+    data = subparsers.add_parser("data", help="isomer data: validate, synthesize, build with a teacher, split",
+                                 description="Logical Isomer Sets: create, check and split data files.")
+    sub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
+    data.set_defaults(func=lambda args: (data.print_help(), 2)[1])
+
+    p = sub.add_parser("validate", help="check isomer JSONL files and print a summary",
+                       description="Check schema, group completeness, one answer type per group, and "
+                                   "that no seed appears in two files (e.g. train and test).")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("--domains", help="require exactly these domains, e.g. math,medical,legal,science")
+    p.add_argument("--allow-partial-groups", action="store_true",
+                   help="accept groups missing domains (files of an instance-level split)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("synth", help="generate procedural isomer groups (no LLM needed)",
+                       description="Sample typed logical DAGs, solve them by forward chaining and render "
+                                   "each in every domain; writes train.jsonl, test.jsonl, manifest.json.")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--groups", type=int, required=True, help="number of isomer groups")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--domains", help="comma-separated (default math,medical,legal,science)")
+    p.add_argument("--shortcut", type=float, default=0.0,
+                   help="probability that the planted domain cue predicts the answer in train "
+                        "(0 plants no cue; in test the cue is independent of the answer)")
+    p.add_argument("--patterns", help="comma-separated subset of rule_chain,conjunction,syllogism,arithmetic")
+    p.add_argument("--min-depth", type=int, default=1)
+    p.add_argument("--max-depth", type=int, default=4)
+    p.add_argument("--test-frac", type=float, default=0.2, help="fraction of groups (seeds) in test")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_synth)
+
+    p = sub.add_parser("build", help="build isomer groups from seed problems with a teacher LLM",
+                       description="DAG extraction, domain instantiation and verification with a teacher "
+                                   "LLM, the score and step-count filters, regeneration; resumable.")
+    p.add_argument("--seeds", required=True, help="JSONL of seed problems: seed_id (or id), problem")
+    p.add_argument("--out", required=True, help="output directory (rerun with the same to resume)")
+    p.add_argument("--teacher", choices=("openai", "local"), default="openai",
+                   help="openai: any OpenAI-compatible chat-completions server (vLLM, TGI, hosted); "
+                        "local: a transformers causal LM in this process")
+    p.add_argument("--base-url", help="server URL up to /v1, e.g. http://localhost:8000/v1 (openai)")
+    p.add_argument("--model", required=True, help="model name on the server, or a local directory (local)")
+    p.add_argument("--api-key-env", default="OPENAI_API_KEY",
+                   help="environment variable holding the API key (default OPENAI_API_KEY; unset: no key)")
+    p.add_argument("--api-key-file", help="file holding the API key (overrides --api-key-env)")
+    p.add_argument("--concurrency", type=int, default=8, help="seeds (and requests) in flight")
+    p.add_argument("--min-score", type=float, default=0.85)
+    p.add_argument("--max-step-diff", type=int, default=2)
+    p.add_argument("--max-regenerations", type=int, default=3)
+    p.add_argument("--domains", help="comma-separated (default math,medical,legal,science)")
+    p.add_argument("--templates", help="directory with edited dag_extraction.txt, domain_instantiation.txt, "
+                                       "quality_verification.txt")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--max-tokens", type=int, default=1024)
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per HTTP request")
+    p.add_argument("--max-retries", type=int, default=6, help="HTTP retries on 429/5xx/timeouts")
+    p.add_argument("--backoff", type=float, default=1.0, help="first retry delay in seconds (doubles)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_build)
+
+    p = sub.add_parser("split", help="split an isomer file into train.jsonl and test.jsonl",
+                       description="Seed-level split (the default and the only sound one), or an "
+                                   "instance-level split for the leakage ablation.")
+    p.add_argument("--in", dest="input", required=True, metavar="FILE")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--by", choices=("seed", "instance"), default="seed")
+    p.add_argument("--test-frac", type=float, default=0.2)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_split)
+
+
+def _domains(text):
+    from iga_ds.data.domains import parse_domain_list
+
+    return parse_domain_list(text)
+
+
+def cmd_validate(args) -> int:
+    from iga_ds.data.schema import check_groups, check_no_leak, read_with_lines, summarize
+
+    files = {}
+    for path in args.files:
+        records, lines = read_with_lines(path)
+        check_groups(records, lines, path, allow_partial=args.allow_partial_groups)
+        if args.domains:
+            want = set(_domains(args.domains))
+            have = {r["domain"] for r in records}
+            if have != want:
+                raise UserError(f"{path}: field 'domain': the file has {', '.join(sorted(have))}, "
+                                f"--domains asks for {', '.join(sorted(want))}")
+        files[path] = (records, lines)
+    check_no_leak(files)
+    report = {}
+    for path, (records, _) in files.items():
+        summary = summarize(records)
+        stats = Path(path).parent / "stats.json"
+        if stats.exists():
+            try:
+                summary["retention"] = json.loads(stats.read_text(encoding="utf-8")).get("retention")
+            except ValueError:
+                pass
+        report[path] = summary
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+        return 0
+    for path, s in report.items():
+        line = (f"{path}: OK  {s['groups']} groups, {s['instances']} instances, "
+                f"{s['seeds']} seeds, domains " + ", ".join(f"{d}={n}" for d, n in s["domains"].items())
+                + ", answers " + ", ".join(f"{t}={n}" for t, n in s["answer_types"].items()))
+        if "retention" in s and s["retention"] is not None:
+            line += f", retention {s['retention']:.1%}"
+        if "cue_agreement" in s:
+            line += f", cue agrees with answer in {s['cue_agreement']:.1%}"
+        print(line)
+    if len(files) > 1:
+        print(f"no seed or group shared between the {len(files)} files")
+    return 0
+
+
+def cmd_synth(args) -> int:
+    from iga_ds.data.patterns import PATTERNS
+    from iga_ds.data.synth import synthesize
+
+    patterns = tuple(p.strip() for p in args.patterns.split(",")) if args.patterns else PATTERNS
+    manifest = synthesize(args.out, args.groups, args.seed, _domains(args.domains), args.shortcut,
+                          patterns=patterns, min_depth=args.min_depth, max_depth=args.max_depth,
+                          test_frac=args.test_frac, progress=not args.no_progress)
+    for split in ("train", "test"):
+        s = manifest["splits"][split]
+        extra = f", cue agreement {s['cue_agreement']:.1%}" if s.get("cue_agreement") is not None else ""
+        print(f"{Path(args.out) / (split + '.jsonl')}: {s['groups']} groups, {s['instances']} instances{extra}")
+    print(f"{Path(args.out) / 'manifest.json'}")
+    return 0
+
+
+def cmd_build(args) -> int:
+    from iga_ds.data.teacher.clients import Counters, LocalCausalLMClient, OpenAIChatClient, resolve_api_key
+    from iga_ds.data.teacher.pipeline import BuildSettings, build
+    from iga_ds.data.teacher.prompts import Prompts
+
+    if not 0.0 <= args.min_score <= 1.0:
+        raise UserError(f"--min-score {args.min_score}: expected a number in [0, 1]")
+    if args.max_step_diff < 0 or args.max_regenerations < 0:
+        raise UserError("--max-step-diff and --max-regenerations must be >= 0")
+    counters = Counters()
+    if args.teacher == "openai":
+        if not args.base_url:
+            raise UserError("--base-url is required with --teacher openai (e.g. http://localhost:8000/v1)")
+        client = OpenAIChatClient(args.base_url, args.model,
+                                  api_key=resolve_api_key(args.api_key_env, args.api_key_file),
+                                  temperature=args.temperature, max_tokens=args.max_tokens,
+                                  timeout=args.timeout, max_retries=args.max_retries,
+                                  backoff=args.backoff, counters=counters)
+        concurrency = args.concurrency
+    else:
+        client = LocalCausalLMClient(args.model, max_new_tokens=args.max_tokens,
+                                     temperature=args.temperature, counters=counters)
+        concurrency = 1  # one model in this process: requests run one after another
+    settings = BuildSettings(domains=list(_domains(args.domains)), min_score=args.min_score,
+                             max_step_diff=args.max_step_diff, max_regenerations=args.max_regenerations,
+                             teacher=args.teacher, model=args.model)
+    stats = build(args.seeds, args.out, client, settings, prompts=Prompts(args.templates),
+                  concurrency=concurrency, counters=counters, progress=not args.no_progress)
+    retention = f"{stats['retention']:.1%}" if stats["retention"] is not None else "n/a"
+    print(f"{args.out}: kept {stats['kept_groups']} groups, dropped {stats['dropped_groups']}, "
+          f"retention {retention} (paper: 78%), pending {stats['pending_seeds']}")
+    if stats["drop_reasons"]:
+        print("drop reasons: " + ", ".join(f"{k}={v}" for k, v in stats["drop_reasons"].items()))
+    if stats["pending_seeds"]:
+        print(f"{stats['pending_seeds']} seeds failed after retries; run the same command again to resume",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_split(args) -> int:
+    from iga_ds.data.schema import read_isomer_jsonl
+    from iga_ds.data.splits import LEAKAGE_WARNING, split_by_instance, split_by_seed
+    from iga_ds.utils_io import atomic_write_json, atomic_write_text
+
+    records = read_isomer_jsonl(args.input, allow_partial_groups=False)
+    if args.by == "seed":
+        train, test = split_by_seed(records, args.test_frac, args.seed)
+    else:
+        print(f"warning: {LEAKAGE_WARNING}", file=sys.stderr)
+        train, test = split_by_instance(records, args.test_frac, args.seed)
+    out = Path(args.out)
+    for name, part in (("train", train), ("test", test)):
+        atomic_write_text(out / f"{name}.jsonl",
+                          "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in part))
+    info = {"input": str(args.input), "by": args.by, "test_frac": args.test_frac, "seed": args.seed,
+            "train_instances": len(train), "test_instances": len(test),
+            "train_seeds": len({r["seed_id"] for r in train}),
+            "test_seeds": len({r["seed_id"] for r in test})}
+    if args.by == "instance":
+        info["warning"] = LEAKAGE_WARNING
+    atomic_write_json(out / "split.json", info)
+    print(f"{out}: train {len(train)} instances ({info['train_seeds']} seeds), "
+          f"test {len(test)} instances ({info['test_seeds']} seeds), by {args.by}")
+    return 0

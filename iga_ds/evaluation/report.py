@@ -1,0 +1,257 @@
+"""``report.md``: tables shaped like the paper's main results, ablation, efficiency and LCS-by-layer
+tables (mean +- sample std over seeds, best in bold), plus PNG figures (``figures.py``).
+
+Numbers come only from the result files; a value a cell lacks is shown as "–".
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable, Sequence
+
+from iga_ds.evaluation.results import Cell, load_results, row_order
+from iga_ds.metrics.accuracy import accuracy_per_compute_hour, mean_std
+from iga_ds.utils_io import atomic_write_text
+
+PAPER_BENCHMARK_ORDER = ("arb", "logiqa2", "reclor", "math")
+DASH = "–"
+
+
+# -- per-cell values ---------------------------------------------------------------------------
+
+
+def headline_accuracy(result: dict) -> float | None:
+    """OOD accuracy when the evaluation has an OOD split, else overall accuracy."""
+    ood = result.get("ood_accuracy")
+    return ood if ood is not None else result.get("accuracy")
+
+
+def cell_lcs(cell: Cell) -> dict[int, float]:
+    """LCS (x1e-2) per layer from the first evaluation of the cell that computed it."""
+    for result in cell.evals.values():
+        lcs = result.get("lcs")
+        if lcs and lcs.get("layers_x1e-2"):
+            return {int(k): float(v) for k, v in lcs["layers_x1e-2"].items()}
+    return {}
+
+
+def cell_default_lcs(cell: Cell) -> float | None:
+    values = cell_lcs(cell)
+    if not values:
+        return None
+    for result in cell.evals.values():
+        default = (result.get("lcs") or {}).get("default_layer")
+        if default in values:
+            return values[default]
+    return values[max(values)]  # the deepest layer computed
+
+
+def cell_avg_delta_gap(cell: Cell) -> float | None:
+    gaps = [r["delta_gap"] for r in cell.evals.values() if r.get("delta_gap") is not None]
+    return sum(gaps) / len(gaps) if gaps else None
+
+
+def cell_avg_headline(cell: Cell, benchmarks: Sequence[str]) -> float | None:
+    values = [headline_accuracy(cell.evals[b]) for b in benchmarks if b in cell.evals]
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+# -- aggregation and formatting ------------------------------------------------------------------
+
+
+class Stat:
+    """Mean and sample std over seeds of one table entry (or nothing)."""
+
+    def __init__(self, values: Sequence[float | None]):
+        vals = [float(v) for v in values if v is not None]
+        self.n = len(vals)
+        self.mean, self.std = mean_std(vals) if vals else (None, None)
+
+    def text(self, digits: int, bold: bool = False, with_std: bool = True) -> str:
+        if self.mean is None:
+            return DASH
+        mean = f"{self.mean:.{digits}f}"
+        mean = f"**{mean}**" if bold else mean
+        return f"{mean} ± {self.std:.{digits}f}" if with_std and self.n > 1 else mean
+
+
+def _group(cells: Sequence[Cell]) -> dict[str, list[Cell]]:
+    rows: dict[str, list[Cell]] = defaultdict(list)
+    for cell in cells:
+        rows[cell.label].append(cell)
+    return rows
+
+
+def _best(stats: dict[str, Stat], higher_is_better: bool) -> set[str]:
+    means = {k: s.mean for k, s in stats.items() if s.mean is not None}
+    if len(means) < 2:
+        return set()
+    target = max(means.values()) if higher_is_better else min(means.values())
+    return {k for k, m in means.items() if abs(m - target) < 1e-9}
+
+
+def _column(
+    rows: dict[str, list[Cell]], value: Callable[[Cell], float | None], higher_is_better: bool | None, digits: int
+) -> dict[str, str]:
+    stats = {label: Stat([value(c) for c in cells]) for label, cells in rows.items()}
+    best = _best(stats, higher_is_better) if higher_is_better is not None else set()
+    return {label: stats[label].text(digits, bold=label in best) for label in rows}
+
+
+def _markdown(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + [":---:"] * (len(header) - 1)) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    return "\n".join(lines)
+
+
+def benchmarks_of(cells: Sequence[Cell]) -> list[str]:
+    names = {b for c in cells for b in c.evals}
+    return [b for b in PAPER_BENCHMARK_ORDER if b in names] + sorted(names - set(PAPER_BENCHMARK_ORDER))
+
+
+def _has_ood(cells: Sequence[Cell], bench: str) -> bool:
+    return any(c.evals.get(bench, {}).get("ood_accuracy") is not None for c in cells)
+
+
+# -- the tables ---------------------------------------------------------------------------------
+
+
+def main_table(cells: Sequence[Cell]) -> str:
+    """Paper Table 2: ID and OOD accuracy per benchmark, LCS (x1e-2), average Delta-gap."""
+    rows = _group(cells)
+    order = row_order(list(rows))
+    header, columns = ["Method"], []
+    for bench in benchmarks_of(cells):
+        header += [f"{bench} ID", f"{bench} OOD"]
+        columns.append(_column(rows, lambda c, b=bench: c.evals.get(b, {}).get("id_accuracy"), True, 1))
+        columns.append(_column(rows, lambda c, b=bench: c.evals.get(b, {}).get("ood_accuracy"), True, 1))
+    header += ["LCS (×1e-2) ↓", "Avg Δ-gap ↓"]
+    columns.append(_column(rows, cell_default_lcs, False, 2))
+    columns.append(_column(rows, cell_avg_delta_gap, False, 2))
+    body = [[label] + [col[label] for col in columns] for label in order]
+    return _markdown(header, body)
+
+
+def ablation_table(main_cells: Sequence[Cell], ablation_cells: Sequence[Cell]) -> str:
+    """Paper Table 3: OOD accuracy (or accuracy where no OOD split) per benchmark and its change
+    from full IGA, LCS, and the average change."""
+    full = [c for c in main_cells if c.method == "iga"]
+    erm = [c for c in main_cells if c.method == "erm"]
+    rows: dict[str, list[Cell]] = {}
+    if full:
+        rows["Full IGA"] = full
+    rows.update(_group(ablation_cells))
+    if erm:
+        rows["ERM-SFT (reference)"] = erm
+    cells_all = [c for group in rows.values() for c in group]
+    benches = benchmarks_of(cells_all)
+    header, columns = ["Variant"], []
+    full_means = {b: Stat([headline_accuracy(c.evals[b]) for c in full if b in c.evals]).mean for b in benches}
+    deltas: dict[str, list[float]] = defaultdict(list)
+    for bench in benches:
+        kind = "OOD" if _has_ood(cells_all, bench) else "Acc"
+        header += [f"{bench} {kind}", "Δ"]
+        acc = lambda c, b=bench: headline_accuracy(c.evals[b]) if b in c.evals else None  # noqa: E731
+        columns.append(_column(rows, acc, True, 1))
+        delta_col = {}
+        for label, group in rows.items():
+            mean = Stat([acc(c) for c in group]).mean
+            if mean is None or full_means[bench] is None:
+                delta_col[label] = DASH
+                continue
+            delta = mean - full_means[bench]
+            deltas[label].append(delta)
+            delta_col[label] = "—" if label == "Full IGA" else f"{delta:+.1f}"
+        columns.append(delta_col)
+    header += ["LCS (×1e-2) ↓", "Avg Δ vs IGA"]
+    columns.append(_column(rows, cell_default_lcs, False, 2))
+    columns.append({lab: (f"{sum(d) / len(d):+.2f}" if (d := deltas.get(lab)) else DASH) for lab in rows})
+    body = [[label] + [col[label] for col in columns] for label in rows]
+    return _markdown(header, body)
+
+
+def efficiency_table(cells: Sequence[Cell]) -> str:
+    """Paper Table 4: training time per epoch, peak memory, trainable parameters, average OOD
+    accuracy and accuracy per compute-hour (accuracy / wall-clock hours per epoch)."""
+    rows = _group(cells)
+    benches = benchmarks_of(cells)
+
+    def acc_per_hour(c: Cell) -> float | None:
+        acc, hours = cell_avg_headline(c, benches), c.train_hours_per_epoch
+        return accuracy_per_compute_hour(acc, hours * 3600) if acc is not None and hours else None
+
+    def params_m(c: Cell) -> float | None:
+        p = c.info.get("trainable_params")
+        return p / 1e6 if isinstance(p, (int, float)) else None
+
+    columns = [
+        _column(rows, lambda c: c.train_hours_per_epoch, None, 3),
+        _column(rows, lambda c: c.info.get("peak_mem_gb"), None, 1),
+        _column(rows, params_m, None, 2),
+        _column(rows, lambda c: cell_avg_headline(c, benches), True, 1),
+        _column(rows, acc_per_hour, True, 2),
+    ]
+    header = ["Method", "Train time/epoch (h)", "Peak mem (GB)", "Trainable params (M)", "Avg OOD acc (%)", "Acc/CHr"]
+    return _markdown(header, [[lab] + [col[lab] for col in columns] for lab in row_order(list(rows))])
+
+
+def lcs_layer_table(cells: Sequence[Cell]) -> str | None:
+    """Paper Table 6: LCS (x1e-2) at each layer computed; the IGA / ERM ratio when both exist."""
+    rows = _group(cells)
+    layers = sorted({layer for c in cells for layer in cell_lcs(c)})
+    if not layers:
+        return None
+    order = row_order(list(rows))
+    columns = [_column(rows, lambda c, l=layer: cell_lcs(c).get(l), False, 3) for layer in layers]
+    body = [[lab] + [col[lab] for col in columns] for lab in order]
+    if "IGA" in rows and "ERM-SFT" in rows:
+        ratio = []
+        for layer in layers:
+            iga = Stat([cell_lcs(c).get(layer) for c in rows["IGA"]]).mean
+            erm = Stat([cell_lcs(c).get(layer) for c in rows["ERM-SFT"]]).mean
+            ratio.append(f"{iga / erm:.2f}" if iga is not None and erm else DASH)
+        body.append(["IGA / ERM ratio"] + ratio)
+    return _markdown(["Method"] + [f"Layer {layer}" for layer in layers], body)
+
+
+def build_report(cells: Sequence[Cell], figures: dict[str, str] | None = None) -> str:
+    main_cells = [c for c in cells if not c.ablation]
+    ablation_cells = [c for c in cells if c.ablation]
+    seeds = sorted({c.seed for c in cells})
+    parts = [
+        "# IGA results",
+        "",
+        f"{len(cells)} runs: {len(_group(main_cells))} methods, {len(_group(ablation_cells))} ablations, "
+        f"seeds {', '.join(map(str, seeds))}. Entries are mean ± sample std over seeds (std shown "
+        "when there is more than one seed); best in bold. Accuracies in %, LCS in units of 1e-2.",
+        "",
+        "## Main results (paper Table 2)",
+        "",
+        main_table(main_cells) if main_cells else "No runs without an ablation.",
+        "",
+    ]
+    parts += ["## Ablations (paper Table 3)", ""]
+    parts += [ablation_table(main_cells, ablation_cells) if ablation_cells else "No ablation runs.", ""]
+    parts += ["## Efficiency (paper Table 4)", "", efficiency_table(main_cells) if main_cells else DASH, ""]
+    lcs_table = lcs_layer_table(cells)
+    parts += ["## LCS by layer (paper Table 6)", "", lcs_table or "No evaluation computed LCS.", ""]
+    if figures:
+        parts += ["## Figures", ""]
+        parts += [f"![{title}]({path})" for title, path in figures.items()]
+        parts.append("")
+    return "\n".join(parts)
+
+
+def write_report(root: str | Path, out: str | Path | None = None, figures: bool = True) -> Path:
+    root = Path(root)
+    cells = load_results(root)
+    out = Path(out) if out else root / "report.md"
+    made: dict[str, str] = {}
+    if figures:
+        from iga_ds.evaluation.figures import make_figures
+
+        for title, path in make_figures(cells, out.parent / "figures").items():
+            made[title] = str(Path(path).relative_to(out.parent)) if Path(path).is_relative_to(out.parent) else str(path)
+    atomic_write_text(out, build_report(cells, made))
+    return out

@@ -1,0 +1,310 @@
+"""IGA for many LoRA modules at once, without the N full-rank per-domain gradients.
+
+Same result as :func:`iga_ds.methods.iga.iga_update` (continuous mask, randomized SVD
+projection), computed differently:
+
+- Each per-domain reconstruction is a rank-2r product,
+  ``G[n] = s * (gB[n] @ A + B @ gA[n]) = [s gB[n], s B] @ [A; gA[n]]``, so the mean Gbar and
+  the deviations ``D[n] = G[n] - Gbar`` are rebuilt one row tile at a time from the factors;
+  only the masked matrix ``Gbar * exp(-tau V')`` (out x in per module) is ever stored.
+- The module-wide scales the mask needs before any element is masked (mean of V for
+  ``normalize="mean"``, mean of Gbar^2 for ``"snr"``) come from r x r Gram matrices:
+  ``||L @ R||_F^2 = <L^T L, R R^T>``, in float64.
+- Modules of equal (r, in, out) are stacked and handled by batched matmuls, QR and SVD.
+- The first sketch ``Y = masked @ omega`` of the randomized SVD (Halko, Martinsson and
+  Tropp, SIAM Review 2011, Alg. 4.4) is taken inside the tile pass; omega is drawn from each
+  module's own generator exactly as :func:`iga_ds.lora.rsvd.randomized_svd` draws it, so
+  both paths agree up to float rounding.
+
+On CUDA, the tile pass can run as one Triton kernel (:mod:`iga_ds.lora.triton_kernels`)
+when Triton is installed; everywhere else it is plain PyTorch, and this file is the
+reference for that kernel.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from iga_ds.methods.base import ModuleGrads, ModuleUpdate, module_generator
+from iga_ds.methods.iga import IGA, NORMALIZATIONS, SNR_EPS
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+# the stacked masked matrices of one batch of equal-shape modules stay under this many bytes
+DEFAULT_BATCH_BYTES = 1 << 30
+# row tiles are sized so that the per-tile temporaries stay under this many elements
+DEFAULT_TILE_ELEMENTS = 1 << 24
+
+
+@dataclass
+class _Stack:
+    """A batch of modules with the same (r, in, out), stacked along a leading module axis."""
+
+    positions: list[int]  # where each module sits in the caller's list
+    A: torch.Tensor  # M x r x in
+    B: torch.Tensor  # M x out x r
+    gA: torch.Tensor  # M x N x r x in
+    gB: torch.Tensor  # M x N x out x r
+    scaling: torch.Tensor  # M
+    generators: list[torch.Generator | None]
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
+def _stacks(modules: Sequence[ModuleGrads], generators, batch_bytes: int) -> list[_Stack]:
+    """Group modules of equal shape, dtype and device, then split groups to fit ``batch_bytes``."""
+    groups: dict[tuple, list[int]] = {}
+    for i, m in enumerate(modules):
+        key = (tuple(m.A.shape), tuple(m.B.shape), m.num_domains, m.gA.dtype, str(m.gA.device))
+        groups.setdefault(key, []).append(i)
+    out = []
+    for key, idx in groups.items():
+        (r, d_in), (d_out, _), _, dtype, _ = key
+        per_module = d_out * d_in * torch.empty((), dtype=_work_dtype(dtype)).element_size()
+        size = max(1, batch_bytes // max(per_module, 1))
+        for start in range(0, len(idx), size):
+            part = idx[start: start + size]
+            wd = _work_dtype(dtype)
+            out.append(_Stack(
+                positions=part,
+                A=torch.stack([modules[i].A for i in part]).to(wd),
+                B=torch.stack([modules[i].B for i in part]).to(wd),
+                gA=torch.stack([modules[i].gA for i in part]).to(wd),
+                gB=torch.stack([modules[i].gB for i in part]).to(wd),
+                scaling=torch.tensor([float(modules[i].scaling) for i in part], dtype=wd, device=modules[i].gA.device),
+                generators=[generators[i] for i in part],
+            ))
+    return out
+
+
+def _check(modules: Sequence[ModuleGrads], generators, rank: int | None, normalize: str, tau: float) -> None:
+    if normalize not in NORMALIZATIONS:
+        raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
+    if tau < 0:
+        raise ValueError(f"tau must be >= 0, got {tau}")
+    if len(generators) != len(modules):
+        raise ValueError(f"one generator per module: got {len(generators)} for {len(modules)} modules")
+    for m in modules:
+        r = m.A.shape[0]
+        if m.gA.ndim != 3 or m.gB.ndim != 3 or m.gA.shape[0] != m.gB.shape[0]:
+            raise ValueError(f"{m.name}: gA must be N x r x in and gB N x out x r, "
+                             f"got {tuple(m.gA.shape)} and {tuple(m.gB.shape)}")
+        if tuple(m.gA.shape[1:]) != tuple(m.A.shape) or tuple(m.gB.shape[1:]) != tuple(m.B.shape) or m.B.shape[1] != r:
+            raise ValueError(f"{m.name}: shapes disagree: A {tuple(m.A.shape)}, B {tuple(m.B.shape)}, "
+                             f"gA {tuple(m.gA.shape)}, gB {tuple(m.gB.shape)}")
+        k = r if rank is None else int(rank)
+        if not 1 <= k <= r:
+            raise ValueError(f"{m.name}: rank must be in [1, {r}] (the LoRA rank), got {rank}")
+
+
+def _frobenius_sq(L: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+    """||L @ R||_F^2 over the last two dims without forming L @ R: <L^T L, R R^T>, in float64."""
+    L, R = L.double(), R.double()
+    return ((L.mT @ L) * (R @ R.mT)).sum(dim=(-2, -1))
+
+
+def _factors(st: _Stack):
+    """Left and right factors of Gbar and of the deviations D[n] (each a rank-2r product)."""
+    N = st.gA.shape[1]
+    s = st.scaling.view(-1, 1, 1)
+    gA_mean, gB_mean = st.gA.mean(dim=1), st.gB.mean(dim=1)
+    left_mean = torch.cat([gB_mean, st.B], dim=-1) * s  # M x out x 2r
+    right_mean = torch.cat([st.A, gA_mean], dim=-2)  # M x 2r x in
+    B_n = st.B.unsqueeze(1).expand(-1, N, -1, -1)
+    A_n = st.A.unsqueeze(1).expand(-1, N, -1, -1)
+    left_dev = torch.cat([st.gB - gB_mean.unsqueeze(1), B_n], dim=-1) * s.unsqueeze(1)  # M x N x out x 2r
+    right_dev = torch.cat([A_n, st.gA - gA_mean.unsqueeze(1)], dim=-2)  # M x N x 2r x in
+    return left_mean, right_mean, left_dev, right_dev
+
+
+def _mask_scale(left_mean, right_mean, left_dev, right_dev, numel: int):
+    """Per-module scalars the mask needs up front, float64: mean of V and mean of Gbar^2."""
+    N = left_dev.shape[1]
+    mean_var = _frobenius_sq(left_dev, right_dev).sum(dim=1) / (N * numel)
+    mean_sq = _frobenius_sq(left_mean, right_mean) / numel
+    return mean_var, mean_sq
+
+
+def _masked_tile(G, var, normalize, tau, mean_var, mean_sq, dtype):
+    """mask = exp(-tau V') for one tile; V' as in iga_ds.methods.iga.normalize_variance."""
+    if normalize == "none":
+        vn = var
+    elif normalize == "mean":
+        scale = mean_var.to(dtype).view(-1, 1, 1)
+        vn = torch.where(scale > 0, var / torch.where(scale > 0, scale, 1), torch.zeros_like(var))
+    else:  # snr
+        eps = (SNR_EPS * mean_sq).to(dtype).view(-1, 1, 1) + torch.finfo(dtype).tiny
+        vn = var / (G * G + eps)
+    return torch.exp(-tau * vn)
+
+
+def _tile_pass_torch(left_mean, right_mean, left_dev, right_dev, omega, *, tau, normalize, mean_var,
+                     mean_sq, tile_elements):
+    """Masked matrices, first sketch and mask statistics, one row tile at a time."""
+    M, N, d_out, _ = left_dev.shape
+    d_in = right_mean.shape[-1]
+    dtype, device = right_mean.dtype, right_mean.device
+    masked = torch.empty(M, d_out, d_in, dtype=dtype, device=device)
+    sketch = torch.empty(M, d_out, omega.shape[-1], dtype=dtype, device=device)
+    acc = torch.zeros(4, M, dtype=torch.float64, device=device)  # mask sum, count below 0.5, sum of V, sum of g^2
+    mask_min = torch.full((M,), math.inf, dtype=torch.float64, device=device)
+    rows = max(1, min(d_out, tile_elements // max(1, M * d_in)))
+    for start in range(0, d_out, rows):
+        sl = slice(start, min(d_out, start + rows))
+        G = torch.bmm(left_mean[:, sl], right_mean)
+        var = torch.zeros_like(G)
+        for n in range(N):
+            dev = torch.bmm(left_dev[:, n, sl], right_dev[:, n])
+            var.addcmul_(dev, dev)
+        var.div_(N)
+        mask = _masked_tile(G, var, normalize, tau, mean_var, mean_sq, dtype)
+        acc[0] += mask.sum(dim=(1, 2), dtype=torch.float64)
+        acc[1] += (mask < 0.5).sum(dim=(1, 2)).double()
+        acc[2] += var.sum(dim=(1, 2), dtype=torch.float64)
+        mask_min = torch.minimum(mask_min, mask.amin(dim=(1, 2)).double())
+        tile = torch.mul(G, mask, out=masked[:, sl])
+        acc[3] += tile.pow(2).sum(dim=(1, 2), dtype=torch.float64)
+        torch.bmm(tile, omega, out=sketch[:, sl])
+    numel = d_out * d_in
+    stats = {
+        "mask_mean": acc[0] / numel,
+        "mask_frac_below_half": acc[1] / numel,
+        "mask_min": mask_min,
+        "gir": acc[2],
+    }
+    return masked, sketch, stats, acc[3]
+
+
+def _canonical_signs(U: torch.Tensor, Vh: torch.Tensor):
+    """Batched form of iga_ds.lora.rsvd._canonical_signs: largest-magnitude entry of u_i positive."""
+    idx = U.abs().argmax(dim=-2, keepdim=True)
+    signs = torch.sign(torch.gather(U, -2, idx))  # M x 1 x k
+    signs = torch.where(signs == 0, torch.ones_like(signs), signs)
+    return U * signs, Vh * signs.mT
+
+
+def _finish_svd(masked, sketch, rank: int, power_iters: int):
+    """HMT Alg. 4.4 from the first sketch: QR, power iterations with re-orthonormalization, small SVD."""
+    Q, _ = torch.linalg.qr(sketch)
+    for _ in range(power_iters):
+        Z, _ = torch.linalg.qr(masked.mT @ Q)
+        Q, _ = torch.linalg.qr(masked @ Z)
+    small = Q.mT @ masked  # M x width x in
+    Ub, S, Vh = torch.linalg.svd(small, full_matrices=False)
+    U = Q @ Ub[..., :rank]
+    U, Vh = _canonical_signs(U, Vh[..., :rank, :])
+    return U, S[..., :rank], Vh
+
+
+def _draw_omega(generators, d_in: int, width: int, dtype, device) -> torch.Tensor:
+    """One Gaussian sketch per module, drawn as randomized_svd draws it (same generator, same call)."""
+    return torch.stack([
+        torch.randn(d_in, width, dtype=dtype, device=device, generator=g) for g in generators
+    ])
+
+
+def _run_stack(st: _Stack, *, tau, normalize, rank, oversample, power_iters, tile_elements, use_triton):
+    M, N, r, d_in = st.gA.shape
+    d_out = st.B.shape[1]
+    k = r if rank is None else int(rank)
+    width = min(k + oversample, d_out, d_in)
+    dtype, device = st.A.dtype, st.A.device
+    left_mean, right_mean, left_dev, right_dev = _factors(st)
+    mean_var, mean_sq = _mask_scale(left_mean, right_mean, left_dev, right_dev, d_out * d_in)
+    omega = _draw_omega(st.generators, d_in, width, dtype, device)
+    kwargs = dict(tau=tau, normalize=normalize, mean_var=mean_var, mean_sq=mean_sq)
+    if use_triton:
+        from iga_ds.lora.triton_kernels import tile_pass_triton
+
+        masked, sketch, stats, energy_total = tile_pass_triton(
+            left_mean, right_mean, left_dev, right_dev, omega, **kwargs)
+    else:
+        masked, sketch, stats, energy_total = _tile_pass_torch(
+            left_mean, right_mean, left_dev, right_dev, omega, tile_elements=tile_elements, **kwargs)
+    U, S, Vh = _finish_svd(masked, sketch, k, power_iters)
+    del masked, sketch
+    kept = S.double().pow(2).sum(dim=-1)
+    stats["energy_kept"] = torch.where(energy_total > 0, kept / torch.where(energy_total > 0, energy_total, 1), 1.0)
+    # gB = U S^1/2 / sqrt(s), gA = S^1/2 Vh / sqrt(s): s * gB @ gA = U S Vh (factors_from_svd)
+    root = S.clamp_min(0).sqrt() / st.scaling.sqrt().view(-1, 1)
+    gB_new = U * root.unsqueeze(-2)
+    gA_new = root.unsqueeze(-1) * Vh
+    if k < r:
+        gB_new = torch.cat([gB_new, gB_new.new_zeros(M, d_out, r - k)], dim=-1)
+        gA_new = torch.cat([gA_new, gA_new.new_zeros(M, r - k, d_in)], dim=-2)
+    return gA_new, gB_new, stats
+
+
+def batched_iga(
+    modules: Sequence[ModuleGrads],
+    *,
+    tau: float = 0.5,
+    normalize: str = "mean",
+    rank: int | None = None,
+    oversample: int = 10,
+    power_iters: int = 2,
+    generators: Sequence[torch.Generator | None],
+    batch_bytes: int = DEFAULT_BATCH_BYTES,
+    tile_elements: int = DEFAULT_TILE_ELEMENTS,
+    use_triton: bool | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, float]]]:
+    """IGA (continuous mask, randomized SVD) for every module, in the order given.
+
+    Returns one ``(gA_new, gB_new, stats)`` per module, as
+    :func:`iga_ds.methods.iga.iga_update` with ``svd="randomized"`` and the module's generator
+    would. Peak memory per module is one out x in matrix plus row-tile temporaries, not N.
+    ``batch_bytes`` caps how many modules of one shape are stacked at once; ``tile_elements``
+    caps a row tile's temporaries. ``use_triton``: None picks the Triton tile pass for float32
+    CUDA tensors when Triton imports, False forces PyTorch. float16/bfloat16 inputs are
+    computed in float32 and returned in their own dtype.
+    """
+    _check(modules, generators, rank, normalize, tau)
+    results: list = [None] * len(modules)
+    for st in _stacks(modules, generators, batch_bytes):
+        # the kernel computes in float32; float64 stays on the PyTorch path
+        triton_ok = _triton_wanted(use_triton, st.A.device) and st.A.dtype == torch.float32
+        gA_new, gB_new, stats = _run_stack(
+            st, tau=float(tau), normalize=normalize, rank=rank, oversample=int(oversample),
+            power_iters=int(power_iters), tile_elements=int(tile_elements), use_triton=triton_ok,
+        )
+        # one device-to-host copy for all statistics of the stack
+        keys = list(stats)
+        table = torch.stack([stats[key].double() for key in keys]).cpu().tolist()
+        for j, pos in enumerate(st.positions):
+            dtype = modules[pos].gA.dtype
+            results[pos] = (gA_new[j].to(dtype), gB_new[j].to(dtype), {key: table[i][j] for i, key in enumerate(keys)})
+    return results
+
+
+def _triton_wanted(use_triton: bool | None, device: torch.device) -> bool:
+    if use_triton is False or device.type != "cuda":
+        if use_triton and device.type != "cuda":
+            raise ValueError("use_triton=True needs CUDA tensors")
+        return False
+    from iga_ds.lora import triton_kernels
+
+    if use_triton and not triton_kernels.available():
+        raise ValueError("use_triton=True but Triton is not installed")
+    return triton_kernels.available()
+
+
+class FusedIGA(IGA):
+    """IGA whose ``combine`` runs :func:`batched_iga` over all owned modules at once.
+
+    Same parameters and results as :class:`iga_ds.methods.iga.IGA` with ``svd="randomized"``;
+    the exact SVD has no fused form and falls back to the per-module path.
+    """
+
+    def combine(self, modules: Sequence[ModuleGrads], step: int) -> list[ModuleUpdate]:
+        if self.svd != "randomized":
+            return super().combine(modules, step)
+        gens = [module_generator(self.seed, step, m.index, m.gA.device) for m in modules]
+        out = batched_iga(
+            modules, tau=self.tau, normalize=self.normalize, rank=self.rank, oversample=self.oversample,
+            power_iters=self.power_iters, generators=gens,
+        )
+        return [ModuleUpdate(gA, gB, stats) for gA, gB, stats in out]

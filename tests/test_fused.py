@@ -1,0 +1,240 @@
+"""batched_iga (the fast path) against iga_update (the per-module reference) and float64 numpy."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from iga_ds.lora.fused import FusedIGA, batched_iga
+from iga_ds.methods import ModuleGrads, get_method
+from iga_ds.methods.iga import iga_update
+from reference_impl import iga_reference
+
+# float32: observed worst 7e-6 on these problems (rounding amplified by the SVD), so ~1e-5 with margin
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
+FACTOR_TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
+STAT_TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+def make_module(index, N=4, r=4, d_in=48, d_out=40, dtype=torch.float64, scaling=2.0, seed=0, shared=0.7):
+    """Per-domain gradients near 1e-4 that share a common part, as real isomer gradients do."""
+    g = torch.Generator().manual_seed(1000 * seed + index)
+    A = torch.randn(r, d_in, generator=g, dtype=torch.float64) / d_in**0.5
+    B = torch.randn(d_out, r, generator=g, dtype=torch.float64) * 0.05
+    gA = shared * torch.randn(1, r, d_in, generator=g, dtype=torch.float64) + torch.randn(N, r, d_in, generator=g, dtype=torch.float64)
+    gB = shared * torch.randn(1, d_out, r, generator=g, dtype=torch.float64) + torch.randn(N, d_out, r, generator=g, dtype=torch.float64)
+    return ModuleGrads(f"m{index}", index, A.to(dtype), B.to(dtype), (gA * 1e-4).to(dtype), (gB * 1e-4).to(dtype), scaling)
+
+
+def generators(modules, base=100):
+    return [torch.Generator().manual_seed(base + m.index) for m in modules]
+
+
+def reference(m, base=100, **kw):
+    return iga_update(m.A, m.B, m.gA, m.gB, scaling=m.scaling, svd="randomized",
+                      generator=torch.Generator().manual_seed(base + m.index), **kw)
+
+
+def product(gA, gB, s):
+    return (s * gB.double() @ gA.double())
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def assert_matches_reference(modules, results, dtype, **kw):
+    for m, (gA, gB, stats) in zip(modules, results):
+        gA_ref, gB_ref, stats_ref = reference(m, **kw)
+        assert gA.shape == m.A.shape and gB.shape == m.B.shape and gA.dtype == m.A.dtype
+        assert rel(product(gA, gB, m.scaling), product(gA_ref, gB_ref, m.scaling)) < TOL[dtype], m.name
+        # the factors themselves (what AdamW sees), not only their product: signs must agree
+        assert rel(gA.double(), gA_ref.double()) < FACTOR_TOL[dtype], m.name
+        assert rel(gB.double(), gB_ref.double()) < FACTOR_TOL[dtype], m.name
+        for key in ("mask_mean", "mask_min", "gir", "energy_kept"):
+            assert stats[key] == pytest.approx(stats_ref[key], rel=STAT_TOL[dtype], abs=1e-300), key
+        # the reference averages the indicator in float32: compare with its rounding
+        assert stats["mask_frac_below_half"] == pytest.approx(stats_ref["mask_frac_below_half"], abs=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("normalize,tau", [("none", 1e8), ("mean", 0.5), ("snr", 0.5), ("mean", 3.0)])
+@pytest.mark.parametrize("shape", [(4, 48, 40), (8, 24, 64), (2, 33, 17)])
+def test_matches_iga_update(dtype, normalize, tau, shape):
+    r, d_in, d_out = shape
+    mods = [make_module(i, r=r, d_in=d_in, d_out=d_out, dtype=dtype) for i in range(3)]
+    out = batched_iga(mods, tau=tau, normalize=normalize, generators=generators(mods))
+    assert_matches_reference(mods, out, dtype, tau=tau, normalize=normalize)
+    # the mask acts in these settings, so the comparison is not of an unmasked mean
+    assert all(s["mask_mean"] < 0.99 for _, _, s in out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_mixed_shapes_tiles_and_batches(dtype):
+    # three shapes interleaved, scalings that differ, tiny tiles and batches: order must be kept
+    shapes = [(4, 48, 40), (6, 30, 50), (4, 48, 40), (4, 40, 48), (6, 30, 50), (4, 48, 40)]
+    mods = [make_module(i, r=r, d_in=a, d_out=b, dtype=dtype, scaling=1.0 + i / 4) for i, (r, a, b) in enumerate(shapes)]
+    for tile, batch in ((300, 1), (5000, 2 * 48 * 40 * 8), (1 << 24, 1 << 30)):
+        out = batched_iga(mods, tau=0.5, normalize="mean", generators=generators(mods),
+                          tile_elements=tile, batch_bytes=batch)
+        assert_matches_reference(mods, out, dtype, tau=0.5, normalize="mean")
+
+
+@pytest.mark.parametrize("rank,power_iters,oversample", [(2, 2, 10), (4, 0, 10), (4, 1, 3), (3, 2, 100)])
+def test_rank_power_iterations_and_sketch_width(rank, power_iters, oversample):
+    # oversample 100 makes the sketch as wide as the matrix: width = min(rank + p, out, in)
+    mods = [make_module(i, r=4, d_in=36, d_out=30) for i in range(2)]
+    kw = dict(tau=0.5, normalize="snr", rank=rank, power_iters=power_iters, oversample=oversample)
+    out = batched_iga(mods, generators=generators(mods), **kw)
+    assert_matches_reference(mods, out, torch.float64, **kw)
+    for gA, gB, _ in out:
+        assert torch.linalg.matrix_rank(gB @ gA).item() == rank
+
+
+def test_independent_float64_reference_when_sketch_is_exact():
+    # tau = 0: the matrix is the mean reconstruction, rank <= 2r = 8 < sketch width 14, so the
+    # randomized SVD is exact and the result is numpy's truncated SVD of the mean
+    mods = [make_module(i, r=4, d_in=30, d_out=26) for i in range(2)]
+    out = batched_iga(mods, tau=0.0, normalize="mean", generators=generators(mods))
+    for m, (gA, gB, stats) in zip(mods, out):
+        ref, g, mask, var = iga_reference(m.A, m.B, m.gA, m.gB, m.scaling, 0.0, 4, "mean")
+        np.testing.assert_allclose(product(gA, gB, m.scaling).numpy(), ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
+        assert stats["gir"] == pytest.approx(var.sum(), rel=1e-10)
+        assert stats["mask_mean"] == 1.0
+
+
+@pytest.mark.parametrize("normalize", ["none", "mean", "snr"])
+def test_masked_matrix_and_stats_against_numpy(normalize):
+    # the mask statistics against the independent numpy reference (not against iga_update)
+    tau = 1e8 if normalize == "none" else 0.7
+    m = make_module(0, r=3, d_in=20, d_out=22)
+    (_, _, stats), = batched_iga([m], tau=tau, normalize=normalize, generators=generators([m]), oversample=30)
+    _, g, mask, var = iga_reference(m.A, m.B, m.gA, m.gB, m.scaling, tau, 3, normalize)
+    assert stats["mask_mean"] == pytest.approx(mask.mean(), rel=1e-12)
+    assert stats["mask_min"] == pytest.approx(mask.min(), rel=1e-12)
+    assert stats["mask_frac_below_half"] == pytest.approx((mask < 0.5).mean(), abs=1e-15)
+    assert stats["gir"] == pytest.approx(var.sum(), rel=1e-12)
+    # oversample 30 makes the sketch span the whole 20-column matrix: energy is exact
+    S = np.linalg.svd(g, compute_uv=False)
+    assert stats["energy_kept"] == pytest.approx((S[:3] ** 2).sum() / (S**2).sum(), rel=1e-10)
+
+
+def test_identical_domains_and_zero_gradients():
+    m = make_module(0)
+    same = ModuleGrads("same", 1, m.A, m.B, m.gA[:1].expand(4, -1, -1).clone(), m.gB[:1].expand(4, -1, -1).clone(), 2.0)
+    zero = ModuleGrads("zero", 2, m.A, m.B, torch.zeros_like(m.gA), torch.zeros_like(m.gB), 2.0)
+    out = batched_iga([same, zero], tau=5.0, normalize="mean", generators=generators([same, zero]))
+    (gA, gB, s1), (zA, zB, s2) = out
+    assert s1["mask_mean"] == 1.0 and s1["gir"] == 0.0
+    assert torch.isfinite(gA).all() and torch.isfinite(gB).all()
+    assert zA.abs().max() == 0 and zB.abs().max() == 0 and s2["energy_kept"] == 1.0
+
+
+def test_low_precision_inputs_come_back_in_their_dtype():
+    m64 = make_module(0)
+    m16 = ModuleGrads("bf", 0, *(t.to(torch.bfloat16) for t in (m64.A, m64.B, m64.gA, m64.gB)), 2.0)
+    (gA, gB, _), = batched_iga([m16], generators=generators([m16]))
+    assert gA.dtype == gB.dtype == torch.bfloat16 and gA.shape == m16.A.shape
+    (gA32, gB32, _), = batched_iga([m16], generators=generators([m16]), tau=0.5)
+    assert torch.isfinite(gA32.float()).all()
+
+
+def test_fused_method_equals_registered_iga():
+    mods = [make_module(i, dtype=torch.float32) for i in range(4)]
+    params = dict(tau=0.5, normalize="snr", seed=3)
+    ref = get_method("iga", **params).combine(mods, step=5)
+    got = FusedIGA(**params).combine(mods, step=5)
+    for a, b, m in zip(got, ref, mods):
+        assert rel(product(a.gA, a.gB, m.scaling), product(b.gA, b.gB, m.scaling)) < 1e-5
+        assert a.stats["mask_mean"] == pytest.approx(b.stats["mask_mean"], rel=1e-5)
+
+
+def test_bad_input_is_refused():
+    m = make_module(0)
+    with pytest.raises(ValueError, match="one generator per module"):
+        batched_iga([m], generators=[])
+    with pytest.raises(ValueError, match="normalize"):
+        batched_iga([m], normalize="max", generators=generators([m]))
+    with pytest.raises(ValueError, match="rank"):
+        batched_iga([m], rank=9, generators=generators([m]))
+    bad = ModuleGrads("bad", 0, m.A, m.B, m.gA[:, :, :-1], m.gB, 2.0)
+    with pytest.raises(ValueError, match="bad: shapes disagree"):
+        batched_iga([bad], generators=generators([bad]))
+    with pytest.raises(ValueError, match="CUDA"):
+        batched_iga([m], generators=generators([m]), use_triton=True)
+
+
+def _cuda_modules(dtype=torch.float32, count=3, r=16, d_in=512, d_out=384):
+    return [ModuleGrads(m.name, m.index, *(t.cuda() for t in (m.A, m.B, m.gA, m.gB)), m.scaling)
+            for m in (make_module(i, r=r, d_in=d_in, d_out=d_out, dtype=dtype) for i in range(count))]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("use_triton", [False, True])
+@pytest.mark.parametrize("normalize", ["none", "mean", "snr"])
+def test_cuda_paths_match_reference(use_triton, normalize):
+    from iga_ds.lora import triton_kernels
+
+    if use_triton and not triton_kernels.available():
+        pytest.skip("Triton is not installed")
+    tau = 1e8 if normalize == "none" else 0.5
+    mods = _cuda_modules()
+    gens = [torch.Generator(device="cuda").manual_seed(100 + m.index) for m in mods]
+    out = batched_iga(mods, tau=tau, normalize=normalize, generators=gens, use_triton=use_triton)
+    for m, (gA, gB, stats) in zip(mods, out):
+        ref = iga_update(m.A, m.B, m.gA, m.gB, scaling=m.scaling, tau=tau, normalize=normalize,
+                         generator=torch.Generator(device="cuda").manual_seed(100 + m.index))
+        assert rel(product(gA, gB, m.scaling), product(ref[0], ref[1], m.scaling)) < 1e-4
+        assert stats["mask_mean"] == pytest.approx(ref[2]["mask_mean"], rel=1e-5)
+        assert stats["gir"] == pytest.approx(ref[2]["gir"], rel=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_peak_memory_is_one_matrix_per_module_not_n():
+    mods = _cuda_modules(count=1, d_in=2048, d_out=2048)
+    gens = [torch.Generator(device="cuda").manual_seed(1)]
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    batched_iga(mods, tau=0.5, normalize="mean", generators=gens, tile_elements=1 << 20)
+    extra = torch.cuda.max_memory_allocated() - base
+    one_matrix = 2048 * 2048 * 4
+    assert extra < 2.5 * one_matrix, f"peak {extra / one_matrix:.2f} out x in matrices (N = 4 would be >= 4)"
+
+
+def _triton_tile_pass_matches_torch() -> None:
+    """Run under TRITON_INTERPRET=1 (CPU): the kernel's tile pass against the PyTorch one."""
+    from iga_ds.lora import fused, triton_kernels
+
+    for normalize, tau in (("none", 1e8), ("mean", 0.5), ("snr", 0.5)):
+        for r, d_in, d_out in ((4, 48, 40), (2, 33, 17)):
+            mods = [make_module(i, r=r, d_in=d_in, d_out=d_out, dtype=torch.float32) for i in range(2)]
+            st = fused._stacks(mods, generators(mods), 1 << 30)[0]
+            factors = fused._factors(st)
+            mean_var, mean_sq = fused._mask_scale(*factors, d_in * d_out)
+            omega = torch.randn(2, d_in, 10, generator=torch.Generator().manual_seed(0))
+            kw = dict(tau=tau, normalize=normalize, mean_var=mean_var, mean_sq=mean_sq)
+            ref = fused._tile_pass_torch(*factors, omega, tile_elements=1 << 20, **kw)
+            got = triton_kernels.tile_pass_triton(*factors, omega, block_m=32, block_n=32, **kw)
+            assert rel(got[0], ref[0]) < 1e-6 and rel(got[1], ref[1]) < 1e-6, (normalize, r)
+            for key in ref[2]:
+                torch.testing.assert_close(got[2][key], ref[2][key], rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(got[3], ref[3], rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+def test_triton_kernel_in_interpreter_matches_torch_tile_pass():
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    here = os.path.dirname(__file__)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = "import test_fused; test_fused._triton_tile_pass_matches_torch()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=here, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,0 +1,136 @@
+"""`iga-ds report` on a synthetic results folder written here."""
+from __future__ import annotations
+
+import json
+import random
+import statistics
+from pathlib import Path
+
+import pytest
+
+from iga_ds.cli import main
+from iga_ds.errors import DataError
+from iga_ds.evaluation.report import build_report
+from iga_ds.evaluation.results import load_results
+
+BENCHES = ("logiqa2", "synthetic")
+SEEDS = (0, 1, 2)
+
+
+def _eval(bench: str, id_acc: float, ood_acc: float, lcs: dict[int, float] | None) -> dict:
+    out = {
+        "schema": "iga-ds.eval/1", "benchmark": bench, "accuracy": (id_acc + ood_acc) / 2,
+        "id_accuracy": id_acc, "ood_accuracy": ood_acc, "delta_gap": id_acc - ood_acc,
+        "items": [{"id": "x"}],
+    }
+    if lcs:
+        out["lcs"] = {"default_layer": max(lcs), "layers": {str(k): v / 100 for k, v in lcs.items()},
+                      "layers_x1e-2": {str(k): v for k, v in lcs.items()}}
+    return out
+
+
+def _write_results(root: Path) -> dict:
+    """Cells for ERM, Pareto and IGA x 3 seeds plus one IGA ablation; returns the raw numbers."""
+    rng = random.Random(7)
+    truth: dict = {}
+    plan = [("erm", None, 60.0, 14.0), ("pareto", None, 66.0, 9.0), ("iga", None, 72.0, 3.0),
+            ("iga_binary", "iga_binary", 69.0, 4.0)]
+    for method, ablation, base_acc, base_lcs in plan:
+        for seed in SEEDS:
+            cell = root / f"{method}-s{seed}"
+            (cell / "eval").mkdir(parents=True)
+            wall = rng.uniform(1000, 3000)
+            info = {"method": method, "seed": seed, "ablation": ablation, "wall_time_s": wall, "epochs": 1,
+                    "peak_mem_gb": 10.0, "trainable_params": 2_000_000}
+            (cell / "cell.json").write_text(json.dumps(info))
+            for bench in BENCHES:
+                id_acc = base_acc + 8 + rng.uniform(-1, 1)
+                ood_acc = base_acc + rng.uniform(-1, 1)
+                lcs = {1: base_lcs * 0.8 + rng.uniform(0, 0.1), 2: base_lcs + rng.uniform(0, 0.1)} if bench == "synthetic" else None
+                (cell / "eval" / f"{bench}.json").write_text(json.dumps(_eval(bench, id_acc, ood_acc, lcs)))
+                truth[(method, seed, bench)] = (id_acc, ood_acc, lcs)
+            truth[(method, seed, "wall")] = wall
+            (cell / "metrics.jsonl").write_text(
+                "".join(json.dumps({"step": s, "loss": 1 / (s + 1), "mask_mean": 1 - 0.01 * s}) + "\n" for s in range(5))
+            )
+    return truth
+
+
+def _pm(values) -> str:
+    return f"{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}"
+
+
+def _row(report: str, label: str, section: str) -> list[str]:
+    part = report.split(section, 1)[1]
+    line = next(l for l in part.splitlines() if l.startswith(f"| {label} |"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_report_tables_and_figures(tmp_path):
+    truth = _write_results(tmp_path)
+    assert main(["report", str(tmp_path)]) == 0
+    report = (tmp_path / "report.md").read_text()
+
+    # Table 2: columns logiqa2 ID, logiqa2 OOD, synthetic ID, synthetic OOD, LCS, Avg gap
+    iga = _row(report, "IGA", "## Main results")
+    erm = _row(report, "ERM-SFT", "## Main results")
+    want_ood = _pm([truth[("iga", s, "logiqa2")][1] for s in SEEDS])
+    assert iga[2] == "**" + want_ood.replace(" ±", "** ±")  # best OOD accuracy: bold
+    assert erm[2] == _pm([truth[("erm", s, "logiqa2")][1] for s in SEEDS])
+    lcs_vals = [truth[("iga", s, "synthetic")][2][2] for s in SEEDS]
+    assert iga[5] == f"**{statistics.mean(lcs_vals):.2f}** ± {statistics.stdev(lcs_vals):.2f}"  # lowest LCS: bold
+    gaps = [statistics.mean([truth[("erm", s, b)][0] - truth[("erm", s, b)][1] for b in BENCHES]) for s in SEEDS]
+    assert erm[6].replace("**", "") == f"{statistics.mean(gaps):.2f} ± {statistics.stdev(gaps):.2f}"
+    assert report.index("| ERM-SFT |") < report.index("| Pareto-GS |") < report.index("| IGA |")
+
+    # Table 3: the ablation row and its change from full IGA
+    abl = _row(report, "binary mask (AND-style)", "## Ablations")
+    full = statistics.mean([truth[("iga", s, "logiqa2")][1] for s in SEEDS])
+    mine = statistics.mean([truth[("iga_binary", s, "logiqa2")][1] for s in SEEDS])
+    assert abl[2] == f"{mine - full:+.1f}"
+    assert _row(report, "Full IGA", "## Ablations")[2] == "—"
+    assert "| ERM-SFT (reference) |" in report
+
+    # Table 4: accuracy per compute-hour = average OOD accuracy / hours per epoch
+    eff = _row(report, "Pareto-GS", "## Efficiency")
+    per_seed = [
+        statistics.mean([truth[("pareto", s, b)][1] for b in BENCHES]) / (truth[("pareto", s, "wall")] / 3600)
+        for s in SEEDS
+    ]
+    assert eff[5].replace("**", "") == f"{statistics.mean(per_seed):.2f} ± {statistics.stdev(per_seed):.2f}"
+    assert eff[3] == "2.00 ± 0.00"  # trainable params in millions, the same for every seed
+
+    # Table 6 and its IGA / ERM ratio
+    ratio = _row(report, "IGA / ERM ratio", "## LCS by layer")
+    iga2 = statistics.mean(truth[("iga", s, "synthetic")][2][2] for s in SEEDS)
+    erm2 = statistics.mean(truth[("erm", s, "synthetic")][2][2] for s in SEEDS)
+    assert ratio[2] == f"{iga2 / erm2:.2f}"
+
+    for name in ("ood_accuracy", "lcs_layers", "mask_stats", "ood_vs_time"):
+        png = tmp_path / "figures" / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"figures/{name}.png" in report
+
+
+def test_single_seed_and_missing_values(tmp_path):
+    cell = tmp_path / "a"
+    cell.mkdir()
+    (cell / "cell.json").write_text(json.dumps({"method": "iga", "seed": 0}))
+    (cell / "eval.json").write_text(json.dumps({"benchmark": "synthetic", "accuracy": 50.0, "id_accuracy": 50.0,
+                                                "ood_accuracy": None, "delta_gap": None}))
+    report = build_report(load_results(tmp_path))
+    row = _row(report, "IGA", "## Main results")
+    assert row[1:] == ["50.0", "–", "–", "–"]  # one seed: no ± ; no OOD split, no LCS: dashes
+    assert "No ablation runs." in report
+
+
+def test_report_errors(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "none")]) == 2
+    assert "no such results folder" in capsys.readouterr().err
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "cell.json").write_text(json.dumps({"method": "iga", "seed": "zero"}))
+    with pytest.raises(DataError, match=r"c/cell.json: field 'seed': expected an integer"):
+        load_results(tmp_path)
+    (tmp_path / "c" / "cell.json").write_text("{oops")
+    assert main(["report", str(tmp_path)]) == 2
+    assert "cell.json:1: not valid JSON" in capsys.readouterr().err

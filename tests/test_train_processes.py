@@ -1,0 +1,119 @@
+"""Real processes: `iga-ds train` stopped by SIGTERM, and a 2-rank run resumed on 1 rank."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from test_train_support import run_config_dict, tiny_base, write_isomer_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def _env(**extra):
+    env = dict(os.environ, DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        env.pop(key, None)
+    env.update(extra)
+    return env
+
+
+def _write_config(tmp_path, data, base, name, **over) -> Path:
+    cfg = run_config_dict(tmp_path, data, output_dir=str(tmp_path / name), **over)
+    cfg["model"] = {"name_or_path": str(base)}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _steps(out: Path) -> list[int]:
+    f = out / "metrics.jsonl"
+    return [json.loads(x)["step"] for x in f.read_text().splitlines()] if f.is_file() else []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("procs")
+    data = write_isomer_jsonl(tmp / "train.jsonl", groups=8, seed=2)
+    return tmp, data, tiny_base(tmp, data)
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_saves_exits_zero_and_resumes(setup):
+    tmp, data, base = setup
+    cfg = _write_config(tmp, data, base, "sig", **{"schedule.max_steps": 100000})
+    out = tmp / "sig"
+    proc = subprocess.Popen([str(REPO / ".venv/bin/iga-ds"), "train", "--config", str(cfg)], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while not _steps(out) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    log = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, log[-2000:]
+    stopped_at = _steps(out)[-1]
+    assert "stopped at step" in log
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{stopped_at:08d}"
+    # resume: continues after the checkpoint, each step logged once
+    res = subprocess.run(
+        [str(REPO / ".venv/bin/iga-ds"), "train", "--config", str(cfg), f"checkpoint.stop_at_step={stopped_at + 2}"],
+        env=_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert _steps(out) == list(range(1, stopped_at + 3))
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_then_resume_on_one_matches_single_rank_run(setup):
+    import torch
+    from safetensors.torch import load_file
+
+    from iga_ds.train.config import load_run_config
+    from iga_ds.train.trainer import Trainer
+
+    tmp, data, base = setup
+    over = {"schedule.max_steps": 4, "data.groups_per_step": 2, "data.groups_per_micro_batch": 1}
+    cfg2 = _write_config(tmp, data, base, "ws", **over, **{"checkpoint.stop_at_step": 2})
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(REPO / "launch/train.py"), "--config", str(cfg2)],
+            env=_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in range(2)
+    ]
+    logs = [p.communicate(timeout=200)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+    ckpt = tmp / "ws" / "checkpoints" / "step_00000002"
+    assert sorted(x.name for x in ckpt.glob("*optim_states.pt")) and len(list(ckpt.glob("*optim_states.pt"))) == 2
+
+    # the same run on one rank: accumulation over 2 micro-batches replaces the second rank
+    resumed = Trainer(load_run_config(cfg2, ["checkpoint.stop_at_step=null"]), quiet=True).run()
+    single = Trainer(load_run_config(_write_config(tmp, data, base, "ws1", **over)), quiet=True).run()
+    assert resumed.status == single.status == "completed"
+    two_rank_losses = [json.loads(x)["loss"] for x in (tmp / "ws" / "metrics.jsonl").read_text().splitlines()]
+    assert len(two_rank_losses) == 4
+    assert two_rank_losses == pytest.approx([h["loss"] for h in single.history], rel=1e-5)
+    a = load_file(str(resumed.adapter_dir / "adapter_model.safetensors"))
+    b = load_file(str(single.adapter_dir / "adapter_model.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6)
+    # and training moved the adapter away from its initialization (lora_B starts at zero)
+    assert any(k.endswith("lora_B.weight") and a[k].abs().max() > 0 for k in a)
