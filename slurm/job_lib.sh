@@ -35,12 +35,14 @@ iga_nccl_env() {
     export DEEPSPEED_TIMEOUT=${DEEPSPEED_TIMEOUT:-30}
 }
 
-# Caches on writable, shared paths: a container run as the calling user cannot write /root.
+# Caches on writable paths the job owns. The default base, ~/.cache, is where Hugging Face and
+# torch look anyway, so builds and downloads are shared with runs outside Slurm; the container
+# templates mount it, since a container run as the calling user cannot write the image's /root.
 iga_cache_env() {
-    local base=${IGA_CACHE_DIR:-$IGA_WORKDIR/.cache}
-    export HF_HOME=${HF_HOME:-$base/huggingface}
-    export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$base/torch_extensions}
-    export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$base/triton}
+    export IGA_CACHE_DIR=${IGA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}}
+    export HF_HOME=${HF_HOME:-$IGA_CACHE_DIR/huggingface}
+    export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$IGA_CACHE_DIR/torch_extensions}
+    export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$IGA_CACHE_DIR/triton}
     mkdir -p "$HF_HOME" "$TORCH_EXTENSIONS_DIR" "$TRITON_CACHE_DIR"
 }
 

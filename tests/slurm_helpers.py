@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
+FINISHED_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+                   "DEADLINE", "PREEMPTED"}
 CLIENTS = ("sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo")
 
 
@@ -174,6 +176,13 @@ class LocalSlurm:
             time.sleep(0.5)
         raise TimeoutError(f"job {job_id} still {state} after {timeout:.0f} s; {self.logs_tail()}")
 
+    def wait_done(self, job_id: str, timeout: float) -> tuple[str, int]:
+        """Poll until the job ends (faster than ``sbatch --wait``, which backs off to 30 s polls).
+
+        Returns the final state and the batch script's exit code."""
+        state = self.wait_state(job_id, FINISHED_STATES, timeout)
+        return state, int(self.job_field(job_id, "ExitCode").split(":")[0])
+
     def wait_idle(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         last = ""
@@ -305,3 +314,16 @@ if env.rank == 0:
     json.dump({"steps": step}, open(os.path.join(out, "adapter", "adapter_config.json"), "w"))
 print(f"rank {env.rank}: done after step {step}", flush=True)
 '''
+
+
+def local_slurm_fixture(tmp_path_factory):
+    """Body of the module-scoped ``local_slurm`` fixture: skip cleanly where Slurm is absent."""
+    import pytest
+
+    missing = missing_slurm_tools()
+    if missing:
+        pytest.skip(f"Slurm not installed (missing {', '.join(missing)}); "
+                    "Debian slurm-wlm and munge, installed on CI by .ci/system-deps")
+    root = tmp_path_factory.mktemp("slurm")
+    with LocalSlurm(root) as cluster:
+        yield cluster

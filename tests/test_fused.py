@@ -1,11 +1,16 @@
 """batched_iga (the fast path) against iga_update (the per-module reference) and float64 numpy."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 
-from iga_ds.lora.fused import FusedIGA, batched_iga
+from iga_ds.lora.fused import batched_iga
 from iga_ds.methods import ModuleGrads, get_method
 from iga_ds.methods.iga import iga_update
 from reference_impl import iga_reference
@@ -142,8 +147,8 @@ def test_low_precision_inputs_come_back_in_their_dtype():
 def test_fused_method_equals_registered_iga():
     mods = [make_module(i, dtype=torch.float32) for i in range(4)]
     params = dict(tau=0.5, normalize="snr", seed=3)
-    ref = get_method("iga", **params).combine(mods, step=5)
-    got = FusedIGA(**params).combine(mods, step=5)
+    ref = get_method("iga", implementation="reference", **params).combine(mods, step=5)
+    got = get_method("iga", implementation="fused", **params).combine(mods, step=5)
     for a, b, m in zip(got, ref, mods):
         assert rel(product(a.gA, a.gB, m.scaling), product(b.gA, b.gB, m.scaling)) < 1e-5
         assert a.stats["mask_mean"] == pytest.approx(b.stats["mask_mean"], rel=1e-5)
@@ -208,28 +213,26 @@ def _triton_tile_pass_matches_torch() -> None:
     """Run under TRITON_INTERPRET=1 (CPU): the kernel's tile pass against the PyTorch one."""
     from iga_ds.lora import fused, triton_kernels
 
-    for normalize, tau in (("none", 1e8), ("mean", 0.5), ("snr", 0.5)):
-        for r, d_in, d_out in ((4, 48, 40), (2, 33, 17)):
-            mods = [make_module(i, r=r, d_in=d_in, d_out=d_out, dtype=torch.float32) for i in range(2)]
-            st = fused._stacks(mods, generators(mods), 1 << 30)[0]
-            factors = fused._factors(st)
-            mean_var, mean_sq = fused._mask_scale(*factors, d_in * d_out)
-            omega = torch.randn(2, d_in, 10, generator=torch.Generator().manual_seed(0))
-            kw = dict(tau=tau, normalize=normalize, mean_var=mean_var, mean_sq=mean_sq)
-            ref = fused._tile_pass_torch(*factors, omega, tile_elements=1 << 20, **kw)
-            got = triton_kernels.tile_pass_triton(*factors, omega, block_m=32, block_n=32, **kw)
-            assert rel(got[0], ref[0]) < 1e-6 and rel(got[1], ref[1]) < 1e-6, (normalize, r)
-            for key in ref[2]:
-                torch.testing.assert_close(got[2][key], ref[2][key], rtol=1e-5, atol=1e-7)
-            torch.testing.assert_close(got[3], ref[3], rtol=1e-5, atol=0)
+    cases = [("none", 1e8, "ieee", (4, 48, 40)), ("mean", 0.5, "ieee", (2, 33, 17)),
+             ("snr", 0.5, "ieee", (4, 48, 40)), ("mean", 0.5, "tf32x3", (4, 48, 40))]
+    for normalize, tau, precision, (r, d_in, d_out) in cases:
+        mods = [make_module(i, r=r, d_in=d_in, d_out=d_out, dtype=torch.float32) for i in range(2)]
+        st = fused._stacks(mods, generators(mods), 1 << 30)[0]
+        factors = fused._factors(st)
+        mean_var, mean_sq = fused._mask_scale(*factors, d_in * d_out)
+        omega = torch.randn(2, d_in, 10, generator=torch.Generator().manual_seed(0))
+        kw = dict(tau=tau, normalize=normalize, mean_var=mean_var, mean_sq=mean_sq)
+        ref = fused._tile_pass_torch(*factors, omega, tile_elements=1 << 20, **kw)
+        got = triton_kernels.tile_pass_triton(*factors, omega, block_m=32, block_n=32, precision=precision, **kw)
+        assert rel(got[0], ref[0]) < 1e-6 and rel(got[1], ref[1]) < 1e-6, (normalize, r)
+        for key in ref[2]:
+            torch.testing.assert_close(got[2][key], ref[2][key], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(got[3], ref[3], rtol=1e-5, atol=0)
 
 
 @pytest.mark.slow
 def test_triton_kernel_in_interpreter_matches_torch_tile_pass():
     import importlib.util
-    import os
-    import subprocess
-    import sys
 
     if importlib.util.find_spec("triton") is None:
         pytest.skip("Triton is not installed")
@@ -238,3 +241,35 @@ def test_triton_kernel_in_interpreter_matches_torch_tile_pass():
     code = "import test_fused; test_fused._triton_tile_pass_matches_torch()"
     proc = subprocess.run([sys.executable, "-c", code], cwd=here, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+
+
+@pytest.mark.slow
+def test_bench_method_small_runs_on_cpu(tmp_path):
+    out = tmp_path / "method.json"
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "bench_method.py"), "--small", "--reps", "2",
+                           "--warmup", "0", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert set(report["variants"]) >= {"naive", "per_module", "batched_torch"}
+    assert report["within_tolerance"] and report["max_rel_err"] < 1e-4
+    assert "batched_torch" in proc.stdout and "tolerance" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_step_smoke_runs_on_cpu(tmp_path):
+    out = tmp_path / "step.json"
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    cmd = [sys.executable, os.path.join(BENCH, "bench_step.py"), "--methods", "erm,iga_fused", "--dtype", "fp32",
+           "--layers", "1", "--hidden", "64", "--vocab", "128", "--seq", "16", "--steps", "2", "--warmup", "1",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    erm, iga = report["results"]
+    assert (erm["method"], iga["method"]) == ("erm", "iga_fused")
+    assert iga["method_ms"] > 0 and erm["method_ms"] == 0
+    assert iga["ratio_step"] == pytest.approx(iga["step_ms"] / erm["step_ms"])
+    assert report["env"]["world_size"] == 1 and "step x" in proc.stdout

@@ -28,8 +28,8 @@ from typing import Sequence
 
 import torch
 
-from iga_ds.methods.base import ModuleGrads, ModuleUpdate, module_generator
-from iga_ds.methods.iga import IGA, NORMALIZATIONS, SNR_EPS
+from iga_ds.methods.base import ModuleGrads
+from iga_ds.methods.iga import NORMALIZATIONS, SNR_EPS
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # the stacked masked matrices of one batch of equal-shape modules stay under this many bytes
@@ -75,7 +75,7 @@ def _stacks(modules: Sequence[ModuleGrads], generators, batch_bytes: int) -> lis
                 B=torch.stack([modules[i].B for i in part]).to(wd),
                 gA=torch.stack([modules[i].gA for i in part]).to(wd),
                 gB=torch.stack([modules[i].gB for i in part]).to(wd),
-                scaling=torch.tensor([float(modules[i].scaling) for i in part], dtype=wd, device=modules[i].gA.device),
+                scaling=torch.tensor([float(modules[i].scaling) for i in part], dtype=wd, device=modules[part[0]].gA.device),
                 generators=[generators[i] for i in part],
             ))
     return out
@@ -207,7 +207,8 @@ def _draw_omega(generators, d_in: int, width: int, dtype, device) -> torch.Tenso
     ])
 
 
-def _run_stack(st: _Stack, *, tau, normalize, rank, oversample, power_iters, tile_elements, use_triton):
+def _run_stack(st: _Stack, *, tau, normalize, rank, oversample, power_iters, tile_elements, use_triton,
+               triton_precision):
     M, N, r, d_in = st.gA.shape
     d_out = st.B.shape[1]
     k = r if rank is None else int(rank)
@@ -221,7 +222,7 @@ def _run_stack(st: _Stack, *, tau, normalize, rank, oversample, power_iters, til
         from iga_ds.lora.triton_kernels import tile_pass_triton
 
         masked, sketch, stats, energy_total = tile_pass_triton(
-            left_mean, right_mean, left_dev, right_dev, omega, **kwargs)
+            left_mean, right_mean, left_dev, right_dev, omega, precision=triton_precision, **kwargs)
     else:
         masked, sketch, stats, energy_total = _tile_pass_torch(
             left_mean, right_mean, left_dev, right_dev, omega, tile_elements=tile_elements, **kwargs)
@@ -251,6 +252,7 @@ def batched_iga(
     batch_bytes: int = DEFAULT_BATCH_BYTES,
     tile_elements: int = DEFAULT_TILE_ELEMENTS,
     use_triton: bool | None = None,
+    triton_precision: str = "ieee",
 ) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, float]]]:
     """IGA (continuous mask, randomized SVD) for every module, in the order given.
 
@@ -259,7 +261,8 @@ def batched_iga(
     would. Peak memory per module is one out x in matrix plus row-tile temporaries, not N.
     ``batch_bytes`` caps how many modules of one shape are stacked at once; ``tile_elements``
     caps a row tile's temporaries. ``use_triton``: None picks the Triton tile pass for float32
-    CUDA tensors when Triton imports, False forces PyTorch. float16/bfloat16 inputs are
+    CUDA tensors when Triton imports, False forces PyTorch; ``triton_precision`` is the
+    kernel's ``tl.dot`` precision, "ieee" or "tf32x3". float16/bfloat16 inputs are
     computed in float32 and returned in their own dtype.
     """
     _check(modules, generators, rank, normalize, tau)
@@ -270,6 +273,7 @@ def batched_iga(
         gA_new, gB_new, stats = _run_stack(
             st, tau=float(tau), normalize=normalize, rank=rank, oversample=int(oversample),
             power_iters=int(power_iters), tile_elements=int(tile_elements), use_triton=triton_ok,
+            triton_precision=triton_precision,
         )
         # one device-to-host copy for all statistics of the stack
         keys = list(stats)
@@ -290,21 +294,3 @@ def _triton_wanted(use_triton: bool | None, device: torch.device) -> bool:
     if use_triton and not triton_kernels.available():
         raise ValueError("use_triton=True but Triton is not installed")
     return triton_kernels.available()
-
-
-class FusedIGA(IGA):
-    """IGA whose ``combine`` runs :func:`batched_iga` over all owned modules at once.
-
-    Same parameters and results as :class:`iga_ds.methods.iga.IGA` with ``svd="randomized"``;
-    the exact SVD has no fused form and falls back to the per-module path.
-    """
-
-    def combine(self, modules: Sequence[ModuleGrads], step: int) -> list[ModuleUpdate]:
-        if self.svd != "randomized":
-            return super().combine(modules, step)
-        gens = [module_generator(self.seed, step, m.index, m.gA.device) for m in modules]
-        out = batched_iga(
-            modules, tau=self.tau, normalize=self.normalize, rank=self.rank, oversample=self.oversample,
-            power_iters=self.power_iters, generators=gens,
-        )
-        return [ModuleUpdate(gA, gB, stats) for gA, gB, stats in out]

@@ -292,12 +292,12 @@ def load_run_config(path: str | os.PathLike | None, overrides: list[str] | None 
     raw = apply_overrides(raw, overrides or [])
     try:
         cfg = _build(RunConfig, raw)
+        cfg.validate()
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}" if path is not None else str(exc)) from None
     cfg.deepspeed = resolve_relative(cfg.deepspeed, base)
     cfg.data.train = resolve_relative(cfg.data.train, base)
     cfg.model.name_or_path = resolve_relative(cfg.model.name_or_path, base)
-    cfg.validate()
     return cfg
 
 

@@ -98,10 +98,10 @@ class TinyBaseConfig:
     num_layers: int = 2
     num_heads: int = 4
     max_length: int = 384
-    steps: int = 250
+    steps: int = 150
     batch_size: int = 16
     lr: float = 3e-3
-    warmup_steps: int = 20
+    warmup_steps: int = 15
     weight_decay: float = 0.01
     seed: int = 0
 
@@ -198,7 +198,7 @@ def _pretrain(model, tokenizer, texts: Sequence[str], config: TinyBaseConfig, pr
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     model.eval()
     return losses

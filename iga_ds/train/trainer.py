@@ -125,7 +125,8 @@ def load_ds_json(path: str) -> dict[str, Any]:
         raise ConfigError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
 
 
-def build_ds_config(run: RunConfig, ds_raw: dict[str, Any], world_size: int, accum: int, source: str = "deepspeed"):
+def build_ds_config(run: RunConfig, ds_raw: dict[str, Any], world_size: int, accum: int, source: str = "deepspeed",
+                    cpu: bool | None = None):
     """DeepSpeed dict and IGA block for this run: batch sizes from the run YAML, method from the
     run YAML when it names one, domains from ``data.domains`` when given."""
     from iga_ds.ds import IGAConfig, split_config
@@ -160,7 +161,7 @@ def build_ds_config(run: RunConfig, ds_raw: dict[str, Any], world_size: int, acc
     ds.setdefault("steps_per_print", 10**9)
     zero = ds.setdefault("zero_optimization", {})
     zero.setdefault("elastic_checkpoint", True)  # resume at another world size
-    if _use_cpu():
+    if _use_cpu() if cpu is None else cpu:
         for key in ("fp16", "bf16"):
             if ds.get(key, {}).get("enabled"):
                 raise ConfigError(f"{source}: {key} is enabled but this run is on the CPU; use ds_configs/zero2_fp32.json")

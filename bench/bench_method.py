@@ -1,0 +1,286 @@
+"""Time the IGA method alone on the LoRA modules of a model: naive PyTorch, per module, batched.
+
+One GPU, LLaMA-2-7B shapes (32 layers x q,k,v,o, 4096 x 4096, r 16, N 4 domains):
+
+    python bench/bench_method.py --out bench_method.json
+
+CPU smoke test (a few small modules): ``python bench/bench_method.py --small``.
+
+Variants, all on the same random factors and per-domain gradients:
+
+- ``naive``: per module, N full-rank float32 reconstructions with bmm, mean, variance, mask,
+  ``torch.svd_lowrank`` (q = r + oversample, niter = power iterations);
+- ``per_module``: the registered ``iga`` method (``iga_update`` module by module), the float32
+  reference the fast path must match;
+- ``batched_torch`` / ``batched_triton`` / ``batched_triton_tf32x3``:
+  :func:`iga_ds.lora.fused.batched_iga` with the PyTorch tile pass / the Triton kernel in
+  true float32 / the Triton kernel with three-pass TF32 products (CUDA with Triton only).
+
+Timing: CUDA events (``perf_counter`` on CPU), warm-up runs, then the median of ``--reps``.
+Accuracy: relative error of ``s * gB_new @ gA_new`` of each batched variant against the
+float32 per-module reference (same Gaussian sketches), and of both against float64 on a few
+modules, so the tolerance reached can be read against float32's own rounding.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from iga_ds.lora.fused import batched_iga  # noqa: E402
+from iga_ds.methods import ModuleGrads, get_method, module_generator  # noqa: E402
+from iga_ds.methods.iga import normalize_variance  # noqa: E402
+
+SMALL = dict(layers=2, hidden=256, rank=8, reps=3, warmup=1)
+
+
+def lora_shapes(config: dict) -> list[tuple[str, int, int]]:
+    """(name, in, out) of q, k, v, o for every layer of a LLaMA-style config (grouped-query aware)."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv = config.get("num_key_value_heads") or heads
+    per_layer = [("q_proj", hidden, heads * head_dim), ("k_proj", hidden, kv * head_dim),
+                 ("v_proj", hidden, kv * head_dim), ("o_proj", heads * head_dim, hidden)]
+    return [(f"layers.{i}.{n}", d_in, d_out) for i in range(config["num_hidden_layers"]) for n, d_in, d_out in per_layer]
+
+
+def make_modules(shapes, *, rank, alpha, domains, device, seed=0, dtype=torch.float32) -> list[ModuleGrads]:
+    """Factors and per-domain gradients at the scale of a LoRA run some steps in.
+
+    A as PEFT initialises it (uniform, bound 1/sqrt(in)); B small but non-zero; per-domain
+    gradients near 1e-4 with a part shared by all domains (isomers agree on much) and a part
+    of their own.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*size):
+        return torch.randn(*size, generator=gen, device=device, dtype=dtype)
+
+    mods = []
+    for index, (name, d_in, d_out) in enumerate(shapes):
+        A = (torch.rand(rank, d_in, generator=gen, device=device, dtype=dtype) * 2 - 1) / math.sqrt(d_in)
+        B = randn(d_out, rank) * 2e-3
+        gA = 1e-4 * (randn(1, rank, d_in) + randn(domains, rank, d_in))
+        gB = 1e-4 * (randn(1, d_out, rank) + randn(domains, d_out, rank))
+        mods.append(ModuleGrads(name, index, A, B, gA, gB, alpha / rank))
+    return mods
+
+
+def naive(modules, *, tau, normalize, oversample, power_iters):
+    """What a first PyTorch version does: N full-rank gradients per module, svd_lowrank."""
+    out = []
+    for m in modules:
+        N = m.num_domains
+        G = m.scaling * (torch.bmm(m.gB, m.A.expand(N, -1, -1)) + torch.bmm(m.B.expand(N, -1, -1), m.gA))
+        mean, var = G.mean(0), G.var(0, unbiased=False)
+        del G
+        masked = mean * torch.exp(-tau * normalize_variance(var, mean, normalize))
+        r = m.A.shape[0]
+        U, S, V = torch.svd_lowrank(masked, q=r + oversample, niter=power_iters)
+        root = S[:r].sqrt() / math.sqrt(m.scaling)
+        out.append((root[:, None] * V[:, :r].mT, U[:, :r] * root))
+    return out
+
+
+def build_variants(modules, args, device):
+    params = dict(tau=args.tau, normalize=args.normalize, oversample=args.oversample, power_iters=args.power_iters)
+    method = get_method("iga", seed=0, **params)
+    step = 1
+
+    def per_module():
+        return [(u.gA, u.gB) for u in method.combine(modules, step)]
+
+    def batched(use_triton, precision="ieee"):
+        def run():
+            gens = [module_generator(0, step, m.index, device) for m in modules]
+            out = batched_iga(modules, generators=gens, use_triton=use_triton, triton_precision=precision, **params)
+            return [(a, b) for a, b, _ in out]
+        return run
+
+    variants = {"per_module": per_module, "batched_torch": batched(False)}
+    if not args.skip_naive:
+        variants = {"naive": lambda: naive(modules, **params), **variants}
+    from iga_ds.lora import triton_kernels
+
+    if device.type == "cuda" and triton_kernels.available():
+        variants["batched_triton"] = batched(True)
+        variants["batched_triton_tf32x3"] = batched(True, "tf32x3")
+    return variants
+
+
+def time_it(fn, device, warmup: int, reps: int) -> list[float]:
+    """Milliseconds per call: CUDA events on GPU, perf_counter on CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
+def peak_extra_mib(fn, device) -> float | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del result
+    return peak / 2**20
+
+
+def product_errors(results, reference, modules) -> list[float]:
+    errs = []
+    for (gA, gB), (rA, rB), m in zip(results, reference, modules):
+        got, ref = gB.double() @ gA.double(), rB.double() @ rA.double()
+        errs.append(float((got - ref).norm() / ref.norm()))
+    return errs
+
+
+def float64_check(modules, args, device, count: int) -> dict:
+    """Errors of the float32 paths against float64 on the first ``count`` modules (same sketches)."""
+    sub = modules[:count]
+    wide = [ModuleGrads(m.name, m.index, m.A.double(), m.B.double(), m.gA.double(), m.gB.double(), m.scaling) for m in sub]
+    params = dict(tau=args.tau, normalize=args.normalize, oversample=args.oversample, power_iters=args.power_iters)
+    method = get_method("iga", seed=0, **params)
+    ref64 = [(u.gA, u.gB) for u in method.combine(wide, 1)]
+    ref32 = [(u.gA, u.gB) for u in method.combine(sub, 1)]
+    gens = [module_generator(0, 1, m.index, device) for m in sub]
+    fast = [(a, b) for a, b, _ in batched_iga(sub, generators=gens, use_triton=False, **params)]
+    return {"modules": count,
+            "per_module_f32_vs_f64_max": max(product_errors(ref32, ref64, sub)),
+            "batched_torch_f32_vs_f64_max": max(product_errors(fast, ref64, sub))}
+
+
+def environment(device) -> dict:
+    import importlib.metadata as md
+
+    def version(pkg):
+        try:
+            return md.version(pkg)
+        except md.PackageNotFoundError:
+            return None
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "triton": version("triton"),
+           "cuda": torch.version.cuda, "device": str(device)}
+    env["card"] = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    return env
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", help="Hugging Face config JSON to take the shapes from (default: LLaMA-2-7B)")
+    p.add_argument("--layers", type=int, help="keep only this many layers")
+    p.add_argument("--hidden", type=int, help="override hidden_size (and the matching widths)")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--alpha", type=float, default=32.0)
+    p.add_argument("--domains", type=int, default=4)
+    p.add_argument("--tau", type=float, default=0.5)
+    p.add_argument("--normalize", default="mean", choices=["none", "mean", "snr"])
+    p.add_argument("--oversample", type=int, default=10)
+    p.add_argument("--power-iters", type=int, default=2)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--tol", type=float, default=1e-4, help="pass mark for the batched paths against the float32 reference")
+    p.add_argument("--f64-modules", type=int, default=4, help="modules checked against float64 (0: skip)")
+    p.add_argument("--skip-naive", action="store_true")
+    p.add_argument("--small", action="store_true", help="a few small modules, for a CPU smoke test")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default="bench_method.json")
+    args = p.parse_args(argv)
+    if args.small:  # small defaults, still overridden by what the command line names
+        p.set_defaults(**SMALL)
+        args = p.parse_args(argv)
+    return args
+
+
+def model_config(args) -> dict:
+    from bench_step import LLAMA2_7B, load_config
+
+    config = load_config(args.config) if args.config else dict(LLAMA2_7B)
+    if args.hidden:
+        heads = max(1, args.hidden // 64)
+        config.update(hidden_size=args.hidden, num_attention_heads=heads, num_key_value_heads=heads)
+        config.pop("head_dim", None)
+    if args.layers:
+        config["num_hidden_layers"] = args.layers
+    return config
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    shapes = lora_shapes(model_config(args))
+    modules = make_modules(shapes, rank=args.rank, alpha=args.alpha, domains=args.domains, device=device)
+    variants = build_variants(modules, args, device)
+    print(f"{len(modules)} LoRA modules, r={args.rank}, N={args.domains}, tau={args.tau}, "
+          f"normalize={args.normalize}, device {environment(device)['card']}", flush=True)
+
+    reference = variants["per_module"]()
+    rows = {}
+    for name, fn in variants.items():
+        times = time_it(fn, device, args.warmup, args.reps)
+        errs = product_errors(fn(), reference, modules)
+        rows[name] = {
+            "median_ms": statistics.median(times),
+            "p10_ms": sorted(times)[len(times) // 10],
+            "p90_ms": sorted(times)[min(len(times) - 1, (9 * len(times)) // 10)],
+            "peak_extra_mib": peak_extra_mib(fn, device),
+            "max_rel_err_vs_f32_reference": max(errs),
+            "median_rel_err_vs_f32_reference": statistics.median(errs),
+        }
+        print(f"  {name}: {rows[name]['median_ms']:.2f} ms", flush=True)
+    check64 = float64_check(modules, args, device, min(args.f64_modules, len(modules))) if args.f64_modules else None
+
+    batched = [k for k in rows if k.startswith("batched")]
+    reached = max(rows[k]["max_rel_err_vs_f32_reference"] for k in batched)
+    env = environment(device)
+    base = rows.get("naive", rows["per_module"])["median_ms"]
+    print()
+    print(f"card: {env['card']} | torch {env['torch']} | CUDA {env['cuda']} | triton {env['triton']}")
+    print(f"{'variant':<16}{'median ms':>11}{'p10':>9}{'p90':>9}{'peak MiB':>10}{'speed-up':>10}{'max rel err':>13}")
+    for name, row in rows.items():
+        mib = "-" if row["peak_extra_mib"] is None else f"{row['peak_extra_mib']:.0f}"
+        note = "  (other sketch)" if name == "naive" else ""
+        print(f"{name:<16}{row['median_ms']:>11.2f}{row['p10_ms']:>9.2f}{row['p90_ms']:>9.2f}{mib:>10}"
+              f"{base / row['median_ms']:>9.1f}x{row['max_rel_err_vs_f32_reference']:>13.1e}{note}")
+    if check64:
+        print(f"against float64 on {check64['modules']} modules: per_module f32 {check64['per_module_f32_vs_f64_max']:.1e}, "
+              f"batched_torch f32 {check64['batched_torch_f32_vs_f64_max']:.1e}")
+    ok = reached <= args.tol
+    print(f"batched vs float32 reference: max relative error {reached:.1e} (tolerance {args.tol:g}): "
+          + ("within" if ok else "EXCEEDED"))
+    report = {"env": env, "settings": {k: v for k, v in vars(args).items() if k != "out"},
+              "modules": len(modules), "shapes": sorted({(d_in, d_out) for _, d_in, d_out in shapes}),
+              "variants": rows, "float64_check": check64, "tolerance": args.tol, "max_rel_err": reached,
+              "within_tolerance": ok}
+    from iga_ds.utils_io import atomic_write_json
+
+    atomic_write_json(args.out, report)
+    print(f"wrote {args.out}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,397 @@
+"""End-to-end optimizer-step benchmark: ERM against IGA in a DeepSpeed ZeRO-2 engine.
+
+LLaMA-2-7B architecture from a config dict (random bf16 weights, nothing downloaded; any
+Hugging Face config JSON with ``--config``), PEFT LoRA r 16 alpha 32 on q, k, v, o, ZeRO-2,
+micro-batch 4 x 512 tokens, gradient accumulation 4: one optimizer step is 4 isomer groups
+x 4 domains, each micro-batch one group (one sequence per domain).
+
+One command, each method in its own process (clean peak memory), on 1, 2 or 4 GPUs:
+
+    python bench/bench_step.py --gpus 1 --out bench_step_1gpu.json
+    python bench/bench_step.py --gpus 4 --out bench_step_4gpu.json
+
+Under a launcher the script is one rank and runs the methods one after the other:
+
+    deepspeed --num_gpus 2 bench/bench_step.py --methods erm,iga --out step.json
+    torchrun --nproc_per_node 2 bench/bench_step.py --methods erm,iga --out step.json
+
+CPU smoke run: ``DS_ACCELERATOR=cpu python bench/bench_step.py --dtype fp32 --layers 1
+--hidden 64 --seq 16 --steps 2 --warmup 1``.
+
+Methods: ``erm``, ``iga`` (the registered method, module by module) and ``iga_fused``
+(the same method through :func:`iga_ds.lora.fused.batched_iga`).
+Measured per method: median optimizer-step time over ``--steps`` steps after ``--warmup``
+(``torch.cuda.synchronize`` around each), tokens per second (all ranks), peak memory
+(``torch.cuda.max_memory_allocated``, max over ranks), and from the engine hook the time of
+the method and of its collectives. The hook's capture overhead is derived: IGA step minus
+ERM step minus method minus communication.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+# LLaMA-2-7B (Touvron et al., 2023, "Llama 2: Open Foundation and Fine-Tuned Chat Models"),
+# the fields of its Hugging Face config that set the shapes
+LLAMA2_7B = {
+    "model_type": "llama",
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+}
+METHODS = ("erm", "iga", "iga_fused")
+DOMAINS = ["math", "medical", "legal", "science"]
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+def load_config(path: str) -> dict:
+    from iga_ds.errors import ConfigError
+
+    try:
+        with open(path) as fh:
+            config = json.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the model config ({exc.strerror})") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: line {exc.lineno}: not valid JSON ({exc.msg})") from None
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers"):
+        if not isinstance(config.get(key), int):
+            raise ConfigError(f"{path}: field {key!r}: expected an integer, got {config.get(key)!r}")
+    return config
+
+
+def model_config(args) -> dict:
+    config = load_config(args.config) if args.config else dict(LLAMA2_7B)
+    if args.hidden:
+        heads = max(1, args.hidden // 64)
+        config.update(hidden_size=args.hidden, num_attention_heads=heads, num_key_value_heads=heads,
+                      intermediate_size=int(args.hidden * 8 / 3 // 16 * 16) or 16)
+        config.pop("head_dim", None)
+    if args.layers:
+        config["num_hidden_layers"] = args.layers
+    if args.vocab:
+        config["vocab_size"] = args.vocab
+    return config
+
+
+def ds_config(args, world: int) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": args.gas,
+        "train_batch_size": args.micro * args.gas * world,
+        "gradient_clipping": 1.0,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {
+            "stage": 2,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": 50_000_000,
+            "allgather_bucket_size": 50_000_000,
+        },
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if args.dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def build_model(config: dict, args, device):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    torch.manual_seed(0)
+    fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type", "torch_dtype", "dtype")}
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build in the training dtype: a float32 7B would not fit first
+    try:
+        with torch.device(device):
+            base = LlamaForCausalLM(LlamaConfig(**fields))
+    finally:
+        torch.set_default_dtype(previous)
+    lora = LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=0.0,
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    model = get_peft_model(base, lora)
+    with torch.no_grad():  # B = 0 at PEFT's start; a run some steps in has B != 0
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 1e-3)
+    if args.grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    return model
+
+
+def micro_batches(args, vocab: int, device, step: int):
+    """Whole isomer groups per micro-batch: sequence i is domain i % 4 (random tokens, all targets)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(step)
+    for _ in range(args.gas):
+        ids = torch.randint(0, vocab, (args.micro, args.seq), generator=gen).to(device)
+        yield ids, torch.ones_like(ids), torch.arange(args.micro, device=device) % len(DOMAINS)
+
+
+def run_method(method: str, args, rank: int, world: int, device) -> dict:
+    import deepspeed
+    import torch
+
+    from iga_ds.ds import IGAConfig, attach
+    from iga_ds.train.batching import sequence_losses
+
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    config = model_config(args)
+    model = build_model(config, args, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(args, world))
+    # "iga" is the per-module reference path, "iga_fused" the batched fast path: one method
+    iga_params = {} if method == "erm" else {
+        "tau": args.tau, "normalize": args.normalize,
+        "implementation": "fused" if method == "iga_fused" else "reference",
+    }
+    hook = attach(engine, IGAConfig(method="erm" if method == "erm" else "iga", params=iga_params,
+                                    domains=list(DOMAINS)))
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    times, hook_stats = [], []
+    from tqdm import tqdm
+
+    for step in tqdm(range(args.warmup + args.steps), desc=method, disable=rank != 0):
+        if step == args.warmup and cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        sync()
+        t0 = time.perf_counter()
+        for ids, attn, domains in micro_batches(args, config["vocab_size"], device, step):
+            with hook.micro_batch(domains):
+                logits = engine(input_ids=ids, attention_mask=attn).logits
+                loss = hook.objective(sequence_losses(logits, ids), domains)
+                engine.backward(loss)
+            engine.step()
+        sync()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+            stats = hook.pop_stats()
+            hook_stats.append({k: stats.get(k, 0.0) for k in ("time/comm_s", "time/method_s", "time/boundary_s")})
+    steady_peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+    # the whole run's peak (model build included) is not resettable back; report steady-state peak
+    peak = torch.tensor([float(steady_peak)], device=device)
+    if world > 1:
+        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+    step_s = statistics.median(times)
+    tokens = args.micro * args.seq * args.gas * world
+    result = {
+        "method": method,
+        "step_ms": 1e3 * step_s,
+        "step_ms_all": [1e3 * t for t in times],
+        "tokens_per_s": tokens / step_s,
+        "tokens_per_s_per_gpu": tokens / step_s / world,
+        "peak_gib": float(peak.item()) / 2**30 if cuda else None,
+        "method_ms": 1e3 * statistics.median(s["time/method_s"] for s in hook_stats),
+        "comm_ms": 1e3 * statistics.median(s["time/comm_s"] for s in hook_stats),
+        "trainable_params": sum(p.numel() for p in params),
+    }
+    hook.detach()
+    del engine, hook, model, optimizer, params
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def environment(device, world: int) -> dict:
+    import platform
+
+    import torch
+
+    import importlib.metadata as md
+
+    def version(pkg):
+        try:
+            return md.version(pkg)
+        except md.PackageNotFoundError:
+            return None
+
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
+    return {"card": card, "world_size": world, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "deepspeed": version("deepspeed"), "transformers": version("transformers"), "peft": version("peft"),
+            "triton": version("triton"), "python": platform.python_version()}
+
+
+def worker(args) -> int:
+    """One rank: run the methods of --methods one after the other, rank 0 writes --out."""
+    import datetime
+
+    import deepspeed
+    import torch
+
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", args.local_rank if args.local_rank is not None else 0))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
+    if cuda:
+        torch.cuda.set_device(local)
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if not cuda and args.dtype == "bf16":
+        print("no CUDA: running in float32", file=sys.stderr)
+        args.dtype = "fp32"
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world))
+    os.environ.setdefault("LOCAL_RANK", str(local))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=1800))
+    results = [run_method(m, args, rank, world, device) for m in args.methods]
+    if rank == 0:
+        from iga_ds.utils_io import atomic_write_json
+
+        report = summarize(results, environment(device, world), args)
+        atomic_write_json(args.out, report)
+        if not args.as_worker:  # the driver prints the merged table
+            print_table(report)
+            print(f"wrote {args.out}")
+    return 0
+
+
+def summarize(results: list[dict], env: dict, args) -> dict:
+    by_name = {r["method"]: r for r in results}
+    erm = by_name.get("erm")
+    for r in results:
+        if erm is not None and r["method"] != "erm":
+            r["ratio_step"] = r["step_ms"] / erm["step_ms"]
+            r["ratio_tokens_per_s"] = r["tokens_per_s"] / erm["tokens_per_s"]
+            if r["peak_gib"] and erm["peak_gib"]:
+                r["ratio_peak"] = r["peak_gib"] / erm["peak_gib"]
+            r["extra_ms"] = r["step_ms"] - erm["step_ms"]
+            # the capture adds work inside forward/backward, which no clock in the hook isolates
+            r["capture_ms_derived"] = r["extra_ms"] - r["method_ms"] - r["comm_ms"]
+    settings = {k: getattr(args, k) for k in ("micro", "seq", "gas", "rank", "alpha", "dtype", "tau", "normalize",
+                                              "warmup", "steps", "layers", "hidden", "config", "grad_ckpt")}
+    return {"env": env, "settings": settings, "results": results}
+
+
+def print_table(report: dict) -> None:
+    env, s = report["env"], report["settings"]
+    print(f"\ncard: {env['card']} x {env['world_size']} | torch {env['torch']} | CUDA {env['cuda']} | "
+          f"deepspeed {env['deepspeed']} | transformers {env['transformers']} | peft {env['peft']}")
+    print(f"micro-batch {s['micro']} x {s['seq']} tokens, accumulation {s['gas']}, LoRA r {s['rank']} alpha {s['alpha']}, "
+          f"{s['dtype']}, median of {s['steps']} steps after {s['warmup']}")
+    head = ["method", "step ms", "tok/s", "tok/s/GPU", "peak GiB", "method ms", "comm ms", "capture ms*",
+            "step x", "peak x"]
+    print("".join(f"{h:>12}" for h in head))
+
+    def cell(value, fmt):
+        return f"{'-' if value is None else format(value, fmt):>12}"
+
+    for r in report["results"]:
+        print(f"{r['method']:>12}" + cell(r["step_ms"], ".1f") + cell(r["tokens_per_s"], ",.0f")
+              + cell(r["tokens_per_s_per_gpu"], ",.0f") + cell(r["peak_gib"], ".2f")
+              + cell(r["method_ms"] if r["method"] != "erm" else None, ".1f")
+              + cell(r["comm_ms"] if r["method"] != "erm" else None, ".1f")
+              + cell(r.get("capture_ms_derived"), ".1f") + cell(r.get("ratio_step"), ".3f")
+              + cell(r.get("ratio_peak"), ".3f"))
+    print("* derived: IGA step - ERM step - method - communication. Targets on one H100: "
+          "step x <= 1.03, peak x <= 1.03, method <= 20 ms.")
+
+
+def drive(args, argv: list[str]) -> int:
+    """Run each method in its own torch.distributed launch of --gpus processes, then merge."""
+    parts = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for method in args.methods:
+            part = os.path.join(tmp, f"{method}.json")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
+                   os.path.abspath(__file__), *strip_driver_args(argv), "--methods", method, "--out", part,
+                   "--as-worker"]
+            print("+", " ".join(cmd), flush=True)
+            rc = subprocess.call(cmd)
+            if rc != 0:
+                print(f"method {method} failed (exit {rc})", file=sys.stderr)
+                return rc
+            parts.append(json.load(open(part)))
+    results = [r for p in parts for r in p["results"]]
+    report = summarize(results, parts[0]["env"], args)
+    from iga_ds.utils_io import atomic_write_json
+
+    atomic_write_json(args.out, report)
+    print_table(report)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def strip_driver_args(argv: list[str]) -> list[str]:
+    """The command line without the options the driver sets itself."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in ("--methods", "--out", "--gpus"):
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--methods", default="erm,iga_fused,iga", help=f"comma-separated, from {', '.join(METHODS)}")
+    p.add_argument("--gpus", type=int, default=1, help="processes per method when not under a launcher")
+    p.add_argument("--config", help="Hugging Face config JSON (default: LLaMA-2-7B)")
+    p.add_argument("--layers", type=int, help="keep this many layers (smoke tests)")
+    p.add_argument("--hidden", type=int, help="override hidden_size (smoke tests)")
+    p.add_argument("--vocab", type=int, help="override vocab_size (smoke tests)")
+    p.add_argument("--micro", type=int, default=4, help="sequences per micro-batch (one isomer group)")
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--gas", type=int, default=4, help="gradient accumulation steps")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--alpha", type=float, default=32.0)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--tau", type=float, default=0.5)
+    p.add_argument("--normalize", choices=["none", "mean", "snr"], default="mean")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing (non-reentrant)")
+    p.add_argument("--out", default="bench_step.json")
+    p.add_argument("--as-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in args.methods if m not in METHODS]
+    if bad:
+        p.error(f"--methods: unknown {bad[0]!r}; expected some of {', '.join(METHODS)}")
+    if args.micro % len(DOMAINS):
+        p.error(f"--micro must be a multiple of {len(DOMAINS)}: a micro-batch holds whole isomer groups")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    under_launcher = args.as_worker or any(v in os.environ for v in LAUNCHER_VARS) or args.local_rank is not None
+    if under_launcher or (args.gpus == 1 and len(args.methods) == 1):
+        return worker(args)
+    return drive(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

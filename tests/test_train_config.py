@@ -1,0 +1,228 @@
+"""Run config, schedule, batching, loss and tokenizer, each against a plain reference."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from iga_ds.errors import ConfigError
+from test_train_support import DOMAINS, run_config_dict, write_isomer_jsonl
+
+
+# -- config ----------------------------------------------------------------------------------
+
+
+def test_defaults_follow_the_paper():
+    from iga_ds.train.config import RunConfig
+
+    cfg = RunConfig()
+    assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.target_modules) == (16, 32.0, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    s = cfg.schedule
+    assert (s.lr, s.warmup_ratio, s.weight_decay, s.betas) == (2e-4, 0.03, 0.01, [0.9, 0.999])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("lora.r=sixteen", "lora.r: expected an integer"),
+        ("lora.rank=4", "lora.rank: unknown key"),
+        ("schedule.lr=fast", "schedule.lr: expected a number"),
+        ("schedule.betas=[0.9]", "schedule.betas: expected two numbers"),
+        ("data.groups_per_step=0", "data.groups_per_step: expected a positive integer"),
+        ("logging.progress=3", "logging.progress: expected true or false"),
+        ("data.domains=math", "data.domains: expected a list of a string or null"),
+        ("lora=4", "lora: expected a mapping"),
+    ],
+)
+def test_config_errors_name_the_key_and_the_expected_type(tmp_path, override, message):
+    from iga_ds.train.config import load_run_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("output_dir: out\n")
+    with pytest.raises(ConfigError) as err:
+        load_run_config(path, [override])
+    assert message in str(err.value)
+    assert str(path) in str(err.value)
+
+
+def test_overrides_are_yaml_values_and_scientific_notation_is_a_number(tmp_path):
+    from iga_ds.train.config import load_run_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("schedule:\n  lr: 2e-4\n")  # YAML 1.1 reads this as a string
+    cfg = load_run_config(path, ["schedule.max_steps=7", "method.name=vrex", "data.domains=[math, legal]"])
+    assert cfg.schedule.lr == 2e-4 and cfg.schedule.max_steps == 7
+    assert cfg.method.name == "vrex" and cfg.data.domains == ["math", "legal"]
+
+
+def test_broken_yaml_reports_the_line(tmp_path):
+    from iga_ds.train.config import load_run_config
+
+    path = tmp_path / "bad.yaml"
+    path.write_text("lora:\n  r: 4\n  alpha: [8\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:\d+: not valid YAML"):
+        load_run_config(path)
+
+
+def test_ds_config_batch_sizes_and_method_override(tmp_path):
+    from iga_ds.train.config import config_from_dict
+    from iga_ds.train.trainer import build_ds_config
+
+    data = write_isomer_jsonl(tmp_path / "d.jsonl", 2)
+    cfg = config_from_dict(run_config_dict(tmp_path, data, **{"data.groups_per_step": 8,
+                                                              "data.groups_per_micro_batch": 2}))
+    raw = {"train_batch_size": "auto", "zero_optimization": {"stage": 2},
+           "iga": {"method": "iga", "domains": DOMAINS}}
+    ds, iga = build_ds_config(cfg, raw, world_size=2, accum=2, cpu=True)
+    assert iga.method == "erm"  # the run YAML's method wins over the JSON's
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (8, 2, 32)
+    with pytest.raises(ConfigError, match="train_batch_size is 64"):
+        build_ds_config(cfg, {**raw, "train_batch_size": 64}, world_size=2, accum=2, cpu=True)
+    with pytest.raises(ConfigError, match="'optimizer'"):
+        build_ds_config(cfg, {**raw, "optimizer": {"type": "Adam"}}, world_size=2, accum=2, cpu=True)
+    with pytest.raises(ConfigError, match="bf16 is enabled"):
+        build_ds_config(cfg, {**raw, "bf16": {"enabled": True}}, world_size=2, accum=2, cpu=True)
+
+
+def test_batch_layout_errors():
+    from iga_ds.train.batching import check_batch_layout
+
+    assert check_batch_layout(8, 2, 2) == 2
+    with pytest.raises(ConfigError, match="multiple of the world size 3"):
+        check_batch_layout(8, 2, 3)
+    with pytest.raises(ConfigError, match="groups_per_micro_batch"):
+        check_batch_layout(8, 3, 2)
+
+
+# -- schedule --------------------------------------------------------------------------------
+
+
+def test_lr_schedule_matches_a_literal_warmup_cosine():
+    from iga_ds.train.optim import lr_lambda
+
+    total, ratio, floor = 100, 0.03, 0.1
+    f = lr_lambda(total, ratio, floor)
+    warm = 3  # ceil(0.03 * 100)
+    for step in range(total):
+        if step < warm:
+            ref = (step + 1) / warm
+        else:
+            progress = (step - warm) / (total - warm)
+            ref = floor + (1 - floor) * (1 + math.cos(math.pi * progress)) / 2
+        assert f(step) == pytest.approx(ref, abs=1e-12)
+    assert f(warm) == pytest.approx(1.0) and f(total - 1) > floor
+
+
+# -- batching --------------------------------------------------------------------------------
+
+
+def test_sampler_batches_do_not_depend_on_the_world_size():
+    from iga_ds.train.batching import GroupSampler
+
+    s = GroupSampler(num_groups=23, groups_per_step=4, seed=5)
+    assert s.steps_per_epoch == 5
+    for step in range(12):
+        whole = s.step_groups(step)
+        assert len(set(whole)) == 4
+        assert sum((s.rank_groups(step, r, 2) for r in range(2)), []) == whole
+        assert sum((s.rank_groups(step, r, 4) for r in range(4)), []) == whole
+    # an epoch visits distinct groups; the next epoch is another permutation
+    epoch0 = sum((s.step_groups(i) for i in range(5)), [])
+    assert len(set(epoch0)) == 20
+    assert s.epoch_order(0) != s.epoch_order(1)
+
+
+def test_incomplete_groups_are_dropped_and_domains_ordered(tmp_path):
+    from iga_ds.train.batching import complete_groups, read_records
+
+    recs = read_records(write_isomer_jsonl(tmp_path / "d.jsonl", 3))
+    recs = [r for r in recs if not (r["group_id"] == "g0001" and r["domain"] == "legal")]
+    groups = complete_groups(list(reversed(recs)), DOMAINS)
+    assert sorted(g[0]["group_id"] for g in groups) == ["g0000", "g0002"]
+    assert all([r["domain"] for r in g] == DOMAINS for g in groups)
+
+
+class _CharTokenizer:
+    """One id per character: makes the expected masks easy to write down."""
+
+    bos_token_id, eos_token_id, pad_token_id = 1, 2, 0
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [3 + ord(c) % 50 for c in text]}
+
+
+def test_prompt_is_masked_and_target_kept():
+    from iga_ds.train.batching import IGNORE_INDEX, encode_example
+
+    ids, labels = encode_example(_CharTokenizer(), "abc", "xy", max_length=64)
+    assert len(ids) == 1 + 3 + 2 + 1
+    assert labels == [IGNORE_INDEX] * 4 + ids[4:]
+    # too long: the prompt loses its beginning, the target stays whole
+    ids, labels = encode_example(_CharTokenizer(), "abcdefgh", "xy", max_length=6)
+    assert len(ids) == 6 and labels[-3:] == ids[-3:] and labels.count(IGNORE_INDEX) == 3
+
+
+def test_collate_pads_and_assigns_domain_ids(tmp_path):
+    from iga_ds.train.batching import IGNORE_INDEX, collate, complete_groups, read_records
+
+    groups = complete_groups(read_records(write_isomer_jsonl(tmp_path / "d.jsonl", 2)), DOMAINS)
+    mb = collate(_CharTokenizer(), groups, DOMAINS, max_length=512)
+    assert mb.domain_ids.tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert (mb.labels[mb.attention_mask == 0] == IGNORE_INDEX).all()
+    assert mb.num_target_tokens == int((mb.labels != IGNORE_INDEX).sum())
+
+
+def test_sequence_losses_match_a_float64_loop():
+    import torch
+
+    from iga_ds.train.batching import IGNORE_INDEX, sequence_losses
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 7, 11, generator=gen)
+    labels = torch.randint(0, 11, (3, 7), generator=gen)
+    labels[0, :3] = IGNORE_INDEX
+    labels[1, 5:] = IGNORE_INDEX
+    labels[2, :6] = IGNORE_INDEX
+    got = sequence_losses(logits, labels)
+    for b in range(3):
+        terms = []
+        for t in range(6):
+            y = int(labels[b, t + 1])
+            if y != IGNORE_INDEX:
+                logp = torch.log_softmax(logits[b, t].double(), dim=-1)
+                terms.append(-float(logp[y]))
+        assert float(got[b]) == pytest.approx(sum(terms) / len(terms), rel=1e-6)
+
+
+# -- tokenizer and tiny base -----------------------------------------------------------------
+
+
+def test_word_tokenizer_is_lossless_and_word_level():
+    from iga_ds.train.model import build_vocab, build_word_tokenizer
+
+    corpus = ["the dose is 12 .\nAnswer: yes", "the fine is 3 ."]
+    tok = build_word_tokenizer(build_vocab(corpus))
+    for text in corpus + ["the 907 !"]:
+        assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+    # words outside the generator's vocabulary are unknown; digits and punctuation never are
+    assert tok.decode(tok("an unseen dose, 907!", add_special_tokens=False)["input_ids"]) == "[UNK][UNK] dose, 907!"
+    pieces = tok.convert_ids_to_tokens(tok("the dose is 12", add_special_tokens=False)["input_ids"])
+    assert pieces == ["the", " dose", " is", " 1", "2"]
+
+
+def test_tiny_base_is_cached_by_content(tmp_path):
+    from iga_ds.train.model import TinyBaseConfig, ensure_tiny_base
+
+    cfg = TinyBaseConfig(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, max_length=32,
+                         steps=2, batch_size=2, warmup_steps=1)
+    calls = []
+    texts = ["the dose is 3 .", "the fine is 4 ."]
+    first = ensure_tiny_base(texts, cfg, tmp_path, progress=False, log=calls.append)
+    again = ensure_tiny_base(texts, cfg, tmp_path, progress=False, log=calls.append)
+    other = ensure_tiny_base(texts + ["more text"], cfg, tmp_path, progress=False, log=calls.append)
+    assert first == again != other
+    assert sum("pretraining" in c for c in calls) == 2 and any("cached" in c for c in calls)
+    assert not list((tmp_path / "tiny-base").glob(".*tmp"))  # nothing half-written left behind
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(first).config.model_type == "llama"
