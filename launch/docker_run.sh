@@ -2,7 +2,7 @@
 # Single node, no Slurm: selfcheck, then training on all GPUs of this machine in the image
 # (`docker run --gpus all --ipc=host`, the DeepSpeed launcher inside the container).
 #
-#   IGA_IMAGE=iga-ds:0.1.0 launch/docker_run.sh --config configs/example_gpu.yaml \
+#   IGA_IMAGE=iga-ds:0.1.0 launch/docker_run.sh --config configs/llama2_7b_iga.yaml \
 #       --deepspeed ds_configs/zero2.json max_steps=100
 #
 # Runs as the calling user (files in the checkout stay yours); the checkout is mounted at

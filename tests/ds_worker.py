@@ -64,6 +64,8 @@ def main() -> int:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout))
     model = tiny_peft_llama(seed=0, dropout=0.0)
+    if cuda:
+        model.to(torch.device("cuda", int(os.environ["LOCAL_RANK"])))
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=make_optimizer(params, s),
                                            config=ds_config(s, world))

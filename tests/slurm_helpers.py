@@ -22,7 +22,7 @@ CLIENTS = ("sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo")
 
 
 def missing_slurm_tools() -> list[str]:
-    """Names of the programs this helper needs that are not on PATH (empty when all are)."""
+    """Names of the programs this module needs that are not on PATH (empty when all are)."""
     search = os.environ.get("PATH", "") + os.pathsep + "/usr/sbin" + os.pathsep + "/sbin"
     return [name for name in DAEMONS + CLIENTS if shutil.which(name, path=search) is None]
 

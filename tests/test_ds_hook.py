@@ -70,7 +70,8 @@ def run(tmp_path, s, world=2):
     scen = tmp_path / "scenario.json"
     scen.write_text(json.dumps(s))
     out = tmp_path / "out.pt"
-    results = launch(WORKER, world, [str(scen), str(out)])
+    accelerator = {"DS_ACCELERATOR": "cuda"} if s.get("cuda") else {}
+    results = launch(WORKER, world, [str(scen), str(out)], extra_env=accelerator)
     for rc, text in results:
         assert rc == 0, text[-4000:]
     return torch.load(out, weights_only=True)

@@ -100,6 +100,20 @@ def test_no_requeue_without_signal_and_max_requeues_respected(local_slurm, tmp_p
     assert json.loads((out / "checkpoint-rank0.json").read_text())["step"] >= 2
 
 
+def synth_data(tmp_path: Path) -> str:
+    """A small isomer data set from the project's own generator (no external data)."""
+    import subprocess
+
+    out = tmp_path / "data"
+    subprocess.run([sys.executable, "-m", "iga_ds.cli", "data", "synth", "--out", str(out), "--groups", "40",
+                    "--no-progress"], check=True, capture_output=True, timeout=120, cwd=REPO)
+    return str(out / "train.jsonl")
+
+
+# 2 ranks x 2 groups per micro-batch = the config's 4 groups per step
+TRAINER_OVERRIDES = ("data.groups_per_micro_batch=2",)
+
+
 def _trainer_ready() -> str | None:
     missing = [p for p in ("launch/train.py", "configs/tiny_cpu.yaml", "ds_configs/zero2_fp32.json")
                if not (REPO / p).exists()]
@@ -110,7 +124,8 @@ def _trainer_ready() -> str | None:
 def test_requeue_with_the_real_trainer(local_slurm, tmp_path):
     out = tmp_path / "out"
     max_steps = 60
-    job = submit(local_slurm, tmp_path, f"max_steps={max_steps}")
+    job = submit(local_slurm, tmp_path, f"data.train={synth_data(tmp_path)}", *TRAINER_OVERRIDES,
+                 f"schedule.max_steps={max_steps}")
 
     def metric_steps() -> list[int]:
         path = out / "metrics.jsonl"

@@ -17,11 +17,16 @@ from test_train_support import run_config_dict, tiny_base, write_isomer_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
+# taken at import: in-process runs of other tests export RANK, LOCAL_WORLD_SIZE, ... later
+_CLEAN_ENV = dict(os.environ)
+_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "CROSS_RANK", "CROSS_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK",
+              "OMPI_COMM_WORLD_SIZE")
 
 
 def _env(**extra):
-    env = dict(os.environ, DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+    env = dict(_CLEAN_ENV, DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    for key in _RANK_VARS:
         env.pop(key, None)
     env.update(extra)
     return env
@@ -93,7 +98,8 @@ def test_two_ranks_then_resume_on_one_matches_single_rank_run(setup):
     procs = [
         subprocess.Popen(
             [sys.executable, str(REPO / "launch/train.py"), "--config", str(cfg2)],
-            env=_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+            env=_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=port),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for r in range(2)

@@ -92,7 +92,7 @@ class IGAEngineHook:
         self.method = config.build_method()
         check_engine(engine, self.method.needs_domain_gradients)
         self.num_domains = config.num_domains
-        self.device = engine.device
+        self.device = torch.device(engine.device)
         self._stats: dict = {}
         self._nonfinite_loss = False
         self.skipped_last_step = False
@@ -196,7 +196,7 @@ class IGAEngineHook:
     def _combine(self, step: int):
         """Reduce to owners, run the method, gather: returns per-module (gA, gB), a non-finite flag, stats."""
         N, lay = self.num_domains, self.layout
-        t0 = time.perf_counter()
+        t0 = self._now()
         counts = self.comm.all_reduce_sum(self.capture.counts.to(self.device))
         counts_cpu = counts.cpu()
         if bool((counts_cpu == 0).any()):
@@ -210,7 +210,7 @@ class IGAEngineHook:
         else:
             summed = self.comm.reduce_scatter_sum(self.flat_in)
             mine, base = self.owned, self.comm.rank * lay.in_chunk
-        t1 = time.perf_counter()
+        t1 = self._now()
         inv = (1.0 / counts).to(torch.float32)
         grads = []
         for m in mine:
@@ -220,39 +220,41 @@ class IGAEngineHook:
             gB = summed[off + nA: off + nA + nB].view(N, m.out_features, m.rank) * inv.view(N, 1, 1)
             grads.append(ModuleGrads(m.name, m.index, m.lora_A.weight.detach().float(),
                                      m.lora_B.weight.detach().float(), gA, gB, m.scaling))
-        bad = any(not bool(torch.isfinite(g.gA).all() and torch.isfinite(g.gB).all()) for g in grads)
+        bad = not _all_finite([t for g in grads for t in (g.gA, g.gB)], self.device)
         results = self.method.combine(grads, step) if grads and not bad else []
-        t2 = time.perf_counter()
+        t2 = self._now()
         per_module_stats = {}
         if global_scope:
             updates = [(u.gA, u.gB) for u in results] if results else None
             for m, u in zip(mine, results):
                 per_module_stats[m.name] = u.stats
             method_stats = {f"method/{k}": v for k, v in (results[0].stats if results else {}).items()}
-            bad = bad or (updates is not None and any(not bool(torch.isfinite(a).all() and torch.isfinite(b).all())
-                                                       for a, b in updates))
+            bad = bad or (updates is not None and not _all_finite([t for u in updates for t in u], self.device))
             t3 = t2
         else:
             out = torch.zeros(lay.out_chunk, dtype=torch.float32, device=self.device)
             obase = self.comm.rank * lay.out_chunk
-            for m, u in zip(mine, results):
+            # statistics are host floats: one host-to-device copy for all of them
+            table = torch.tensor([[float(u.stats.get(k, math.nan)) for k in STAT_KEYS] for u in results],
+                                 dtype=torch.float32).to(self.device)
+            for j, (m, u) in enumerate(zip(mine, results)):
                 off = lay.out_offsets[m.index] - obase
                 nA, nB = m.rank * m.in_features, m.out_features * m.rank
                 out[off: off + nA] = u.gA.reshape(-1)
                 out[off + nA: off + nA + nB] = u.gB.reshape(-1)
-                out[off + nA + nB: off + nA + nB + len(STAT_KEYS)] = torch.tensor(
-                    [float(u.stats.get(k, math.nan)) for k in STAT_KEYS])
-            bad = bad or any(not bool(torch.isfinite(u.gA).all() and torch.isfinite(u.gB).all()) for u in results)
+                out[off + nA + nB: off + nA + nB + len(STAT_KEYS)] = table[j]
+            bad = bad or not _all_finite([t for u in results for t in (u.gA, u.gB)], self.device)
             gathered = self.comm.all_gather(out)
-            t3 = time.perf_counter()
+            t3 = self._now()
             method_stats = {}
             updates = []
+            host = gathered.cpu()  # one device-to-host copy; statistics are read from it
             for m in self.modules:
                 off = lay.out_offsets[m.index]
                 nA, nB = m.rank * m.in_features, m.out_features * m.rank
                 updates.append((gathered[off: off + nA].view(m.rank, m.in_features),
                                 gathered[off + nA: off + nA + nB].view(m.out_features, m.rank)))
-                vals = gathered[off + nA + nB: off + nA + nB + len(STAT_KEYS)].tolist()
+                vals = host[off + nA + nB: off + nA + nB + len(STAT_KEYS)].tolist()
                 per_module_stats[m.name] = {k: v for k, v in zip(STAT_KEYS, vals) if not math.isnan(v)}
         stats = {
             "time/comm_s": (t1 - t0) + (t3 - t2),
@@ -263,6 +265,12 @@ class IGAEngineHook:
         }
         stats.update(summarize(per_module_stats, {m.name: m.full_rank_cost for m in self.modules}))
         return updates, bad, stats
+
+    def _now(self) -> float:
+        """Host time after the device has caught up, so that phases are timed, not launched."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     # -- results ---------------------------------------------------------------------------
     def pop_stats(self) -> dict:
@@ -276,6 +284,13 @@ class IGAEngineHook:
             self.capture.remove()
             self.capture = None
         self.engine.optimizer.step = self._original_step
+
+
+def _all_finite(tensors: list[torch.Tensor], device) -> bool:
+    """One device-to-host sync for the whole list, not one per tensor."""
+    if not tensors:
+        return True
+    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
 def summarize(per_module: dict[str, dict[str, float]], weights: dict[str, int]) -> dict[str, float]:

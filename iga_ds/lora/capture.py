@@ -5,7 +5,9 @@ same outer products are summed per domain instead of per sample. For a linear la
 y = x W^T, dL/dW = sum_t dy_t^T x_t, so the part owed to domain n is the sum over the tokens
 of that domain's sequences: one extra small matmul per domain and layer.
 
-The hook wraps each lora_A / lora_B output in an autograd function that is the identity
+In bf16 each sequence's product is rounded to bf16 like autograd's own weight gradient, and
+the sums over sequences and micro-batches are fp32. The hook wraps each lora_A / lora_B
+output in an autograd function that is the identity
 forward and, backward, adds dy^T x per domain into fp32 buffers. The input is kept with
 ``save_for_backward``, so non-reentrant activation checkpointing recomputes it like any
 other saved tensor, and dropout is accounted for (lora_A sees the dropped-out input).
@@ -25,7 +27,7 @@ from iga_ds.lora.modules import LoraModule
 class _MicroBatch:
     """What backward needs to know about the micro-batch a forward saw."""
 
-    domain_rows: list[tuple[int, torch.Tensor]]  # (domain, indices of its sequences) for present domains
+    domain_ids: torch.Tensor  # (B,) on the buffers' device
     factor: float  # turns gradients of the (mean, GAS-scaled) loss into sums over sequences
     batch_size: int
 
@@ -49,10 +51,14 @@ class _CaptureFn(torch.autograd.Function):
                 f"LoRA input has leading dimension {grad_out.shape[0]}, expected the micro-batch size "
                 f"{micro.batch_size}: the capture needs inputs shaped (batch, ..., features)"
             )
-        for domain, rows in micro.domain_rows:
-            dy = grad_out.index_select(0, rows).reshape(-1, grad_out.shape[-1]).float()
-            xs = x.index_select(0, rows).reshape(-1, x.shape[-1]).float()
-            buf[domain].addmm_(dy.mT, xs, alpha=micro.factor)
+        # one batched matmul gives every sequence's weight gradient (B x out x in, small for
+        # LoRA: one side is r), then one index_add sums them per domain in fp32. Kernel count
+        # does not grow with N, and no activation is copied or gathered.
+        b = micro.batch_size
+        dy = grad_out.reshape(b, -1, grad_out.shape[-1])
+        xs = x.reshape(b, -1, x.shape[-1])
+        per_sequence = torch.bmm(dy.mT, xs)
+        buf.index_add_(0, micro.domain_ids, per_sequence.float(), alpha=micro.factor)
         return grad_out, None, None, None
 
 
@@ -99,13 +105,8 @@ class DomainGradientCapture:
         if int(ids_cpu.min()) < 0 or int(ids_cpu.max()) >= self.num_domains:
             raise ValueError(f"domain ids must be in [0, {self.num_domains}), got {ids_cpu.tolist()}")
         device = self.buffers[0][0].device
-        rows = [
-            (d, torch.nonzero(ids_cpu == d).reshape(-1).to(device))
-            for d in range(self.num_domains)
-            if bool((ids_cpu == d).any())
-        ]
         self.counts += torch.bincount(ids_cpu, minlength=self.num_domains).double()
-        self._micro = _MicroBatch(rows, 1.0 / loss_scale, int(ids_cpu.numel()))
+        self._micro = _MicroBatch(ids_cpu.to(device), 1.0 / loss_scale, int(ids_cpu.numel()))
         try:
             yield
         finally:

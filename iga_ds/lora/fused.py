@@ -187,17 +187,50 @@ def _canonical_signs(U: torch.Tensor, Vh: torch.Tensor):
     return U * signs, Vh * signs.mT
 
 
+def _orthonormalize(Y: torch.Tensor) -> torch.Tensor:
+    """Orthonormal basis of the columns of each Y (M x m x k, k small) by CholeskyQR2 in float64.
+
+    Householder QR of tall-skinny matrices is a chain of small kernels on GPUs (it dominated
+    the method's time); CholeskyQR needs one k x k Gram matrix, a batched Cholesky and a
+    triangular solve. Run twice, with the Gram in float64 and a tiny shift for rank-deficient
+    sketches, it is orthonormal to float64 rounding for the condition numbers a few power
+    iterations produce.
+    """
+    Q = Y.double()
+    k = Q.shape[-1]
+    eye = torch.eye(k, dtype=Q.dtype, device=Q.device)
+    for _ in range(2):
+        gram = Q.mT @ Q
+        trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(torch.finfo(Q.dtype).tiny)
+        shift = (1e-13 * trace / k).view(-1, 1, 1)
+        L, _ = torch.linalg.cholesky_ex(gram + shift * eye)
+        Q = torch.linalg.solve_triangular(L, Q.mT, upper=False).mT  # Q L^-T
+    return Q.to(Y.dtype)
+
+
+def _small_svd(small: torch.Tensor, rank: int):
+    """Top-`rank` SVD of short-wide matrices (M x w x n, w small) from the w x w Gram, in float64."""
+    S64 = small.double()
+    evals, evecs = torch.linalg.eigh(S64 @ S64.mT)  # ascending
+    evals, evecs = evals.flip(-1)[..., :rank], evecs.flip(-1)[..., :rank]
+    S = evals.clamp_min(0).sqrt()
+    safe = torch.where(S > 0, S, torch.ones_like(S))
+    Vh = (evecs.mT @ S64) / safe.unsqueeze(-1)
+    Vh = torch.where((S > 0).unsqueeze(-1), Vh, torch.zeros_like(Vh))
+    return evecs.to(small.dtype), S.to(small.dtype), Vh.to(small.dtype)
+
+
 def _finish_svd(masked, sketch, rank: int, power_iters: int):
-    """HMT Alg. 4.4 from the first sketch: QR, power iterations with re-orthonormalization, small SVD."""
-    Q, _ = torch.linalg.qr(sketch)
+    """HMT Alg. 4.4 from the first sketch: orthonormalize, power iterations, small SVD."""
+    Q = _orthonormalize(sketch)
     for _ in range(power_iters):
-        Z, _ = torch.linalg.qr(masked.mT @ Q)
-        Q, _ = torch.linalg.qr(masked @ Z)
+        Z = _orthonormalize(masked.mT @ Q)
+        Q = _orthonormalize(masked @ Z)
     small = Q.mT @ masked  # M x width x in
-    Ub, S, Vh = torch.linalg.svd(small, full_matrices=False)
-    U = Q @ Ub[..., :rank]
-    U, Vh = _canonical_signs(U, Vh[..., :rank, :])
-    return U, S[..., :rank], Vh
+    Ub, S, Vh = _small_svd(small, rank)
+    U = Q @ Ub
+    U, Vh = _canonical_signs(U, Vh)
+    return U, S, Vh
 
 
 def _draw_omega(generators, d_in: int, width: int, dtype, device) -> torch.Tensor:

@@ -272,7 +272,7 @@ class Trainer:
             self._write_resolved_config(out, ds_dict, iga, base_dir, dist, total_steps, n_trainable, n_total)
             truncate_metrics(out / "metrics.jsonl", start_step)
         self._print(
-            f"training {cfg.lora.r=} LoRA: {n_trainable:,} trainable of {n_total:,} parameters; "
+            f"training LoRA r={cfg.lora.r}: {n_trainable:,} trainable of {n_total:,} parameters; "
             f"method {iga.method}; {len(groups)} groups, {total_steps} steps, world size {dist.world_size}"
         )
 

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Runs the GPU checks and benchmarks in one go on a machine with 1-4 GPUs, writing JSON and logs
+# to OUT_DIR. Usage: bash bench/gpu_session.sh OUT_DIR [checks|step1|step2|step4]...
+#   checks: 2-GPU bf16 equivalence test, fused-path GPU tests, bench_method (128 LLaMA-2-7B modules)
+#   stepN:  bench_step.py on N GPUs (erm and the fused iga; add iga=reference with STEP_METHODS)
+# Each stage has its own time limit so one slow stage cannot eat the others' output.
+set -uo pipefail
+out=${1:?usage: gpu_session.sh OUT_DIR [stage...]}
+shift
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+methods=${STEP_METHODS:-erm,iga_fused}
+steps=${STEP_STEPS:-10}
+
+stage() {  # stage NAME LIMIT_SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name ($(date -u +%H:%M:%S))"
+  timeout "$limit" "$@" 2>&1 | tee "$out/$name.log" | tail -n 40
+  echo "=== $name exit ${PIPESTATUS[0]}"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpus.csv"
+python3 -c 'import torch, deepspeed, transformers, peft; print("torch", torch.__version__, "deepspeed", deepspeed.__version__, "transformers", transformers.__version__, "peft", peft.__version__)'
+
+for s in "$@"; do
+  case "$s" in
+    checks)
+      IGA_DS_RESULTS="$out" stage gpu_tests 240 python3 -m pytest -q -s -p no:cacheprovider \
+        tests/test_ds_hook_gpu.py tests/test_fused.py -m gpu
+      stage bench_method 240 python3 bench/bench_method.py --out "$out/bench_method.json"
+      ;;
+    step*)
+      n=${s#step}
+      stage "bench_step_${n}gpu" 420 python3 bench/bench_step.py --gpus "$n" --methods "$methods" \
+        --steps "$steps" --out "$out/bench_step_${n}gpu.json"
+      ;;
+    *) echo "unknown stage $s" >&2; exit 2 ;;
+  esac
+done
