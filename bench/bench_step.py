@@ -168,6 +168,7 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
     iga_params = {} if method == "erm" else {
         "tau": args.tau, "normalize": args.normalize,
         "implementation": "fused" if method == "iga_fused" else "reference",
+        **({"precision": args.precision} if method == "iga_fused" else {}),
     }
     hook = attach(engine, IGAConfig(method="erm" if method == "erm" else "iga", params=iga_params,
                                     domains=list(DOMAINS)))
@@ -368,6 +369,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--tau", type=float, default=0.5)
     p.add_argument("--normalize", choices=["none", "mean", "snr"], default="mean")
+    p.add_argument("--precision", choices=["ieee", "tf32"], default="ieee",
+                   help="iga_fused: float32 throughout, or TF32 tensor cores in the tile pass and power iterations")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing (non-reentrant)")

@@ -3,6 +3,7 @@
 # to OUT_DIR. Usage: bash bench/gpu_session.sh OUT_DIR [checks|step1|step2|step4]...
 #   checks: 2-GPU bf16 equivalence test, fused-path GPU tests, bench_method (128 LLaMA-2-7B modules)
 #   stepN:  bench_step.py on N GPUs (erm and the fused iga; add iga=reference with STEP_METHODS)
+#   tf32stepN: the fused iga with TF32 tensor cores on N GPUs
 # Each stage has its own time limit so one slow stage cannot eat the others' output.
 set -uo pipefail
 out=${1:?usage: gpu_session.sh OUT_DIR [stage...]}
@@ -26,9 +27,14 @@ python3 -c 'import torch, deepspeed, transformers, peft; print("torch", torch.__
 for s in "$@"; do
   case "$s" in
     checks)
-      IGA_DS_RESULTS="$out" stage gpu_tests 240 python3 -m pytest -q -s -p no:cacheprovider \
+      IGA_DS_RESULTS="$out" stage gpu_tests 300 python3 -m pytest -q -s -p no:cacheprovider \
         tests/test_ds_hook_gpu.py tests/test_fused.py -m gpu
       stage bench_method 240 python3 bench/bench_method.py --out "$out/bench_method.json"
+      ;;
+    tf32step*)
+      n=${s#tf32step}
+      stage "bench_step_${n}gpu_tf32" 420 python3 bench/bench_step.py --gpus "$n" --methods iga_fused \
+        --precision tf32 --steps "$steps" --out "$out/bench_step_${n}gpu_tf32.json"
       ;;
     step*)
       n=${s#step}

@@ -40,8 +40,12 @@ def mpi_env():
     return env
 
 
-def _reports(stdout: str) -> list[dict]:
-    reports = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+def _reports(out_dir: Path) -> list[dict]:
+    """Each rank's JSON report, from the per-rank files of mpirun --output-filename (the
+    forwarded stdout of two ranks can interleave on one line)."""
+    reports = []
+    for path in sorted(out_dir.rglob("stdout")):
+        reports += [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
     return sorted(reports, key=lambda r: r["dist"]["rank"])
 
 
@@ -55,14 +59,15 @@ def _assert_two_ranks_reduced(reports: list[dict], source: str) -> None:
     assert reports[0]["dist"]["master_port"] == reports[1]["dist"]["master_port"]
 
 
-def test_mpirun_script_runs_selfcheck_through_openmpi_variables(mpi_env):
+def test_mpirun_script_runs_selfcheck_through_openmpi_variables(mpi_env, tmp_path):
     res = subprocess.run(
         [str(REPO / "launch" / "mpirun.sh"), "-np", "2", "--", sys.executable, "-m", "iga_ds.cli",
          "selfcheck", "--json", "--skip-ops", "--timeout", "60"],
-        cwd=REPO, env=mpi_env, capture_output=True, text=True, timeout=180,
+        cwd=REPO, env=dict(mpi_env, MPIRUN_ARGS=f"--output-filename {tmp_path / 'out'}"),
+        capture_output=True, text=True, timeout=180,
     )
     assert res.returncode == 0, res.stderr[-2000:]
-    _assert_two_ranks_reduced(_reports(res.stdout), "openmpi")
+    _assert_two_ranks_reduced(_reports(tmp_path / "out"), "openmpi")
 
 
 WITHOUT_OMPI_VARIABLES = textwrap.dedent("""
@@ -79,11 +84,12 @@ def test_mpirun_np2_through_mpi4py_discovery(mpi_env, tmp_path):
     worker = tmp_path / "worker.py"
     worker.write_text(WITHOUT_OMPI_VARIABLES)
     res = subprocess.run(
-        ["mpirun", "-np", "2", "--oversubscribe", sys.executable, str(worker)],
+        ["mpirun", "-np", "2", "--oversubscribe", "--output-filename", str(tmp_path / "out"),
+         sys.executable, str(worker)],
         cwd=REPO, env=mpi_env, capture_output=True, text=True, timeout=180,
     )
     assert res.returncode == 0, res.stderr[-2000:]
-    reports = _reports(res.stdout)
+    reports = _reports(tmp_path / "out")
     _assert_two_ranks_reduced(reports, "mpi4py")
     # rank 0 picked the port and broadcast it; loopback because both ranks share this node
     assert reports[0]["dist"]["master_addr"] == "127.0.0.1"

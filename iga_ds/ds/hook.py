@@ -129,6 +129,11 @@ class IGAEngineHook:
             buffers.append((gA, gB))
         self.buffers = buffers
         self.capture = DomainGradientCapture(self.modules, buffers, N)
+        # where each module's statistics sit in the gathered output: read back only those
+        S = len(STAT_KEYS)
+        self._stat_index = torch.tensor(
+            [self.layout.out_offsets[m.index] + m.rank * m.in_features + m.out_features * m.rank + j
+             for m in self.modules for j in range(S)], dtype=torch.long, device=self.device)
         # the capture's backward adds into these buffers; time it on the host side
         self.owned = [m for m in self.modules if owners[m.index] == self.comm.rank]
 
@@ -173,6 +178,9 @@ class IGAEngineHook:
         bad = bool(self.comm.all_reduce_max(flag).item() > 0)
         self._nonfinite_loss = False
         self.skipped_last_step = bad
+        if bad and not self.config.skip_nonfinite:
+            raise FloatingPointError(
+                f"step {step}: non-finite loss or gradient (set iga.skip_nonfinite: true to skip such steps)")
         if bad:
             self.skipped_steps += 1
             log.warning("step %d: non-finite loss or gradient; skipping the optimizer step", step)
@@ -248,13 +256,13 @@ class IGAEngineHook:
             t3 = self._now()
             method_stats = {}
             updates = []
-            host = gathered.cpu()  # one device-to-host copy; statistics are read from it
-            for m in self.modules:
+            # one small device-to-host copy: the statistics, not the gradients
+            host = gathered[self._stat_index].view(len(self.modules), len(STAT_KEYS)).tolist()
+            for m, vals in zip(self.modules, host):
                 off = lay.out_offsets[m.index]
                 nA, nB = m.rank * m.in_features, m.out_features * m.rank
                 updates.append((gathered[off: off + nA].view(m.rank, m.in_features),
                                 gathered[off + nA: off + nA + nB].view(m.out_features, m.rank)))
-                vals = host[off + nA + nB: off + nA + nB + len(STAT_KEYS)].tolist()
                 per_module_stats[m.name] = {k: v for k, v in zip(STAT_KEYS, vals) if not math.isnan(v)}
         stats = {
             "time/comm_s": (t1 - t0) + (t3 - t2),

@@ -22,6 +22,7 @@ reference for that kernel.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -220,12 +221,27 @@ def _small_svd(small: torch.Tensor, rank: int):
     return evecs.to(small.dtype), S.to(small.dtype), Vh.to(small.dtype)
 
 
-def _finish_svd(masked, sketch, rank: int, power_iters: int):
-    """HMT Alg. 4.4 from the first sketch: orthonormalize, power iterations, small SVD."""
+@contextlib.contextmanager
+def _tf32_matmuls(enabled: bool):
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled or previous
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def _finish_svd(masked, sketch, rank: int, power_iters: int, tf32: bool = False):
+    """HMT Alg. 4.4 from the first sketch: orthonormalize, power iterations, small SVD.
+
+    With ``tf32`` the power iterations (which only refine the range estimate) use TF32
+    tensor cores; the final projection Q^T M stays in float32.
+    """
     Q = _orthonormalize(sketch)
-    for _ in range(power_iters):
-        Z = _orthonormalize(masked.mT @ Q)
-        Q = _orthonormalize(masked @ Z)
+    with _tf32_matmuls(tf32):
+        for _ in range(power_iters):
+            Z = _orthonormalize(masked.mT @ Q)
+            Q = _orthonormalize(masked @ Z)
     small = Q.mT @ masked  # M x width x in
     Ub, S, Vh = _small_svd(small, rank)
     U = Q @ Ub
@@ -259,7 +275,7 @@ def _run_stack(st: _Stack, *, tau, normalize, rank, oversample, power_iters, til
     else:
         masked, sketch, stats, energy_total = _tile_pass_torch(
             left_mean, right_mean, left_dev, right_dev, omega, tile_elements=tile_elements, **kwargs)
-    U, S, Vh = _finish_svd(masked, sketch, k, power_iters)
+    U, S, Vh = _finish_svd(masked, sketch, k, power_iters, tf32=use_triton and triton_precision == "tf32")
     del masked, sketch
     kept = S.double().pow(2).sum(dim=-1)
     stats["energy_kept"] = torch.where(energy_total > 0, kept / torch.where(energy_total > 0, energy_total, 1), 1.0)
@@ -295,7 +311,8 @@ def batched_iga(
     ``batch_bytes`` caps how many modules of one shape are stacked at once; ``tile_elements``
     caps a row tile's temporaries. ``use_triton``: None picks the Triton tile pass for float32
     CUDA tensors when Triton imports, False forces PyTorch; ``triton_precision`` is the
-    kernel's ``tl.dot`` precision, "ieee" or "tf32x3". float16/bfloat16 inputs are
+    kernel's ``tl.dot`` precision, "ieee", "tf32x3" or "tf32" (the last also runs the power
+    iterations on TF32 tensor cores; measured error in docs/PERFORMANCE.md). float16/bfloat16 inputs are
     computed in float32 and returned in their own dtype.
     """
     _check(modules, generators, rank, normalize, tau)

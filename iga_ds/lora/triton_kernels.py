@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover - depends on the installation
     tl = None
 
 _NORM_CODE = {"none": 0, "mean": 1, "snr": 2}
-PRECISIONS = ("ieee", "tf32x3")
+PRECISIONS = ("ieee", "tf32x3", "tf32")
 
 
 def available() -> bool:

@@ -105,9 +105,9 @@ def init_distributed(dist: DistEnv) -> None:
     if not cpu:
         torch.cuda.set_device(dist.local_rank)
     elif not os.environ.get("IGA_DS_CPU_SHM_OP"):
-        # Training collectives go through gloo; DeepSpeed's shared-memory op only speeds up
-        # inference all-reduce and costs a C++ build of about a minute on a fresh machine.
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        from iga_ds.ds.compat import disable_cpu_shm_comm_op
+
+        disable_cpu_shm_comm_op()
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl", auto_mpi_discovery=False, verbose=False)
 
