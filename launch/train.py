@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Entry script for the DeepSpeed launcher (and torchrun, srun, mpirun):
 
-    deepspeed --num_gpus 8 launch/train.py --config configs/example_gpu.yaml --deepspeed ds_configs/zero2.json
+    deepspeed --num_gpus 8 launch/train.py --config configs/llama2_7b_iga.yaml --deepspeed ds_configs/zero2.json
     deepspeed --hostfile hosts launch/train.py --config CFG.yaml --deepspeed ds_configs/zero2.json
 
 Ranks come from the launcher's variables, then SLURM_*, then OMPI_* (iga_ds.launch.ranks).

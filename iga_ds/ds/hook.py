@@ -203,76 +203,80 @@ class IGAEngineHook:
 
     def _combine(self, step: int):
         """Reduce to owners, run the method, gather: returns per-module (gA, gB), a non-finite flag, stats."""
-        N, lay = self.num_domains, self.layout
         t0 = self._now()
-        counts = self.comm.all_reduce_sum(self.capture.counts.to(self.device))
-        counts_cpu = counts.cpu()
-        if bool((counts_cpu == 0).any()):
-            missing = [self.config.domains[i] for i in range(N) if counts_cpu[i] == 0]
+        counts = self.comm.all_reduce_sum(self.capture.counts.to(self.device)).cpu()
+        if bool((counts == 0).any()):
+            missing = [d for d, c in zip(self.config.domains, counts.tolist()) if c == 0]
             raise RuntimeError(f"step {step}: no sequence of domain(s) {missing} in the global batch; "
                                "each optimizer step needs every domain (whole isomer groups)")
         global_scope = self.method.scope == "global"
-        if global_scope:
-            summed = self.comm.all_reduce_sum(self.flat_in)
-            mine, base = self.modules, 0
+        if global_scope:  # every rank needs every module: all-reduce, compute redundantly
+            summed, mine, base = self.comm.all_reduce_sum(self.flat_in), self.modules, 0
         else:
-            summed = self.comm.reduce_scatter_sum(self.flat_in)
-            mine, base = self.owned, self.comm.rank * lay.in_chunk
+            summed, mine = self.comm.reduce_scatter_sum(self.flat_in), self.owned
+            base = self.comm.rank * self.layout.in_chunk
         t1 = self._now()
-        inv = (1.0 / counts).to(torch.float32)
-        grads = []
-        for m in mine:
-            off = lay.in_offsets[m.index] - base
-            nA, nB = N * m.rank * m.in_features, N * m.out_features * m.rank
-            gA = summed[off: off + nA].view(N, m.rank, m.in_features) * inv.view(N, 1, 1)
-            gB = summed[off + nA: off + nA + nB].view(N, m.out_features, m.rank) * inv.view(N, 1, 1)
-            grads.append(ModuleGrads(m.name, m.index, m.lora_A.weight.detach().float(),
-                                     m.lora_B.weight.detach().float(), gA, gB, m.scaling))
+        grads = self._module_grads(summed, mine, base, (1.0 / counts).to(torch.float32).to(self.device))
         bad = not _all_finite([t for g in grads for t in (g.gA, g.gB)], self.device)
         results = self.method.combine(grads, step) if grads and not bad else []
+        bad = bad or not _all_finite([t for u in results for t in (u.gA, u.gB)], self.device)
         t2 = self._now()
-        per_module_stats = {}
         if global_scope:
-            updates = [(u.gA, u.gB) for u in results] if results else None
-            for m, u in zip(mine, results):
-                per_module_stats[m.name] = u.stats
+            updates = [(u.gA, u.gB) for u in results] or None
+            per_module = {m.name: u.stats for m, u in zip(mine, results)}
             method_stats = {f"method/{k}": v for k, v in (results[0].stats if results else {}).items()}
-            bad = bad or (updates is not None and not _all_finite([t for u in updates for t in u], self.device))
-            t3 = t2
         else:
-            out = torch.zeros(lay.out_chunk, dtype=torch.float32, device=self.device)
-            obase = self.comm.rank * lay.out_chunk
-            # statistics are host floats: one host-to-device copy for all of them
-            table = torch.tensor([[float(u.stats.get(k, math.nan)) for k in STAT_KEYS] for u in results],
-                                 dtype=torch.float32).to(self.device)
-            for j, (m, u) in enumerate(zip(mine, results)):
-                off = lay.out_offsets[m.index] - obase
-                nA, nB = m.rank * m.in_features, m.out_features * m.rank
-                out[off: off + nA] = u.gA.reshape(-1)
-                out[off + nA: off + nA + nB] = u.gB.reshape(-1)
-                out[off + nA + nB: off + nA + nB + len(STAT_KEYS)] = table[j]
-            bad = bad or not _all_finite([t for u in results for t in (u.gA, u.gB)], self.device)
-            gathered = self.comm.all_gather(out)
-            t3 = self._now()
+            updates, per_module = self._gather_results(mine, results)
             method_stats = {}
-            updates = []
-            # one small device-to-host copy: the statistics, not the gradients
-            host = gathered[self._stat_index].view(len(self.modules), len(STAT_KEYS)).tolist()
-            for m, vals in zip(self.modules, host):
-                off = lay.out_offsets[m.index]
-                nA, nB = m.rank * m.in_features, m.out_features * m.rank
-                updates.append((gathered[off: off + nA].view(m.rank, m.in_features),
-                                gathered[off + nA: off + nA + nB].view(m.out_features, m.rank)))
-                per_module_stats[m.name] = {k: v for k, v in zip(STAT_KEYS, vals) if not math.isnan(v)}
+        t3 = self._now()
         stats = {
             "time/comm_s": (t1 - t0) + (t3 - t2),
             "time/method_s": t2 - t1,
-            "domain_counts": counts_cpu.tolist(),
-            "modules": per_module_stats,
+            "domain_counts": counts.tolist(),
+            "modules": per_module,
             **method_stats,
         }
-        stats.update(summarize(per_module_stats, {m.name: m.full_rank_cost for m in self.modules}))
+        stats.update(summarize(per_module, {m.name: m.full_rank_cost for m in self.modules}))
         return updates, bad, stats
+
+    def _module_grads(self, summed: torch.Tensor, mine: list[LoraModule], base: int, inv_counts: torch.Tensor):
+        """Per-domain means (sums / global sequence counts) of the modules in ``mine``, as views."""
+        N, scale = self.num_domains, inv_counts.view(-1, 1, 1)
+        grads = []
+        for m in mine:
+            off = self.layout.in_offsets[m.index] - base
+            nA, nB = N * m.rank * m.in_features, N * m.out_features * m.rank
+            gA = summed[off: off + nA].view(N, m.rank, m.in_features) * scale
+            gB = summed[off + nA: off + nA + nB].view(N, m.out_features, m.rank) * scale
+            grads.append(ModuleGrads(m.name, m.index, m.lora_A.weight.detach().float(),
+                                     m.lora_B.weight.detach().float(), gA, gB, m.scaling))
+        return grads
+
+    def _gather_results(self, mine: list[LoraModule], results):
+        """Owners pack their modules' new gradients and statistics; one all-gather brings all to all."""
+        lay, S = self.layout, len(STAT_KEYS)
+        out = torch.zeros(lay.out_chunk, dtype=torch.float32, device=self.device)
+        base = self.comm.rank * lay.out_chunk
+        # statistics are host floats: one host-to-device copy for all of them
+        table = torch.tensor([[float(u.stats.get(k, math.nan)) for k in STAT_KEYS] for u in results],
+                             dtype=torch.float32).to(self.device)
+        for j, (m, u) in enumerate(zip(mine, results)):
+            off = lay.out_offsets[m.index] - base
+            nA, nB = m.rank * m.in_features, m.out_features * m.rank
+            out[off: off + nA] = u.gA.reshape(-1)
+            out[off + nA: off + nA + nB] = u.gB.reshape(-1)
+            out[off + nA + nB: off + nA + nB + S] = table[j]
+        gathered = self.comm.all_gather(out)
+        # one small device-to-host copy: the statistics, not the gradients
+        host = gathered[self._stat_index].view(len(self.modules), S).tolist()
+        updates, per_module = [], {}
+        for m, vals in zip(self.modules, host):
+            off = lay.out_offsets[m.index]
+            nA, nB = m.rank * m.in_features, m.out_features * m.rank
+            updates.append((gathered[off: off + nA].view(m.rank, m.in_features),
+                            gathered[off + nA: off + nA + nB].view(m.out_features, m.rank)))
+            per_module[m.name] = {k: v for k, v in zip(STAT_KEYS, vals) if not math.isnan(v)}
+        return updates, per_module
 
     def _now(self) -> float:
         """Host time after the device has caught up, so that phases are timed, not launched."""

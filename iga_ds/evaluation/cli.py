@@ -73,6 +73,25 @@ def register(subparsers: Any) -> None:
     rep.add_argument("--no-figures", action="store_true")
     rep.set_defaults(func=run_report)
 
+    exp = subparsers.add_parser(
+        "experiment",
+        help="train and evaluate a grid of methods x seeds x ablations, then write the report",
+        description="Expand GRID.yaml into cells DIR/<variant>-s<seed>; each cell trains LoRA, evaluates, "
+        "and writes cell.json last. Resumable: rerun the same command; finished cells are skipped and a "
+        "killed cell is wiped and run again. Ready-made grids: configs/experiments/*.yaml.",
+    )
+    exp.add_argument("--grid", required=True, help="grid YAML (see docs/EVALUATION.md)")
+    exp.add_argument("--out", required=True, help="results folder (the one `iga-ds report` reads)")
+    exp.add_argument("--only", action="append", default=[], metavar="PATTERN",
+                     help="run only cells whose name matches this glob, e.g. 'iga-*' or '*-s0' (repeatable)")
+    exp.add_argument("--dry-run", action="store_true", help="list the cells and their state; run nothing")
+    exp.add_argument("--launcher", metavar="COMMAND",
+                     help="train each cell through this launcher on several devices, e.g. 'deepspeed --num_gpus 8' "
+                     "or 'torchrun --nproc_per_node 4' (default: in this process, one device)")
+    exp.add_argument("--no-report", action="store_true", help="do not write DIR/report.md at the end")
+    exp.add_argument("--no-progress", action="store_true", help="no progress bars (the per-cell lines stay)")
+    exp.set_defaults(func=run_experiment)
+
 
 def _load_items(args: argparse.Namespace) -> tuple[list, dict[str, Any], list[dict] | None]:
     """(items, source description, isomer records or None)."""
@@ -128,7 +147,11 @@ def run_eval(args: argparse.Namespace) -> int:
     }
     extra: dict[str, Any] = {}
     if records is not None and not args.no_lcs:
-        extra["lcs"] = _lcs_block(model, tokenizer, records, args)
+        try:
+            extra["lcs"] = lcs_block(model, tokenizer, records, args.lcs_layers, args.lcs_max_groups,
+                                     args.batch_size, not args.no_progress)
+        except ValueError as exc:
+            raise UserError(f"--lcs-layers: {exc}") from None
     result = evaluate(
         items, model, tokenizer, args.out, settings, format_prompt,
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
@@ -139,19 +162,17 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _lcs_block(model: Any, tokenizer: Any, records: list[dict], args: argparse.Namespace) -> dict[str, Any] | None:
+def lcs_block(model: Any, tokenizer: Any, records: list[dict], layers: list[int] | None, max_groups: int,
+              batch_size: int, progress: bool) -> dict[str, Any] | None:
+    """The ``lcs`` entry of eval.json: LCS at ``layers`` (default penultimate) over the first
+    ``max_groups`` complete isomer groups of ``records``; None without two domains."""
     from iga_ds.metrics.consistency import isomer_groups, lcs_of_model, lcs_paper_units
 
     groups, domains = isomer_groups(records)
-    groups = groups[: args.lcs_max_groups]
+    groups = groups[:max_groups]
     if not groups or len(domains) < 2:
         return None
-    try:
-        values = lcs_of_model(
-            model, tokenizer, groups, layers=args.lcs_layers, batch_size=args.batch_size, progress=not args.no_progress
-        )
-    except ValueError as exc:
-        raise UserError(f"--lcs-layers: {exc}") from None
+    values = lcs_of_model(model, tokenizer, groups, layers=layers, batch_size=batch_size, progress=progress)
     num_layers = getattr(model.config, "num_hidden_layers", None)
     return {
         "groups": len(groups),
@@ -178,6 +199,24 @@ def _print_summary(result: dict[str, Any], out: str) -> None:
         for layer, value in result["lcs"]["layers_x1e-2"].items():
             print(f"  LCS layer {layer}: {value:.3f} x1e-2")
     print(f"wrote {out}")
+
+
+def run_experiment(args: argparse.Namespace) -> int:
+    from iga_ds.evaluation.experiment import cell_status, load_grid, run_grid
+
+    grid = load_grid(args.grid)
+    if args.dry_run:
+        import fnmatch
+
+        cells = [c for c in grid.cells() if not args.only or any(fnmatch.fnmatchcase(c.name, p) for p in args.only)]
+        for cell in cells:
+            v = cell.variant
+            print(f"{cell.name:<28} {cell_status(grid, cell, Path(args.out)):<8} {v.kind:<9} method {v.method}")
+        print(f"{len(cells)} cells")
+        return 0
+    run_grid(grid, args.out, only=args.only, progress=not args.no_progress, report=not args.no_report,
+             launcher=args.launcher)
+    return 0
 
 
 def run_report(args: argparse.Namespace) -> int:

@@ -1,0 +1,287 @@
+"""`iga-ds experiment` without training: grid expansion, grid errors, cell run configs, data
+transforms, resume decisions (cells replaced by a stand-in), and the shipped grid files."""
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from iga_ds.errors import ConfigError, UserError
+from iga_ds.evaluation import experiment as ex
+
+REPO = Path(__file__).resolve().parents[1]
+GRIDS = sorted((REPO / "configs" / "experiments").glob("*.yaml"))
+
+GRID = """
+train:
+  model: {name_or_path: "builtin:tiny"}
+  data: {groups_per_step: 4, groups_per_micro_batch: 2}
+  schedule: {max_steps: 3}
+data:
+  synthetic: {groups: 40, seed: 3, id_groups: 2, ood_groups: 2}
+seeds: [0, 7]
+methods:
+  erm: {}
+  iga: {params: {tau: 0.5}}
+  lora_sft: {method: erm, domains: [math]}
+ablations:
+  tau_2.0: {params: {tau: 2.0}}
+  normalize_snr: {params: {normalize: snr}, label: "normalize = snr"}
+"""
+
+
+def write_grid(tmp_path: Path, text: str = GRID) -> Path:
+    path = tmp_path / "grid.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_grid_expands_variants_times_seeds_into_stable_names(tmp_path):
+    grid = ex.load_grid(write_grid(tmp_path))
+    names = [c.name for c in grid.cells()]
+    variants = ["erm", "iga", "lora_sft", "tau_2.0", "normalize_snr"]
+    # seed-major: a complete first table before the second seed starts
+    assert names == [f"{v}-s0" for v in variants] + [f"{v}-s7" for v in variants]
+    assert [c.name for c in ex.load_grid(write_grid(tmp_path)).cells()] == names  # stable
+    info = {c.name: c.info() for c in grid.cells()}
+    assert info["lora_sft-s0"] == {"method": "lora_sft", "seed": 0, "ablation": None, "train_method": "erm"}
+    # an ablation modifies iga unless it names its method; report rows group by label
+    assert info["tau_2.0-s7"] == {"method": "iga", "seed": 7, "ablation": "tau_2.0", "train_method": "iga"}
+    assert info["normalize_snr-s0"]["label"] == "normalize = snr"
+
+
+def test_every_cell_gets_its_own_run_config(tmp_path):
+    grid = ex.load_grid(write_grid(tmp_path))
+    cells = {c.name: c for c in grid.cells()}
+    run = ex.cell_run_dict(grid, cells["tau_2.0-s7"], tmp_path / "out" / "tau_2.0-s7", "fit.jsonl")
+    assert run["output_dir"] == str(tmp_path / "out" / "tau_2.0-s7")
+    assert run["method"] == {"name": "iga", "params": {"tau": 2.0}}
+    assert run["seed"] == 7 and run["resume"] == "never" and run["data"]["train"] == "fit.jsonl"
+    assert run["schedule"]["max_steps"] == 3
+    lora_sft = ex.cell_run_dict(grid, cells["lora_sft-s0"], tmp_path / "c", "fit.jsonl")
+    assert lora_sft["data"]["domains"] == ["math"] and lora_sft["method"]["name"] == "erm"
+    assert "domains" not in grid.run.get("data", {})  # no variant leaks into the shared settings
+
+
+def test_ungrouped_training_keeps_the_number_of_sequences_per_step(tmp_path):
+    grid = ex.load_grid(write_grid(tmp_path, GRID + "  cot_distill: {method: erm, grouping: none}\n"))
+    cell = next(c for c in grid.cells() if c.variant.key == "cot_distill")
+    run = ex.cell_run_dict(grid, cell, tmp_path / "c", "t.jsonl")
+    # four domains x 4 groups per step = 16 single instances per step
+    assert run["data"]["domains"] == [ex.POOLED_DOMAIN]
+    assert run["data"]["groups_per_step"] == 16 and run["data"]["groups_per_micro_batch"] == 8
+
+
+@pytest.mark.parametrize(
+    "edit, key",
+    [
+        (("methods:", "methods:\n  bogus_method: {}"), "methods.bogus_method.method"),
+        (("iga: {params: {tau: 0.5}}", "iga: {params: {tau: 0.5, colour: red}}"), "methods.iga.params"),
+        (("iga: {params: {tau: 0.5}}", "iga: {params: 3}"), "methods.iga.params"),
+        (("iga: {params: {tau: 0.5}}", "iga: {pairs: random}"), "methods.iga.pairs"),
+        (("tau_2.0: {params: {tau: 2.0}}", "tau_2.0: {params: {tau: 2.0}, pairing: shuffled}"), "ablations.tau_2.0.pairing"),
+        (("tau_2.0: {params: {tau: 2.0}}", "tau_2.0: {grouping: none}"), "ablations.tau_2.0.grouping"),
+        (("tau_2.0: {params: {tau: 2.0}}", "tau_2.0: {domains: [math]}"), "ablations.tau_2.0.domains"),
+        (("tau_2.0: {params: {tau: 2.0}}", "erm: {}"), "ablations.erm"),
+        (("seeds: [0, 7]", "seeds: [0, 0]"), "seeds"),
+        (("seeds: [0, 7]", "seeds: 3"), "seeds"),
+        (("seeds: [0, 7]", "seeds: [0]\neval: {batch_size: 0}"), "eval.batch_size"),
+        (("seeds: [0, 7]", "seeds: [0]\neval: {lcs_layers: penultimate}"), "eval.lcs_layers"),
+        (("seeds: [0, 7]", "seeds: [0]\nbenchmarks: [{benchmark: logiqa2}]"), "benchmarks[0].dir"),
+        (("id_groups: 2", "id_groups: 2, shortcut: 1.5"), "data.synthetic.shortcut"),
+        (("id_groups: 2", "id_groups: 2, colour: red"), "data.synthetic.colour"),
+        (("max_steps: 3", "max_steps: soon"), "schedule.max_steps"),
+        (("lora_sft: {method: erm, domains: [math]}", "lora_sft: {method: erm, train: {lora: {r: 0}}}"),
+         "methods.lora_sft: run config: lora.r"),
+        (("seeds: [0, 7]", "seeds: [0]\nmodels: [a]"), "models: unknown key"),
+    ],
+)
+def test_grid_errors_name_the_key(tmp_path, edit, key):
+    old, new = edit
+    assert old in GRID
+    with pytest.raises(ConfigError) as err:
+        ex.load_grid(write_grid(tmp_path, GRID.replace(old, new, 1)))
+    message = str(err.value)
+    assert key in message and str(tmp_path / "grid.yaml") in message and "\n" not in message
+
+
+def test_missing_data_file_and_bad_yaml_are_clear(tmp_path):
+    with pytest.raises(ConfigError, match=r"data.train: .*nowhere.jsonl not found"):
+        ex.load_grid(write_grid(tmp_path, "data: {train: nowhere.jsonl}\nmethods: {erm: {}}\n"))
+    with pytest.raises(ConfigError, match=r"grid.yaml:\d+: not valid YAML"):
+        ex.load_grid(write_grid(tmp_path, "methods:\n  erm: {\n"))
+
+
+# -- data transforms ---------------------------------------------------------------------------
+
+
+def _records(groups: int, prefix: str, domains=("math", "medical", "legal", "science")) -> list[dict]:
+    return [
+        {"group_id": f"{prefix}{g}", "seed_id": f"{prefix}{g}", "domain": d, "problem": f"p {prefix}{g} {d}",
+         "cot": "c", "answer": "yes" if g % 2 else "no"}
+        for g in range(groups) for d in domains
+    ]
+
+
+def _write(path: Path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_ungroup_makes_one_group_per_instance_of_the_chosen_domains():
+    records = _records(3, "g")
+    out = ex.ungroup(records, ["math", "legal"])
+    assert len(out) == 6 and {r["domain"] for r in out} == {ex.POOLED_DOMAIN}
+    assert len({r["group_id"] for r in out}) == 6
+    assert sorted((r["meta"]["orig_group_id"], r["meta"]["orig_domain"]) for r in out) == sorted(
+        (r["group_id"], r["domain"]) for r in records if r["domain"] in ("math", "legal"))
+
+
+def test_instance_split_leaks_isomers_of_test_instances_into_training(tmp_path):
+    text = GRID + "  leak: {method: erm, split: instance, grouping: none}\n"
+    grid = ex.load_grid(write_grid(tmp_path, text))
+    fit, ids, oods = _records(30, "f"), _records(3, "i"), _records(3, "o")
+    prepared = ex.PreparedData(_write(tmp_path / "fit.jsonl", fit), _write(tmp_path / "id.jsonl", ids),
+                               _write(tmp_path / "ood.jsonl", oods))
+    cell = next(c for c in grid.cells() if c.variant.key == "leak")
+    (tmp_path / "cell").mkdir()
+    train_file, test_id, test_ood = ex.cell_data(grid, cell, prepared, tmp_path / "cell")
+    train = [json.loads(x) for x in Path(train_file).read_text().splitlines()]
+    trained = {(r["meta"]["orig_group_id"], r["meta"]["orig_domain"]) for r in train}
+    tested = {(r["group_id"], r["domain"]) for r in test_id + test_ood}
+    assert not trained & tested  # no test instance itself is trained on ...
+    trained_groups = {g for g, _ in trained}
+    assert any(g in trained_groups for g, _ in tested)  # ... but isomers of test instances are
+    assert {g[0] for g, _ in ((r["group_id"], 0) for r in test_ood)} <= {"o"}
+    assert all(not r["group_id"].startswith("o") for r in test_id)
+    assert len(test_id) <= len(ids) and len(test_ood) <= len(oods)
+    assert len(train) + len(tested) <= len(fit) + len(ids) + len(oods)
+
+
+def test_random_pairing_cell_trains_on_fake_groups(tmp_path):
+    grid = ex.load_grid(write_grid(tmp_path, GRID + "  random_pairing: {pairing: random}\n"))
+    fit = _records(8, "f")
+    prepared = ex.PreparedData(_write(tmp_path / "fit.jsonl", fit), None, None)
+    cell = next(c for c in grid.cells() if c.variant.key == "random_pairing")
+    (tmp_path / "cell").mkdir()
+    train_file, _, _ = ex.cell_data(grid, cell, prepared, tmp_path / "cell")
+    train = [json.loads(x) for x in Path(train_file).read_text().splitlines()]
+    assert len(train) == len(fit) and all(r["group_id"].startswith("pair-") for r in train)
+    by_group: dict[str, set] = {}
+    for r in train:
+        by_group.setdefault(r["group_id"], set()).add(r["meta"]["orig_group_id"])
+    assert any(len(origins) > 1 for origins in by_group.values())  # groups mix logical problems
+    # an unmodified cell trains on the shared file itself
+    plain = next(c for c in grid.cells() if c.variant.key == "erm")
+    assert ex.cell_data(grid, plain, prepared, tmp_path / "cell")[0] == prepared.train
+
+
+# -- resume decisions, with a stand-in for training and evaluation ---------------------------------
+
+
+def _fake_run_cell(calls):
+    def run_cell(grid, cell, out, prepared, progress=True, launcher=None):
+        calls.append(cell.name)
+        folder = out / cell.name
+        folder.mkdir(parents=True)
+        (folder / "scratch.txt").write_text("work in progress")
+        info = {**cell.info(), "spec_hash": ex._spec_hash(grid.cell_spec(cell)), "evaluations": {}}
+        (folder / ex.MARKER).write_text(json.dumps(info))
+        return info
+
+    return run_cell
+
+
+def test_finished_cells_are_skipped_and_killed_ones_wiped_and_rerun(tmp_path, monkeypatch, capsys):
+    grid = ex.load_grid(write_grid(tmp_path, GRID.replace("seeds: [0, 7]", "seeds: [0]")))
+    out = tmp_path / "out"
+    calls: list[str] = []
+    monkeypatch.setattr(ex, "run_cell", _fake_run_cell(calls))
+    monkeypatch.setattr(ex, "prepare_data", lambda grid, out, log=print: None)
+    ex.run_grid(grid, out, report=False)
+    assert calls == [c.name for c in grid.cells()]
+    # a killed cell: folder without marker, with leftovers
+    (out / "iga-s0" / ex.MARKER).unlink()
+    (out / "iga-s0" / "leftover.bin").write_bytes(b"x")
+    calls.clear()
+    ex.run_grid(grid, out, report=False)
+    assert calls == ["iga-s0"]
+    assert not (out / "iga-s0" / "leftover.bin").exists()
+    lines = capsys.readouterr().out.splitlines()
+    assert any("erm-s0: finished earlier, skipped" in line for line in lines)
+    assert any("iga-s0: no cell.json" in line and "wiping" in line for line in lines)
+    assert all(ex.cell_status(grid, c, out) == "done" for c in grid.cells())
+    # --only restricts the cells
+    calls.clear()
+    (out / "erm-s0" / ex.MARKER).unlink()
+    (out / "iga-s0" / ex.MARKER).unlink()
+    ex.run_grid(grid, out, only=["iga-*"], report=False)
+    assert calls == ["iga-s0"] and ex.cell_status(grid, grid.cells()[0], out) == "partial"
+
+
+def test_a_finished_cell_of_another_grid_is_not_reused(tmp_path, monkeypatch):
+    grid = ex.load_grid(write_grid(tmp_path, GRID.replace("seeds: [0, 7]", "seeds: [0]")))
+    out = tmp_path / "out"
+    monkeypatch.setattr(ex, "run_cell", _fake_run_cell([]))
+    monkeypatch.setattr(ex, "prepare_data", lambda grid, out, log=print: None)
+    ex.run_grid(grid, out, report=False)
+    changed = ex.load_grid(write_grid(tmp_path, GRID.replace("seeds: [0, 7]", "seeds: [0]")
+                                      .replace("max_steps: 3", "max_steps: 4")))
+    with pytest.raises(UserError, match=r"erm-s0/cell.json: this cell was finished with other settings"):
+        ex.run_grid(changed, out, report=False)
+
+
+def test_dry_run_lists_cells_with_their_state(tmp_path, capsys):
+    from iga_ds.cli import main
+
+    path = write_grid(tmp_path)
+    (tmp_path / "out" / "iga-s0").mkdir(parents=True)
+    assert main(["experiment", "--grid", str(path), "--out", str(tmp_path / "out"), "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "10 cells"
+    state = {line.split()[0]: line.split()[1] for line in lines[:-1]}
+    assert state["iga-s0"] == "partial" and state["erm-s0"] == "todo"
+    assert main(["experiment", "--grid", str(tmp_path / "nope.yaml"), "--out", str(tmp_path)]) == 2
+    assert "grid file not found" in capsys.readouterr().err
+
+
+# -- the shipped grid files --------------------------------------------------------------------
+
+
+def test_grid_files_are_shipped():
+    assert {p.name for p in GRIDS} >= {"smoke_cpu.yaml", "baselines.yaml", "ablations.yaml"}
+
+
+@pytest.mark.parametrize("path", GRIDS, ids=lambda p: p.name)
+def test_grid_file_opens_with_its_command_and_loads(path, monkeypatch):
+    first = path.read_text().splitlines()[0]
+    assert first.startswith(f"# iga-ds experiment --grid configs/experiments/{path.name} --out "), first
+    monkeypatch.chdir(REPO)
+    grid = ex.load_grid(path.relative_to(REPO))
+    assert grid.cells()
+    raw = yaml.safe_load(path.read_text())
+    for key in raw.get("ablations") or {}:
+        # the report's ablation table knows these names, or the grid gives the row a label
+        from iga_ds.evaluation.results import ABLATION_LABELS
+
+        assert key in ABLATION_LABELS or raw["ablations"][key].get("label"), key
+
+
+def test_baseline_and_ablation_grids_hold_the_paper_rows():
+    from iga_ds.evaluation.results import ABLATION_LABELS, METHOD_LABELS
+
+    base = ex.load_grid(REPO / "configs/experiments/baselines.yaml")
+    keys = {v.key for v in base.variants}
+    assert keys == {"erm", "lora_sft", "cot_distill", "irm", "vrex", "pcgrad", "sand_mask", "pareto", "iga"}
+    assert keys <= set(METHOD_LABELS) and len(base.seeds) >= 3
+    abl = ex.load_grid(REPO / "configs/experiments/ablations.yaml")
+    akeys = {v.key for v in abl.variants if v.kind == "ablation"}
+    assert set(ABLATION_LABELS) <= akeys
+    assert {"normalize_none", "normalize_mean", "normalize_snr"} <= akeys
+    assert {v.key for v in abl.variants if v.kind == "method"} == {"erm", "iga"}
+    by_key = {v.key: v for v in abl.variants}
+    assert by_key["random_pairing"].pairing == "random" and by_key["instance_split"].split == "instance"
+    assert by_key["n2"].domains == ("math", "medical") and by_key["single_domain"].domains == ("math",)

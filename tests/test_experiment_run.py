@@ -1,0 +1,131 @@
+"""`iga-ds experiment` for real, shrunk: two cells trained (DeepSpeed ZeRO-2 on the CPU) and
+evaluated, a killed cell rerun while the finished one is skipped, then `iga-ds report`."""
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_cells_train_evaluate_resume_and_report(tmp_path, monkeypatch, capsys):
+    from iga_ds.cli import main
+    from iga_ds.evaluation.results import load_results
+    from iga_ds.train.model import TinyBaseConfig
+    from iga_ds.train.pretrain import default_tiny_base
+
+    monkeypatch.setenv("IGA_DS_CACHE", str(tmp_path / "cache"))
+    shrunk = TinyBaseConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, steps=5, batch_size=4,
+                            warmup_steps=1)
+    base = default_tiny_base(shrunk, groups=10, progress=False, log=lambda msg: None)
+    logiqa = Path(__file__).parent / "fixtures" / "benchmarks" / "logiqa2"
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(textwrap.dedent(f"""\
+        train:
+          model: {{name_or_path: "{base}"}}
+          lora: {{r: 2, alpha: 4}}
+          data: {{groups_per_step: 2, groups_per_micro_batch: 2, max_length: 192}}
+          schedule: {{lr: 2.0e-3, max_steps: 3}}
+          logging: {{tensorboard: false, progress: false}}
+        data:
+          synthetic: {{groups: 30, seed: 2, shortcut: 0.9, id_groups: 2, ood_groups: 2}}
+        benchmarks:
+          - {{name: logiqa_fixture, benchmark: logiqa2, dir: "{logiqa}", limit: 3}}
+        eval: {{max_new_tokens: 16, batch_size: 16, dtype: float32, lcs_layers: [0, 1]}}
+        seeds: [0]
+        methods:
+          iga: {{params: {{tau: 0.5, normalize: mean}}}}
+        ablations:
+          mean_no_mask: {{method: mean_no_mask}}
+        """))
+    out = tmp_path / "out"
+    args = ["experiment", "--grid", str(grid), "--out", str(out), "--no-progress", "--no-report"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert "[1/2] iga-s0: done in" in first and "[2/2] mean_no_mask-s0: done in" in first
+
+    for name in ("iga-s0", "mean_no_mask-s0"):
+        cell = out / name
+        info = json.loads((cell / "cell.json").read_text())
+        assert info["seed"] == 0 and info["steps"] == 3 and info["trainable_params"] > 0
+        assert not (cell / "checkpoints").exists() and (cell / "adapter" / "adapter_config.json").is_file()
+        ev = json.loads((cell / "eval" / "synthetic.json").read_text())
+        items = ev["items"]
+        assert sum(i["split"] == "id" for i in items) == 2 * 4 and sum(i["split"] == "ood" for i in items) == 2 * 4
+        ood = [i["correct"] for i in items if i["split"] == "ood"]
+        assert ev["ood_accuracy"] == pytest.approx(100.0 * sum(ood) / len(ood))
+        assert info["evaluations"]["synthetic"]["ood_accuracy"] == ev["ood_accuracy"]
+        assert set(ev["lcs"]["layers"]) == {"0", "1"} and ev["lcs"]["groups"] == 4
+        bench = json.loads((cell / "eval" / "logiqa_fixture.json").read_text())
+        assert bench["benchmark"] == "logiqa_fixture" and len(bench["items"]) == 3 and "lcs" not in bench
+        steps = [json.loads(line)["step"] for line in (cell / "metrics.jsonl").read_text().splitlines()]
+        assert steps == [1, 2, 3]
+    resolved = (out / "mean_no_mask-s0" / "config.resolved.yaml").read_text()
+    assert "method: mean_no_mask" in resolved and "seed: 0" in resolved
+    cells = {c.name: c for c in load_results(out)}
+    assert cells["iga-s0"].method == "iga" and cells["iga-s0"].ablation is None
+    assert cells["mean_no_mask-s0"].ablation == "mean_no_mask"
+
+    # a killed cell: no marker, a half-written evaluation left behind; the finished one stays
+    killed = out / "mean_no_mask-s0"
+    (killed / "cell.json").unlink()
+    (killed / "eval" / "synthetic.json").write_text("{half")
+    kept_eval = (out / "iga-s0" / "eval" / "synthetic.json").stat().st_mtime_ns
+    assert main(args) == 0
+    second = capsys.readouterr().out
+    assert "iga-s0: finished earlier, skipped" in second
+    assert "mean_no_mask-s0: no cell.json" in second and "[2/2] mean_no_mask-s0: done in" in second
+    assert (out / "iga-s0" / "eval" / "synthetic.json").stat().st_mtime_ns == kept_eval
+    rerun = json.loads((killed / "eval" / "synthetic.json").read_text())  # whole again
+    assert json.loads((killed / "cell.json").read_text())["evaluations"]["synthetic"]["ood_accuracy"] == \
+        rerun["ood_accuracy"]
+
+    # the report reads the folder; its ablation row's OOD entry is the cell's figure
+    assert main(["report", str(out), "--no-figures"]) == 0
+    report = (out / "report.md").read_text()
+    assert "## Main results (paper Table 2)" in report and "## Ablations (paper Table 3)" in report
+    row = next(line for line in report.splitlines() if line.startswith("| all domains, plain mean"))
+    assert f"{rerun['ood_accuracy']:.1f}" in row
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_launcher_trains_a_cell_on_two_processes(tmp_path, monkeypatch, capsys):
+    """`--launcher 'torchrun --nproc_per_node 2'`: the cell trains with world size 2 (gloo on the
+    CPU), then is evaluated here; cell.json records both devices."""
+    import sys
+
+    from iga_ds.cli import main
+    from iga_ds.train.model import TinyBaseConfig
+    from iga_ds.train.pretrain import default_tiny_base
+
+    monkeypatch.setenv("IGA_DS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    shrunk = TinyBaseConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, steps=5, batch_size=4,
+                            warmup_steps=1)
+    base = default_tiny_base(shrunk, groups=10, progress=False, log=lambda msg: None)
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(textwrap.dedent(f"""\
+        train:
+          model: {{name_or_path: "{base}"}}
+          lora: {{r: 2, alpha: 4}}
+          data: {{groups_per_step: 2, groups_per_micro_batch: 1, max_length: 192}}
+          schedule: {{max_steps: 2}}
+          logging: {{tensorboard: false, progress: false}}
+        data:
+          synthetic: {{groups: 30, seed: 2, id_groups: 1, ood_groups: 1}}
+        eval: {{max_new_tokens: 8, batch_size: 8, dtype: float32, lcs: false}}
+        methods:
+          iga: {{}}
+        """))
+    out = tmp_path / "out"
+    launcher = f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 2"
+    assert main(["experiment", "--grid", str(grid), "--out", str(out), "--no-progress", "--no-report",
+                 "--launcher", launcher]) == 0
+    info = json.loads((out / "iga-s0" / "cell.json").read_text())
+    assert info["num_devices"] == 2 and info["steps"] == 2 and info["peak_mem_gb"] is None
+    assert (out / "iga-s0" / "run.yaml").is_file() and (out / "iga-s0" / "eval" / "synthetic.json").is_file()
+    assert "[1/1] iga-s0: done in" in capsys.readouterr().out
