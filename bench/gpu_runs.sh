@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Runs the GPU checks and benchmarks in one go on a machine with 1-4 GPUs, writing JSON and logs
-# to OUT_DIR. Usage: bash bench/gpu_session.sh OUT_DIR [checks|step1|step2|step4]...
+# to OUT_DIR. Usage: bash bench/gpu_runs.sh OUT_DIR [checks|step1|step2|step4]...
 #   checks: 2-GPU bf16 equivalence test, fused-path GPU tests, bench_method (128 LLaMA-2-7B modules)
 #   stepN:  bench_step.py on N GPUs (erm and the fused iga; add iga=reference with STEP_METHODS)
 #   tf32stepN: the fused iga with TF32 tensor cores on N GPUs
 # Each stage has its own time limit so one slow stage cannot eat the others' output.
 set -uo pipefail
-out=${1:?usage: gpu_session.sh OUT_DIR [stage...]}
+out=${1:?usage: gpu_runs.sh OUT_DIR [stage...]}
 shift
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_NCCL_ASYNC_ERROR_HANDLING=1
