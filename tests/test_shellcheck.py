@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT_DIRS = ("launch", "slurm", "docker", ".ci")
+SCRIPT_DIRS = ("launch", "slurm", "docker", ".ci", "bench")
 
 
 def shell_scripts() -> list[Path]:
