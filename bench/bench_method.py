@@ -92,7 +92,8 @@ def naive(modules, *, tau, normalize, oversample, power_iters):
 
 def build_variants(modules, args, device):
     params = dict(tau=args.tau, normalize=args.normalize, oversample=args.oversample, power_iters=args.power_iters)
-    method = get_method("iga", seed=0, implementation="reference", **params)
+    # the split factors, as batched_iga returns them (the chain-rule map is applied after it)
+    method = get_method("iga", seed=0, implementation="reference", factors="split", **params)
     step = 1
 
     def per_module():
@@ -164,7 +165,8 @@ def float64_check(modules, args, device, count: int) -> dict:
     sub = modules[:count]
     wide = [ModuleGrads(m.name, m.index, m.A.double(), m.B.double(), m.gA.double(), m.gB.double(), m.scaling) for m in sub]
     params = dict(tau=args.tau, normalize=args.normalize, oversample=args.oversample, power_iters=args.power_iters)
-    method = get_method("iga", seed=0, implementation="reference", **params)
+    # the split factors, as batched_iga returns them (the chain-rule map is applied after it)
+    method = get_method("iga", seed=0, implementation="reference", factors="split", **params)
     ref64 = [(u.gA, u.gB) for u in method.combine(wide, 1)]
     ref32 = [(u.gA, u.gB) for u in method.combine(sub, 1)]
     gens = [module_generator(0, 1, m.index, device) for m in sub]

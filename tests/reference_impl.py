@@ -5,7 +5,8 @@ import numpy as np
 
 
 def iga_reference(A, B, gA, gB, scaling, tau, rank, normalize, binary=False, mask_off=False, chain=False):
-    """Returns (product g~ = s * gB_new @ gA_new, masked matrix, mask, V)."""
+    """Returns (g~, the rank-r truncation of the masked matrix, masked matrix, mask, V); with
+    ``chain`` the chain-rule factor gradients of the masked matrix instead of g~."""
     A, B, gA, gB = (np.asarray(t, dtype=np.float64) for t in (A, B, gA, gB))
     N = gA.shape[0]
     G = np.stack([scaling * (gB[n] @ A + B @ gA[n]) for n in range(N)])
@@ -75,3 +76,9 @@ def pcgrad_reference(vectors, orders):
                 gi = gi - dot / (g[j] @ g[j]) * g[j]
         projected.append(gi)
     return np.mean(projected, axis=0)
+
+
+def chain_rule_reference(g_tilde, A, B, scaling):
+    """Factor gradients of a W-space direction through dW = s B A: (dA, dB)."""
+    g_tilde, A, B = (np.asarray(t, dtype=np.float64) for t in (g_tilde, A, B))
+    return scaling * B.T @ g_tilde, scaling * g_tilde @ A.T

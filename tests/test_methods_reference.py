@@ -8,7 +8,8 @@ import torch
 from iga_ds.methods import ModuleGrads, available_methods, get_method
 from iga_ds.methods.pareto import min_norm_weights
 from iga_ds.methods.pcgrad import pcgrad_weights
-from reference_impl import and_mask_reference, iga_reference, pcgrad_reference, sand_mask_reference
+from reference_impl import (and_mask_reference, chain_rule_reference, iga_reference, pcgrad_reference,
+                            sand_mask_reference)
 
 TESTED = set()
 
@@ -58,14 +59,19 @@ def flat_update(updates):
     ],
 )
 def test_iga_family_against_reference(name, kw):
-    method = get_method(name, tau=1.0, normalize="mean", svd="exact")
-    for m, u in zip(modules(), method.combine(modules(), step=0)):
-        ref, *_ = iga_reference(m.A, m.B, m.gA, m.gB, m.scaling, 1.0, 3, "mean", **kw)
-        if kw.get("chain"):
-            np.testing.assert_allclose(u.gB.numpy(), ref[0], rtol=1e-10)
-            np.testing.assert_allclose(u.gA.numpy(), ref[1], rtol=1e-10)
-        else:
-            np.testing.assert_allclose((m.scaling * u.gB @ u.gA).numpy(), ref, rtol=1e-9, atol=1e-12)
+    for factors in ("split", "chain_rule"):
+        method = get_method(name, tau=1.0, normalize="mean", svd="exact", factors=factors)
+        for m, u in zip(modules(), method.combine(modules(), step=0)):
+            ref, *_ = iga_reference(m.A, m.B, m.gA, m.gB, m.scaling, 1.0, 3, "mean", **kw)
+            if kw.get("chain"):  # no SVD: the chain rule of the masked matrix whatever `factors` says
+                np.testing.assert_allclose(u.gB.numpy(), ref[0], rtol=1e-10)
+                np.testing.assert_allclose(u.gA.numpy(), ref[1], rtol=1e-10)
+            elif factors == "split":
+                np.testing.assert_allclose((m.scaling * u.gB @ u.gA).numpy(), ref, rtol=1e-9, atol=1e-12)
+            else:
+                dA, dB = chain_rule_reference(ref, m.A, m.B, m.scaling)
+                np.testing.assert_allclose(u.gA.numpy(), dA, rtol=1e-9, atol=1e-12)
+                np.testing.assert_allclose(u.gB.numpy(), dB, rtol=1e-9, atol=1e-12)
 
 
 @covers("iga")
