@@ -17,12 +17,12 @@ iga_log() {
 }
 
 # MASTER_ADDR: first host of the job's node list; MASTER_PORT: derived from the job id so that
-# jobs sharing a node do not collide. Both may be preset by the user.
+# jobs sharing a node do not collide. sbatch exports the submitting shell's environment, where a
+# MASTER_ADDR/MASTER_PORT left by some earlier run would point every rank at a stale or busy
+# address, so only IGA_MASTER_ADDR / IGA_MASTER_PORT override the job's own values.
 iga_rendezvous() {
-    if [[ -z ${MASTER_ADDR:-} ]]; then
-        MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-    fi
-    MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 10000))}
+    MASTER_ADDR=${IGA_MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
+    MASTER_PORT=${IGA_MASTER_PORT:-$((20000 + SLURM_JOB_ID % 10000))}
     export MASTER_ADDR MASTER_PORT
 }
 
