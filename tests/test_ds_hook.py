@@ -106,14 +106,10 @@ def test_zero2_two_processes_match_single_process_reference(tmp_path, method, pa
         assert 0 < got["stats"][-1]["mask_mean"] <= 1 and got["stats"][-1]["gir"] > 0
 
 
-def test_every_method_runs_two_steps_under_zero2(tmp_path):
-    s = {"method": "", "gas": 1, "layout": EVEN_2x1, "steps": 2}
-    for name in available_methods():
-        s["method"] = name
-        d = tmp_path / name
-        d.mkdir()
-        got = run(d, s)
-        assert all(torch.isfinite(v).all() for v in got["params"].values()), name
+@pytest.mark.parametrize("name", available_methods())
+def test_every_method_runs_two_steps_under_zero2(tmp_path, name):
+    got = run(tmp_path, {"method": name, "gas": 1, "layout": EVEN_2x1, "steps": 2})
+    assert all(torch.isfinite(v).all() for v in got["params"].values()), name
 
 
 def test_non_finite_loss_skips_the_step_on_every_rank(tmp_path):

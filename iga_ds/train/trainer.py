@@ -64,9 +64,12 @@ def resolve_dist(local_rank: int | None = None) -> DistEnv:
 
     import torch.distributed
 
-    if torch.distributed.is_initialized():  # a second run in the same process
-        return DistEnv(torch.distributed.get_rank(), torch.distributed.get_world_size(),
-                       int(os.environ.get("LOCAL_RANK", "0")))
+    if torch.distributed.is_initialized():  # a second run in the same process reuses its group
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        # DeepSpeed reads these again at initialize, and the caller may have reset the environment
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local))
+        return DistEnv(rank, world, local)
     try:
         from iga_ds.launch.ranks import apply_dist_env, resolve_dist_env
     except ImportError:  # the launch package is optional: plain launcher variables then
