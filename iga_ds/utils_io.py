@@ -32,3 +32,21 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int = 2) -> None:
     atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=True) + "\n")
+
+
+def read_yaml_file(path: str | os.PathLike, what: str = "file") -> Any:
+    """``yaml.safe_load`` of a file; a missing file or bad YAML is a one-line ConfigError with
+    the file and line."""
+    import yaml
+
+    from iga_ds.errors import ConfigError
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: {what} not found")
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None

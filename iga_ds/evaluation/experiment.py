@@ -306,15 +306,10 @@ def _benchmarks(raw: Any, grid_dir: Path) -> list[dict[str, Any]]:
 
 def load_grid(path: str | Path) -> Grid:
     """Read and check a grid file; every error names the file and the key."""
+    from iga_ds.utils_io import read_yaml_file
+
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: grid file not found")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise ConfigError(f"{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    raw = read_yaml_file(path, "grid file") or {}
     try:
         return _parse_grid(raw, path)
     except ConfigError as exc:

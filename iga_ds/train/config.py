@@ -277,15 +277,10 @@ def load_run_config(path: str | os.PathLike | None, overrides: list[str] | None 
     raw: dict[str, Any] = {}
     base = Path.cwd()
     if path is not None:
+        from iga_ds.utils_io import read_yaml_file
+
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: config file not found")
-        try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f"{path}:{mark.line + 1}" if mark else str(path)
-            raise ConfigError(f"{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+        raw = read_yaml_file(path, "config file") or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level")
         base = path.parent
