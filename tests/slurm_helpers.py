@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +21,19 @@ FINISHED_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "
                    "DEADLINE", "PREEMPTED"}
 CLIENTS = ("sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo")
 
+
+
+def synth_data(tmp_path: Path) -> str:
+    """A small isomer data set from the project's own generator (no external data)."""
+    out = tmp_path / "data"
+    subprocess.run([sys.executable, "-m", "iga_ds.cli", "data", "synth", "--out", str(out), "--groups", "40",
+                    "--no-progress"], check=True, capture_output=True, timeout=120,
+                   cwd=Path(__file__).resolve().parents[1])
+    return str(out / "train.jsonl")
+
+
+# 2 ranks x 2 groups per micro-batch = the tiny config's 4 groups per step
+TRAINER_OVERRIDES = ("data.groups_per_micro_batch=2",)
 
 def missing_slurm_tools() -> list[str]:
     """Names of the programs this module needs that are not on PATH (empty when all are)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_helpers import local_slurm_fixture
+from slurm_helpers import TRAINER_OVERRIDES, local_slurm_fixture, synth_data
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -78,27 +78,6 @@ def test_cpu_template_selfcheck_failure_fails_the_job(local_slurm, tmp_path):
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
-def synth_data(tmp_path: Path) -> str:
-    """A small isomer data set from the project's own generator (no external data)."""
-    import subprocess
-
-    out = tmp_path / "data"
-    subprocess.run([sys.executable, "-m", "iga_ds.cli", "data", "synth", "--out", str(out), "--groups", "40",
-                    "--no-progress"], check=True, capture_output=True, timeout=120, cwd=REPO)
-    return str(out / "train.jsonl")
-
-
-# 2 ranks x 2 groups per micro-batch = the config's 4 groups per step
-TRAINER_OVERRIDES = ("data.groups_per_micro_batch=2",)
-
-
-def _trainer_ready() -> str | None:
-    missing = [p for p in ("launch/train.py", "configs/tiny_cpu.yaml", "ds_configs/zero2_fp32.json")
-               if not (REPO / p).exists()]
-    return f"trainer contract not in the tree yet: missing {', '.join(missing)}" if missing else None
-
-
-@pytest.mark.skipif(_trainer_ready() is not None, reason=str(_trainer_ready()))
 def test_cpu_template_trains_two_ranks_two_steps(local_slurm, tmp_path):
     rc, job = submit_wait(local_slurm, tmp_path, f"data.train={synth_data(tmp_path)}", *TRAINER_OVERRIDES,
                           "schedule.max_steps=2", timeout=900, sbatch_wait=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_helpers import CONTRACT_TRAINER, local_slurm_fixture
+from slurm_helpers import CONTRACT_TRAINER, TRAINER_OVERRIDES, local_slurm_fixture, synth_data
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -100,27 +100,6 @@ def test_no_requeue_without_signal_and_max_requeues_respected(local_slurm, tmp_p
     assert json.loads((out / "checkpoint-rank0.json").read_text())["step"] >= 2
 
 
-def synth_data(tmp_path: Path) -> str:
-    """A small isomer data set from the project's own generator (no external data)."""
-    import subprocess
-
-    out = tmp_path / "data"
-    subprocess.run([sys.executable, "-m", "iga_ds.cli", "data", "synth", "--out", str(out), "--groups", "40",
-                    "--no-progress"], check=True, capture_output=True, timeout=120, cwd=REPO)
-    return str(out / "train.jsonl")
-
-
-# 2 ranks x 2 groups per micro-batch = the config's 4 groups per step
-TRAINER_OVERRIDES = ("data.groups_per_micro_batch=2",)
-
-
-def _trainer_ready() -> str | None:
-    missing = [p for p in ("launch/train.py", "configs/tiny_cpu.yaml", "ds_configs/zero2_fp32.json")
-               if not (REPO / p).exists()]
-    return f"trainer contract not in the tree yet: missing {', '.join(missing)}" if missing else None
-
-
-@pytest.mark.skipif(_trainer_ready() is not None, reason=str(_trainer_ready()))
 def test_requeue_with_the_real_trainer(local_slurm, tmp_path):
     out = tmp_path / "out"
     max_steps = 60
