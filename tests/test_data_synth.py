@@ -224,6 +224,29 @@ def test_no_shortcut_plants_no_cue():
         assert parse_problem(r["domain"], r["problem"])[2] is None
 
 
+def test_neutral_cue_is_present_everywhere_and_independent_of_the_answer():
+    recs = generate_groups(1500, seed=5, neutral_cue=True)
+    for r in recs[:200]:
+        _, _, cue = parse_problem(r["domain"], r["problem"])
+        assert cue is not None and r["meta"]["cue"] is not None
+    for split in ("train", "test"):
+        for boolean, chance in ((True, 0.5), (False, 1 / (MAX_VALUE + 1))):
+            rate, n = _agreement(recs, split, boolean)
+            assert abs(rate - chance) < 4 * math.sqrt(chance * (1 - chance) / n) + 1e-9
+
+
+def test_answer_only_changes_nothing_but_the_cot():
+    full = generate_groups(40, seed=3, shortcut=0.9)
+    bare = generate_groups(40, seed=3, shortcut=0.9, answer_only=True)
+    assert all(r["cot"] == "" for r in bare)
+    assert [{**r, "cot": ""} for r in full] == bare
+
+
+def test_neutral_cue_with_a_shortcut_is_refused(tmp_path):
+    with pytest.raises(UserError, match="--neutral-cue"):
+        synthesize(tmp_path, 10, seed=0, shortcut=0.5, neutral_cue=True)
+
+
 def test_synthesize_is_byte_identical_and_manifest_matches(tmp_path):
     import hashlib
 

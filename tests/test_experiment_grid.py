@@ -285,3 +285,20 @@ def test_baseline_and_ablation_grids_hold_the_paper_rows():
     by_key = {v.key: v for v in abl.variants}
     assert by_key["random_pairing"].pairing == "random" and by_key["instance_split"].split == "instance"
     assert by_key["n2"].domains == ("math", "medical") and by_key["single_domain"].domains == ("math",)
+
+
+def test_replication_grid_holds_every_paper_row_and_its_control():
+    from iga_ds.evaluation.results import ABLATION_LABELS
+
+    base = ex.load_grid(REPO / "configs/experiments/baselines.yaml")
+    rep = ex.load_grid(REPO / "configs/experiments/replication.yaml")
+    methods = {v.key: v for v in rep.variants if v.kind == "method"}
+    ablations = {v.key: v for v in rep.variants if v.kind == "ablation"}
+    assert {v.key for v in base.variants} <= set(methods) and len(rep.seeds) >= 3
+    assert methods["erm_no_shortcut"].cue == "neutral" and methods["erm_no_shortcut"].method == "erm"
+    # normalize_mean is the Full IGA row itself
+    assert set(ABLATION_LABELS) - {"normalize_mean"} <= set(ablations)
+    assert methods["iga"].params["normalize"] == "mean"
+    taus = {v.params.get("tau") for v in ablations.values() if v.key.startswith("tau_")}
+    assert len(taus | {methods["iga"].params["tau"]}) >= 4
+    assert rep.data["synthetic"]["shortcut"] > 0 and rep.data["synthetic"]["answer_only"] is True

@@ -210,6 +210,22 @@ def test_word_tokenizer_is_lossless_and_word_level():
     assert pieces == ["the", " dose", " is", " 1", "2"]
 
 
+def test_generator_words_cover_everything_the_generator_writes():
+    # the built-in base's vocabulary: a cue word missing from it is one [UNK] for every domain,
+    # and a planted shortcut becomes invisible to the model
+    from iga_ds.data.synth import generate_groups
+    from iga_ds.train.batching import unknown_words
+    from iga_ds.train.model import build_vocab, build_word_tokenizer
+    from iga_ds.train.pretrain import generator_words
+
+    tok = build_word_tokenizer(build_vocab([], generator_words()))
+    records = generate_groups(300, seed=11, shortcut=0.9) + generate_groups(100, seed=12, neutral_cue=True)
+    assert unknown_words(tok, records, limit=len(records)) == (0.0, [])
+    bare = build_word_tokenizer(build_vocab(["x is convex ."]))
+    rate, examples = unknown_words(bare, records[:20])
+    assert rate > 0.1 and len(examples) == 5 and all(w.isalpha() for w in examples)
+
+
 def test_tiny_base_is_cached_by_content(tmp_path):
     from iga_ds.train.model import TinyBaseConfig, ensure_tiny_base
 

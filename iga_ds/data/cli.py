@@ -39,6 +39,11 @@ def register(subparsers) -> None:
     p.add_argument("--min-depth", type=int, default=1)
     p.add_argument("--max-depth", type=int, default=4)
     p.add_argument("--test-frac", type=float, default=0.2, help="fraction of groups (seeds) in test")
+    p.add_argument("--neutral-cue", action="store_true",
+                   help="render the cue sentence everywhere with a slot word independent of the answer "
+                        "(shows the cue words without planting a shortcut; needs --shortcut 0)")
+    p.add_argument("--answer-only", action="store_true",
+                   help="leave cot empty: the training target is the answer line alone")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_synth)
 
@@ -136,7 +141,8 @@ def cmd_synth(args) -> int:
     patterns = tuple(p.strip() for p in args.patterns.split(",")) if args.patterns else PATTERNS
     manifest = synthesize(args.out, args.groups, args.seed, _domains(args.domains), args.shortcut,
                           patterns=patterns, min_depth=args.min_depth, max_depth=args.max_depth,
-                          test_frac=args.test_frac, progress=not args.no_progress)
+                          test_frac=args.test_frac, progress=not args.no_progress,
+                          neutral_cue=args.neutral_cue, answer_only=args.answer_only)
     for split in ("train", "test"):
         s = manifest["splits"][split]
         extra = f", cue agreement {s['cue_agreement']:.1%}" if s.get("cue_agreement") is not None else ""

@@ -34,7 +34,7 @@ TEST_FRAC = 0.2
 
 
 def _check_args(groups: int, domains: Sequence[str], shortcut: float, patterns: Sequence[str],
-                min_depth: int, max_depth: int, test_frac: float) -> None:
+                min_depth: int, max_depth: int, test_frac: float, neutral_cue: bool = False) -> None:
     if not isinstance(groups, int) or groups < 1:
         raise UserError(f"--groups {groups!r}: expected a positive integer")
     if not domains:
@@ -45,6 +45,9 @@ def _check_args(groups: int, domains: Sequence[str], shortcut: float, patterns: 
         get_domain(d)
     if not 0.0 <= shortcut <= 1.0:
         raise UserError(f"--shortcut {shortcut}: expected a probability in [0, 1]")
+    if neutral_cue and shortcut > 0.0:
+        raise UserError(f"--neutral-cue with --shortcut {shortcut}: a neutral cue carries no shortcut; "
+                        "expected --shortcut 0")
     for p in patterns:
         if p not in SAMPLERS:
             raise UserError(f"--patterns: unknown pattern {p!r}; expected some of {', '.join(PATTERNS)}")
@@ -70,9 +73,9 @@ def _group_rng(seed: int, index: int) -> random.Random:
 
 
 def _cue(domain: Domain, answer: str, answers: Sequence[str], split: str, shortcut: float,
-         rng: random.Random) -> tuple[str, str, bool]:
+         rng: random.Random, neutral: bool = False) -> tuple[str, str, bool]:
     """(cue sentence, answer the cue signals, whether it agrees with the true answer)."""
-    if split == "train":
+    if split == "train" and not neutral:
         if rng.random() < shortcut:
             signalled = answer
         else:
@@ -85,8 +88,14 @@ def _cue(domain: Domain, answer: str, answers: Sequence[str], split: str, shortc
 
 def make_group(seed: int, index: int, split: str, domains: Sequence[str] = DEFAULT_DOMAINS,
                shortcut: float = 0.0, patterns: Sequence[str] = PATTERNS,
-               min_depth: int = 1, max_depth: int = 4) -> list[dict]:
-    """All instances (one per domain) of group ``index``."""
+               min_depth: int = 1, max_depth: int = 4, neutral_cue: bool = False,
+               answer_only: bool = False) -> list[dict]:
+    """All instances (one per domain) of group ``index``.
+
+    ``neutral_cue`` renders the cue sentence in every split with a slot word independent of the
+    answer (text that shows the cue words without teaching the shortcut, e.g. to pretrain a
+    base); ``answer_only`` leaves ``cot`` empty, so the target is the answer line alone.
+    """
     rng = _group_rng(seed, index)
     pattern = patterns[rng.randrange(len(patterns))]
     depth = rng.randint(min_depth, max_depth)
@@ -109,11 +118,12 @@ def make_group(seed: int, index: int, split: str, domains: Sequence[str] = DEFAU
         meta = {"pattern": pattern, "depth": depth, "split": split, "status": solution.status,
                 "lexicon": lexicon, "cue": None, "cue_answer": None, "cue_agrees": None}
         cue = None
-        if shortcut > 0.0:
+        if shortcut > 0.0 or neutral_cue:
             cue, meta["cue_answer"], meta["cue_agrees"] = _cue(
-                domain, solution.answer, answers, split, shortcut, rng)
+                domain, solution.answer, answers, split, shortcut, rng, neutral_cue)
             meta["cue"] = cue
-        cot = render_cot(domain, solution, question, words)
+        # render_cot draws nothing from rng: skipping it leaves every other field unchanged
+        cot = "" if answer_only else render_cot(domain, solution, question, words)
         records.append({
             "group_id": group_id,
             "seed_id": group_id,
@@ -130,13 +140,14 @@ def make_group(seed: int, index: int, split: str, domains: Sequence[str] = DEFAU
 def iter_groups(groups: int, seed: int, domains: Sequence[str] = DEFAULT_DOMAINS,
                 shortcut: float = 0.0, patterns: Sequence[str] = PATTERNS,
                 min_depth: int = 1, max_depth: int = 4,
-                test_frac: float = TEST_FRAC) -> Iterator[list[dict]]:
+                test_frac: float = TEST_FRAC, neutral_cue: bool = False,
+                answer_only: bool = False) -> Iterator[list[dict]]:
     """Yield the records of each group in index order; ``meta.split`` says train or test."""
-    _check_args(groups, domains, shortcut, patterns, min_depth, max_depth, test_frac)
+    _check_args(groups, domains, shortcut, patterns, min_depth, max_depth, test_frac, neutral_cue)
     test = test_indices(groups, seed, test_frac)
     for i in range(groups):
         yield make_group(seed, i, "test" if i in test else "train", domains, shortcut,
-                         patterns, min_depth, max_depth)
+                         patterns, min_depth, max_depth, neutral_cue, answer_only)
 
 
 def generate_groups(groups: int, seed: int, domains: Sequence[str] = DEFAULT_DOMAINS,
@@ -191,10 +202,11 @@ class _HashingWriter:
 
 def synthesize(out_dir, groups: int, seed: int, domains: Sequence[str] = DEFAULT_DOMAINS,
                shortcut: float = 0.0, patterns: Sequence[str] = PATTERNS, min_depth: int = 1,
-               max_depth: int = 4, test_frac: float = TEST_FRAC, progress: bool = False) -> dict:
+               max_depth: int = 4, test_frac: float = TEST_FRAC, progress: bool = False,
+               neutral_cue: bool = False, answer_only: bool = False) -> dict:
     """Write ``train.jsonl``, ``test.jsonl`` and ``manifest.json`` to ``out_dir``; return the manifest."""
     domains, patterns = tuple(domains), tuple(patterns)
-    _check_args(groups, domains, shortcut, patterns, min_depth, max_depth, test_frac)
+    _check_args(groups, domains, shortcut, patterns, min_depth, max_depth, test_frac, neutral_cue)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     writers = {"train": _HashingWriter(out / "train.jsonl"), "test": _HashingWriter(out / "test.jsonl")}
@@ -207,7 +219,8 @@ def synthesize(out_dir, groups: int, seed: int, domains: Sequence[str] = DEFAULT
         bar = tqdm(total=groups, unit="group", desc="synth", mininterval=0.5)
     try:
         for i, group in enumerate(iter_groups(groups, seed, domains, shortcut, patterns,
-                                              min_depth, max_depth, test_frac)):
+                                              min_depth, max_depth, test_frac, neutral_cue,
+                                              answer_only)):
             meta = group[0]["meta"]
             split = meta["split"]
             c = counts[split]
@@ -215,7 +228,7 @@ def synthesize(out_dir, groups: int, seed: int, domains: Sequence[str] = DEFAULT
             c[f"pattern:{meta['pattern']}"] += 1
             c[f"depth:{meta['depth']}"] += 1
             c[f"answer:{group[0]['answer']}"] += 1
-            if shortcut > 0.0:
+            if shortcut > 0.0 or neutral_cue:
                 cue_agree[split] += sum(r["meta"]["cue_agrees"] for r in group)
             writers[split].write(_dump_group(group))
             writers[split].records += len(group)
@@ -242,7 +255,7 @@ def synthesize(out_dir, groups: int, seed: int, domains: Sequence[str] = DEFAULT
             "depths": {k.split(":", 1)[1]: v for k, v in sorted(c.items()) if k.startswith("depth:")},
             "answers": {k.split(":", 1)[1]: v for k, v in sorted(c.items()) if k.startswith("answer:")},
         }
-        if shortcut > 0.0:
+        if shortcut > 0.0 or neutral_cue:
             summary["cue_agreement"] = cue_agree[split] / n_inst if n_inst else None
         return summary
 
@@ -252,7 +265,7 @@ def synthesize(out_dir, groups: int, seed: int, domains: Sequence[str] = DEFAULT
         "arguments": {
             "groups": groups, "seed": seed, "domains": list(domains), "shortcut": shortcut,
             "patterns": list(patterns), "min_depth": min_depth, "max_depth": max_depth,
-            "test_frac": test_frac,
+            "test_frac": test_frac, "neutral_cue": neutral_cue, "answer_only": answer_only,
         },
         "splits": {s: split_summary(s) for s in ("train", "test")},
         "files": {

@@ -40,8 +40,9 @@ POOLED_DOMAIN = "pooled"  # the one pseudo-domain of ungrouped training (CoT-Dis
 
 GRID_KEYS = ("train_config", "train", "data", "benchmarks", "eval", "seeds", "methods", "ablations",
              "keep_checkpoints")
-VARIANT_KEYS = ("method", "params", "domains", "pairing", "split", "grouping", "label", "train")
-SYNTH_KEYS = ("groups", "seed", "shortcut", "domains", "id_groups", "ood_groups")
+VARIANT_KEYS = ("method", "params", "domains", "pairing", "split", "grouping", "label", "train", "cue")
+SYNTH_KEYS = ("groups", "seed", "shortcut", "domains", "id_groups", "ood_groups", "patterns", "min_depth",
+              "max_depth", "answer_only")
 DATA_KEYS = ("name", "synthetic", "train", "id_test", "ood_test", "instance_test_frac")
 BENCH_KEYS = ("name", "benchmark", "dir", "options", "limit")
 
@@ -73,11 +74,15 @@ class Variant:
     grouping: str = "groups"  # groups | none
     label: str | None = None
     train: dict[str, Any] = field(default_factory=dict)
+    cue: str = "planted"  # planted | neutral (synthetic data: train on the shortcut-free twin)
 
     def spec(self) -> dict[str, Any]:
-        return {"key": self.key, "kind": self.kind, "method": self.method, "params": self.params,
+        spec = {"key": self.key, "kind": self.kind, "method": self.method, "params": self.params,
                 "domains": list(self.domains) if self.domains else None, "pairing": self.pairing,
                 "split": self.split, "grouping": self.grouping, "label": self.label, "train": self.train}
+        if self.cue != "planted":  # absent by default: cells of older grids keep their hash
+            spec["cue"] = self.cue
+        return spec
 
 
 @dataclass(frozen=True)
@@ -205,6 +210,7 @@ def _variant(key: Any, raw: Any, kind: str, where: str) -> Variant:
         pairing=_choice(raw.get("pairing", "isomer"), ("isomer", "random"), f"{where}.pairing"),
         split=_choice(raw.get("split", "seed"), ("seed", "instance"), f"{where}.split"),
         grouping=grouping, label=label, train=copy.deepcopy(_mapping(raw.get("train"), f"{where}.train")),
+        cue=_choice(raw.get("cue", "planted"), ("planted", "neutral"), f"{where}.cue"),
     )
 
 
@@ -258,6 +264,20 @@ def _data(raw: dict[str, Any], grid_dir: Path) -> dict[str, Any]:
             raise ConfigError(f"data.synthetic.shortcut: expected a probability in [0, 1], got {spec['shortcut']!r}")
         if "domains" in spec:
             spec["domains"] = list(_str_list(spec["domains"], "data.synthetic.domains"))
+        if "patterns" in spec:
+            from iga_ds.data.patterns import PATTERNS
+
+            spec["patterns"] = list(_str_list(spec["patterns"], "data.synthetic.patterns"))
+            unknown = [p for p in spec["patterns"] if p not in PATTERNS]
+            if unknown or not spec["patterns"]:
+                raise ConfigError(f"data.synthetic.patterns: expected some of {', '.join(PATTERNS)}, got {spec['patterns']!r}")
+        for key in ("min_depth", "max_depth"):
+            if key in spec and (not _is_int(spec[key]) or not 1 <= spec[key] <= 4):
+                raise ConfigError(f"data.synthetic.{key}: expected an integer in 1..4, got {spec[key]!r}")
+        if spec.get("min_depth", 1) > spec.get("max_depth", 4):
+            raise ConfigError("data.synthetic: expected min_depth <= max_depth")
+        if "answer_only" in spec and not isinstance(spec["answer_only"], bool):
+            raise ConfigError(f"data.synthetic.answer_only: expected true or false, got {spec['answer_only']!r}")
         data["synthetic"] = spec
         return data
     if "train" not in raw:
@@ -453,6 +473,7 @@ class PreparedData:
     train: str
     id_test: str | None
     ood_test: str | None
+    neutral_train: str | None = None  # the same training groups with a neutral cue (no shortcut)
 
 
 def prepare_data(grid: Grid, out: Path, log: Callable[[str], None] = print) -> PreparedData:
@@ -466,15 +487,25 @@ def prepare_data(grid: Grid, out: Path, log: Callable[[str], None] = print) -> P
     s = data["synthetic"]
     folder = out / "data"
     done = folder / "prepared.json"
-    if not (done.is_file() and json.loads(done.read_text(encoding="utf-8")) == s):
+    marker = {**s, "layout": 2}  # layout 2 added the neutral twin: older folders are redone
+    if not (done.is_file() and json.loads(done.read_text(encoding="utf-8")) == marker):
         log(f"data: synthesizing {s['groups']} isomer groups (shortcut {s['shortcut']} in training) into {folder}")
-        kwargs = {"domains": s["domains"]} if "domains" in s else {}
+        kwargs = {k: s[k] for k in ("domains", "patterns", "min_depth", "max_depth", "answer_only") if k in s}
         synthesize(folder, groups=s["groups"], seed=s["seed"], shortcut=s["shortcut"], **kwargs)
         _split_holdout(folder / "train.jsonl", s["id_groups"], folder / "fit.jsonl", folder / "id_pool.jsonl")
         _write_jsonl(folder / "id_test.jsonl", _first_groups(folder / "id_pool.jsonl", s["id_groups"]))
         _write_jsonl(folder / "ood_test.jsonl", _first_groups(folder / "test.jsonl", s["ood_groups"]))
-        atomic_write_json(done, s)  # last: the folder is complete
-    return PreparedData(str(folder / "fit.jsonl"), str(folder / "id_test.jsonl"), str(folder / "ood_test.jsonl"))
+        # the shortcut-free twin of the training groups: same DAGs, cue slot independent of
+        # the answer; rows with `cue: neutral` train on it (how far the task is learnable
+        # without the shortcut)
+        twin = folder / "neutral"
+        synthesize(twin, groups=s["groups"], seed=s["seed"], shortcut=0.0, neutral_cue=True, **kwargs)
+        fit_ids = {r["group_id"] for r in _read_jsonl(folder / "fit.jsonl")}
+        _write_jsonl(folder / "fit_neutral.jsonl",
+                     [r for r in _read_jsonl(twin / "train.jsonl") if r["group_id"] in fit_ids])
+        atomic_write_json(done, marker)  # last: the folder is complete
+    return PreparedData(str(folder / "fit.jsonl"), str(folder / "id_test.jsonl"), str(folder / "ood_test.jsonl"),
+                        str(folder / "fit_neutral.jsonl"))
 
 
 def cell_data(grid: Grid, cell: Cell, prepared: PreparedData, cell_dir: Path) -> tuple[str, list[dict], list[dict]]:
@@ -484,9 +515,14 @@ def cell_data(grid: Grid, cell: Cell, prepared: PreparedData, cell_dir: Path) ->
     v = cell.variant
     id_records = _read_jsonl(prepared.id_test) if prepared.id_test else []
     ood_records = _read_jsonl(prepared.ood_test) if prepared.ood_test else []
+    source = prepared.train
+    if v.cue == "neutral":
+        if prepared.neutral_train is None:
+            raise ConfigError(f"{v.key}.cue: 'neutral' needs synthetic data (data.synthetic)")
+        source = prepared.neutral_train
     if v.split == "seed" and v.pairing == "isomer" and v.grouping == "groups":
-        return prepared.train, id_records, ood_records
-    train = _read_jsonl(prepared.train)
+        return source, id_records, ood_records
+    train = _read_jsonl(source)
     if v.split == "instance":
         # the leakage ablation: one pool of all instances split by instance, as a careless
         # protocol would; its test part replaces the evaluation sets (same sizes at most)
@@ -699,7 +735,8 @@ def run_cell(grid: Grid, cell: Cell, out: Path, prepared: PreparedData, progress
         "num_devices": resolved["world_size"],
         "domains": domains,
         "spec_hash": _spec_hash(spec),
-        "evaluations": {name: {k: r.get(k) for k in ("accuracy", "id_accuracy", "ood_accuracy", "delta_gap")}
+        "evaluations": {name: {k: r.get(k) for k in ("accuracy", "id_accuracy", "ood_accuracy", "delta_gap",
+                                                      "ood_cue_follow")}
                         for name, r in evals.items()},
     }
     _free_memory()
@@ -734,7 +771,8 @@ def _summary_line(info: dict[str, Any]) -> str:
     parts = []
     for name, r in info.get("evaluations", {}).items():
         if r.get("ood_accuracy") is not None:
-            parts.append(f"{name} ID {_fmt(r.get('id_accuracy'))} OOD {_fmt(r['ood_accuracy'])}")
+            parts.append(f"{name} ID {_fmt(r.get('id_accuracy'))} OOD {_fmt(r['ood_accuracy'])}"
+                         + (f" (follows a wrong cue {_fmt(r['ood_cue_follow'])})" if r.get("ood_cue_follow") is not None else ""))
         else:
             parts.append(f"{name} {_fmt(r.get('accuracy'))}")
     return "; ".join(parts)

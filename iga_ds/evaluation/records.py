@@ -59,7 +59,9 @@ def isomer_items(
                 kind=meta.get("answer_kind") or infer_answer_kind(answer),
                 domain=str(rec["domain"]),
                 split="ood" if rec["domain"] in set(ood_domains) else "id",
-                meta={"group_id": rec["group_id"]},
+                meta={"group_id": rec["group_id"],
+                      # the answer a planted cue signals (synthetic data): shortcut reliance
+                      **({"cue_answer": str(meta["cue_answer"])} if meta.get("cue_answer") is not None else {})},
             )
         )
     return items

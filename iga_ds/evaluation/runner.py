@@ -88,6 +88,8 @@ def score_items(items: Sequence[EvalItem], outputs: dict[str, str]) -> list[dict
             "gold": item.answer,
             "output": text,
         }
+        if item.meta.get("cue_answer") is not None:
+            row["cue_answer"] = item.meta["cue_answer"]
         if item.labeled:
             score = score_generation(text, item.answer, item.kind)
             row.update(prediction=score.prediction, correct=score.correct, correct_symbolic=score.correct_symbolic)
@@ -115,7 +117,26 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     summary["id_accuracy"] = per_split.get("id", {}).get("accuracy")
     summary["ood_accuracy"] = per_split.get("ood", {}).get("accuracy")
     summary["delta_gap"] = delta_gap(summary["id_accuracy"], summary["ood_accuracy"])
+    summary["cue_conflict"] = cue_conflict(scored)
+    summary["ood_cue_follow"] = summary["cue_conflict"].get("ood", {}).get("follow_cue")
     return summary
+
+
+def cue_conflict(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per split, over the items whose planted cue signals a wrong answer: how often the model
+    answered what the cue signals (``follow_cue``, % ; shortcut reliance) and how often it was
+    right (``accuracy``, %). Empty when no item carries a cue."""
+    out: dict[str, dict[str, Any]] = {}
+    for split in sorted({r["split"] for r in rows}):
+        conflict = [r for r in rows if r["split"] == split and r.get("cue_answer") is not None
+                    and r["cue_answer"] != r["gold"]]
+        if conflict:
+            out[split] = {
+                "n": len(conflict),
+                "follow_cue": 100.0 * sum(r["prediction"] == r["cue_answer"] for r in conflict) / len(conflict),
+                "accuracy": 100.0 * sum(bool(r["correct"]) for r in conflict) / len(conflict),
+            }
+    return out
 
 
 def evaluate(

@@ -160,6 +160,27 @@ class MicroBatch:
         )
 
 
+def unknown_words(tokenizer, records: Sequence[dict[str, Any]], limit: int = 2000) -> tuple[float, list[str]]:
+    """(fraction of [UNK] tokens, up to 5 example words) over the first ``limit`` records' text.
+    A word the tokenizer maps to [UNK] is invisible to the model, e.g. a planted cue."""
+    unk = tokenizer.unk_token_id
+    if unk is None:
+        return 0.0, []
+    total = unknown = 0
+    examples: list[str] = []
+    for rec in records[:limit]:
+        prompt, target = format_example(rec)
+        enc = tokenizer(prompt + target, add_special_tokens=False, return_offsets_mapping=True)
+        total += len(enc["input_ids"])
+        for tok_id, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]):
+            if tok_id == unk:
+                unknown += 1
+                word = (prompt + target)[a:b].strip()
+                if word and word not in examples and len(examples) < 5:
+                    examples.append(word)
+    return (unknown / total if total else 0.0), examples
+
+
 def encode_example(tokenizer, prompt: str, target: str, max_length: int) -> tuple[list[int], list[int]]:
     """Token ids and labels for one instance: [bos] prompt target [eos], prompt labels masked.
     Too long: the prompt loses tokens from its start, then the target from its end."""

@@ -58,7 +58,7 @@ def _pretrain_tiny(args: argparse.Namespace) -> int:
     import dataclasses
 
     from iga_ds.train.model import TinyBaseConfig, ensure_tiny_base
-    from iga_ds.train.pretrain import PRETRAIN_GROUPS, corpus_texts, generator_corpus
+    from iga_ds.train.pretrain import PRETRAIN_GROUPS, corpus_texts, generator_corpus, generator_words
 
     cfg = TinyBaseConfig()
     if args.steps is not None:
@@ -69,7 +69,8 @@ def _pretrain_tiny(args: argparse.Namespace) -> int:
         texts = corpus_texts([r for path in args.data for r in read_records(path)])
     else:
         texts = generator_corpus(args.groups or PRETRAIN_GROUPS)
-    print(ensure_tiny_base(texts, cfg, args.cache_dir))
+    # the generator's words always join the vocabulary: generated data stays readable
+    print(ensure_tiny_base(texts, cfg, args.cache_dir, extra_words=generator_words()))
     return 0
 
 

@@ -30,7 +30,7 @@ from iga_ds.utils_io import atomic_write_json
 # so that numbers outside the corpus still tokenize.
 WORD_PATTERN = r" ?[A-Za-z]+| ?[0-9]| ?[^A-Za-z0-9\s]|\s"
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "<s>", "</s>")
-_TOKENIZER_VERSION = 1  # bump when WORD_PATTERN or the vocabulary rule changes
+_TOKENIZER_VERSION = 2  # bump when WORD_PATTERN or the vocabulary rule changes
 
 
 def cache_root() -> Path:
@@ -46,9 +46,11 @@ def _pre_tokenizer():
     return pre_tokenizers.Split(Regex(WORD_PATTERN), behavior="isolated")
 
 
-def build_vocab(texts: Iterable[str]) -> list[str]:
+def build_vocab(texts: Iterable[str], extra_words: Sequence[str] = ()) -> list[str]:
     """Special tokens, then every printable ASCII character (with and without a leading space,
-    so no single character is unknown), then corpus words by falling frequency."""
+    so no single character is unknown), then corpus words by falling frequency, then
+    ``extra_words`` the corpus lacks (with and without a leading space). A word outside the
+    vocabulary is one [UNK] token: the model cannot tell such words apart."""
     pre = _pre_tokenizer()
     counts: Counter[str] = Counter()
     for text in texts:
@@ -64,6 +66,11 @@ def build_vocab(texts: Iterable[str]) -> list[str]:
         if tok not in seen:
             vocab.append(tok)
             seen.add(tok)
+    for word in extra_words:
+        for tok in (word, " " + word):
+            if tok not in seen:
+                vocab.append(tok)
+                seen.add(tok)
     return vocab
 
 
@@ -117,13 +124,14 @@ def corpus_digest(texts: Sequence[str]) -> str:
     return h.hexdigest()
 
 
-def tiny_base_key(config: TinyBaseConfig, texts: Sequence[str]) -> str:
+def tiny_base_key(config: TinyBaseConfig, texts: Sequence[str], extra_words: Sequence[str] = ()) -> str:
     import torch
     import transformers
 
     payload = {
         "config": config.to_dict(),
         "corpus": corpus_digest(texts),
+        "extra_words": corpus_digest(extra_words),
         "tokenizer_version": _TOKENIZER_VERSION,
         # a different major library version may initialize or compute differently
         "torch": torch.__version__.split("+")[0].rsplit(".", 1)[0],
@@ -210,8 +218,10 @@ def ensure_tiny_base(
     cache_dir: str | os.PathLike | None = None,
     progress: bool = True,
     log=print,
+    extra_words: Sequence[str] = (),
 ) -> Path:
     """Return the folder of the tiny base pretrained on ``texts``; build it on a cache miss.
+    ``extra_words`` join the vocabulary even where the corpus lacks them.
 
     The folder is a normal Hugging Face model directory (``config.json``,
     ``model.safetensors``, ``tokenizer.json``) plus ``pretrain.json`` (settings, corpus hash,
@@ -223,7 +233,7 @@ def ensure_tiny_base(
         raise ConfigError("tiny base: the pretraining corpus is empty")
     config = config or TinyBaseConfig()
     root = Path(cache_dir) if cache_dir else cache_root()
-    key = tiny_base_key(config, texts)
+    key = tiny_base_key(config, texts, extra_words)
     final = root / "tiny-base" / key
     if (final / "pretrain.json").is_file():
         log(f"tiny base: cached at {final}")
@@ -233,7 +243,7 @@ def ensure_tiny_base(
     shutil.rmtree(tmp, ignore_errors=True)
     log(f"tiny base: pretraining from scratch on {len(texts)} texts ({config.steps} steps); cached afterwards")
     start = time.perf_counter()
-    tokenizer = build_word_tokenizer(build_vocab(texts))
+    tokenizer = build_word_tokenizer(build_vocab(texts, extra_words))
     special = {"pad": tokenizer.pad_token_id, "bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id}
     with torch.random.fork_rng():
         model = build_tiny_llama(len(tokenizer), config, special)

@@ -2,8 +2,11 @@
 
 ``iga-ds pretrain-tiny`` and ``model.name_or_path: builtin:tiny`` both land here. The corpus
 is shortcut-free generator output (its own seed, apart from the demo's data seeds), rendered
-with the same prompt and target format as fine-tuning; the tokenizer's vocabulary is that
-corpus's words. See ``iga_ds.train.model`` for the model and the cache.
+with the same prompt and target format as fine-tuning. Its cue sentences are neutral (the
+slot word is independent of the answer): the base reads the cue words without learning the
+shortcut, so that a shortcut planted in fine-tuning data is visible to the model and not an
+unknown token. The tokenizer's vocabulary is the corpus's words plus every word the
+generator can emit. See ``iga_ds.train.model`` for the model and the cache.
 """
 from __future__ import annotations
 
@@ -33,12 +36,46 @@ def generator_corpus(groups: int = PRETRAIN_GROUPS, seed: int = PRETRAIN_SEED) -
     from iga_ds.train.batching import read_records
 
     with tempfile.TemporaryDirectory(prefix="iga-ds-corpus-") as tmp:
-        synthesize(tmp, groups=groups, seed=seed, shortcut=0.0)
+        synthesize(tmp, groups=groups, seed=seed, shortcut=0.0, neutral_cue=True)
         records = []
         for name in ("train.jsonl", "test.jsonl"):
             if (Path(tmp) / name).is_file():
                 records += read_records(Path(tmp) / name)
     return corpus_texts(records)
+
+
+def generator_words() -> list[str]:
+    """Every word the procedural generator can write in any domain (sorted), so that the base's
+    vocabulary covers data generated with other seeds, patterns or cues than its corpus."""
+    import dataclasses
+    import re
+
+    from iga_ds.data.domains import DOMAINS
+
+    words: set[str] = set()
+
+    def visit(value) -> None:
+        if isinstance(value, str):
+            words.update(re.findall(r"[A-Za-z]+", re.sub(r"\{[^}]*\}", " ", value)))
+        elif isinstance(value, dict):
+            for v in value.values():
+                visit(v)
+        elif isinstance(value, (tuple, list)):
+            for v in value:
+                visit(v)
+
+    from iga_ds.data.patterns import BOOLEAN_ANSWERS
+    from iga_ds.evaluation.prompts import format_prompt, format_target
+
+    visit(BOOLEAN_ANSWERS)
+    visit(format_prompt({"problem": ""}) + format_target({"cot": "", "answer": ""}))
+    for domain in DOMAINS.values():
+        for f in dataclasses.fields(domain):
+            visit(getattr(domain, f.name))
+        for status in ("proven", "refuted", "unknown"):  # closing lines are written in code
+            visit(domain.conclusion("class", status, z="", b=""))
+            visit(domain.conclusion("prop", status, s="", q=""))
+    return sorted(words)
 
 
 def default_tiny_base(
@@ -50,4 +87,5 @@ def default_tiny_base(
     log=print,
 ) -> Path:
     """Folder of the cached tiny base, pretraining it first on a cache miss."""
-    return ensure_tiny_base(generator_corpus(groups, seed), config, cache_dir, progress=progress, log=log)
+    return ensure_tiny_base(generator_corpus(groups, seed), config, cache_dir, progress=progress, log=log,
+                            extra_words=generator_words())

@@ -216,7 +216,8 @@ class Trainer:
         import torch
 
         from iga_ds.ds import attach
-        from iga_ds.train.batching import GroupSampler, check_batch_layout, collate, complete_groups, read_records
+        from iga_ds.train.batching import (GroupSampler, check_batch_layout, collate, complete_groups, read_records,
+                                           unknown_words)
         from iga_ds.train.batching import sequence_losses
         from iga_ds.train.checkpoint import StopSignal, load_checkpoint, resolve_resume, save_checkpoint
         from iga_ds.train.model import add_lora, load_base_model, load_tokenizer
@@ -248,6 +249,11 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         base_dir = self._resolve_base(records)
         tokenizer = load_tokenizer(cfg.tokenizer or base_dir)
+        unk_rate, unk_examples = unknown_words(tokenizer, records)
+        if unk_rate > 0.001:
+            self._print(f"warning: {unk_rate:.1%} of the training tokens are unknown to the tokenizer of "
+                        f"{cfg.tokenizer or base_dir} (e.g. {', '.join(map(repr, unk_examples))}); "
+                        "the model cannot tell those words apart")
         model = load_base_model(base_dir, cfg.model.dtype, cfg.model.attn_implementation)
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Runs the cells of one experiment grid in parallel processes, then writes its report.
+#
+#   bash launch/grid_parallel.sh configs/experiments/replication.yaml runs/replication 8
+#
+# Each cell is exactly what the sequential command runs for it
+# (`iga-ds experiment --grid GRID --out OUT --only CELL`), so results do not depend on how many
+# run at once. The first unfinished cell runs alone (it prepares the data and builds the tiny
+# base on a cache miss); the rest run JOBS at a time, one CPU thread each, round-robin over the
+# visible GPUs (CPU only when there are none). Logs: OUT/logs/CELL.log. Rerun the same line to
+# resume after a kill: finished cells are skipped, killed ones rerun. NO_REPORT=1 skips the
+# report; IGA_DS_CLI overrides the command (default: iga-ds).
+set -euo pipefail
+usage="usage: grid_parallel.sh GRID OUT [JOBS]"
+grid=${1:?$usage}
+out=${2:?$usage}
+jobs=${3:-4}
+[[ $jobs =~ ^[1-9][0-9]*$ ]] || { echo "grid_parallel.sh: JOBS must be a positive integer, got '$jobs'" >&2; exit 2; }
+read -r -a cli <<< "${IGA_DS_CLI:-iga-ds}"
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+
+pending() {  # unfinished cells, in grid order
+  "${cli[@]}" experiment --grid "$grid" --out "$out" --dry-run | awk 'NF >= 4 && $2 != "done" {print $1}'
+}
+
+mkdir -p "$out/logs"
+mapfile -t todo < <(pending)
+echo "grid_parallel: ${#todo[@]} cells to run, $jobs at a time"
+if ((${#todo[@]} > 0)); then
+  "${cli[@]}" experiment --grid "$grid" --out "$out" --only "${todo[0]}" --no-report --no-progress \
+    > "$out/logs/${todo[0]}.log" 2>&1 || { tail -n 20 "$out/logs/${todo[0]}.log" >&2; exit 1; }
+  echo "grid_parallel: ${todo[0]} done"
+fi
+ngpu=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
+export grid out ngpu
+export IGA_DS_CLI_WORDS="${cli[*]}"
+status=0
+# shellcheck disable=SC2016  # the script is expanded by the bash that xargs starts
+pending | awk '{print NR - 1, $1}' | xargs -P "$jobs" -L 1 bash -c '
+  i=$0 cell=$1
+  read -r -a cli <<< "$IGA_DS_CLI_WORDS"
+  if ((ngpu > 0)); then export CUDA_VISIBLE_DEVICES=$((i % ngpu)); fi
+  if "${cli[@]}" experiment --grid "$grid" --out "$out" --only "$cell" --no-report --no-progress \
+      > "$out/logs/$cell.log" 2>&1; then
+    echo "grid_parallel: $cell done"
+  else
+    echo "grid_parallel: $cell FAILED (see $out/logs/$cell.log)" >&2
+    exit 1
+  fi' || status=$?
+left=$(pending | wc -l)
+if ((status != 0 || left > 0)); then
+  echo "grid_parallel: $left cells unfinished; rerun the same command to resume" >&2
+  exit 1
+fi
+if [[ -z ${NO_REPORT:-} ]]; then
+  "${cli[@]}" report "$out"
+fi
