@@ -205,7 +205,10 @@ def parse_args(argv=None):
     p.add_argument("--power-iters", type=int, default=2)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--tol", type=float, default=1e-4, help="pass mark for the batched paths against the float32 reference")
+    p.add_argument("--tol", type=float, default=1e-4, help="pass mark for the float32 batched paths against the float32 reference")
+    p.add_argument("--tol-tf32", type=float, default=1e-3,
+                   help="pass mark for the TF32 variant (10-bit mantissa products; float32 itself is "
+                        "about 8e-4 from float64 on these modules)")
     p.add_argument("--f64-modules", type=int, default=4, help="modules checked against float64 (0: skip)")
     p.add_argument("--skip-naive", action="store_true")
     p.add_argument("--small", action="store_true", help="a few small modules, for a CPU smoke test")
@@ -257,7 +260,9 @@ def main(argv=None) -> int:
     check64 = float64_check(modules, args, device, min(args.f64_modules, len(modules))) if args.f64_modules else None
 
     batched = [k for k in rows if k.startswith("batched")]
-    reached = max(rows[k]["max_rel_err_vs_f32_reference"] for k in batched)
+    tolerance = {k: args.tol_tf32 if k.endswith("_tf32") else args.tol for k in batched}
+    reached = max(rows[k]["max_rel_err_vs_f32_reference"] for k in batched if not k.endswith("_tf32"))
+    missed = [k for k in batched if rows[k]["max_rel_err_vs_f32_reference"] > tolerance[k]]
     env = environment(device)
     base = rows.get("naive", rows["per_module"])["median_ms"]
     print()
@@ -271,13 +276,13 @@ def main(argv=None) -> int:
     if check64:
         print(f"against float64 on {check64['modules']} modules: per_module f32 {check64['per_module_f32_vs_f64_max']:.1e}, "
               f"batched_torch f32 {check64['batched_torch_f32_vs_f64_max']:.1e}")
-    ok = reached <= args.tol
-    print(f"batched vs float32 reference: max relative error {reached:.1e} (tolerance {args.tol:g}): "
-          + ("within" if ok else "EXCEEDED"))
+    ok = not missed
+    print(f"float32 batched vs float32 reference: max relative error {reached:.1e} (tolerance {args.tol:g}); "
+          f"TF32 tolerance {args.tol_tf32:g}: " + ("all within" if ok else "EXCEEDED by " + ", ".join(missed)))
     report = {"env": env, "settings": {k: v for k, v in vars(args).items() if k != "out"},
               "modules": len(modules), "shapes": sorted({(d_in, d_out) for _, d_in, d_out in shapes}),
-              "variants": rows, "float64_check": check64, "tolerance": args.tol, "max_rel_err": reached,
-              "within_tolerance": ok}
+              "variants": rows, "float64_check": check64, "tolerance": args.tol, "tolerance_tf32": args.tol_tf32,
+              "max_rel_err": reached, "within_tolerance": ok, "missed_tolerance": missed}
     from iga_ds.utils_io import atomic_write_json
 
     atomic_write_json(args.out, report)

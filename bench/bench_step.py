@@ -25,10 +25,22 @@ Measured per method: median optimizer-step time over ``--steps`` steps after ``-
 (``torch.cuda.max_memory_allocated``, max over ranks), and from the engine hook the time of
 the method and of its collectives. The hook's capture overhead is derived: IGA step minus
 ERM step minus method minus communication.
+
+Profiling: ``--profile DIR`` runs 2 more optimizer steps per method after the timed ones under
+``torch.profiler`` (CPU, and CUDA where present; the timed steps are not affected) and writes,
+per method and rank, ``DIR/<method>_rank<r>_ops.txt`` (the 40 ops of most self CUDA time, or
+self CPU time without CUDA) and ``DIR/<method>_rank<r>_summary.json`` (wall time of the profiled
+steps, total self CPU and CUDA time, the top 25 ops, and the script's ranges ``forward``,
+``loss``, ``backward`` and ``optimizer_step``); ``--profile-trace`` adds a Chrome trace
+``DIR/<method>_rank<r>_trace.json`` (large). Total self CUDA time well below the wall time
+means the GPU waits for the host; the ranges say in which phase:
+
+    python bench/bench_step.py --gpus 1 --steps 5 --profile prof --out step.json
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -57,6 +69,9 @@ LLAMA2_7B = {
 METHODS = ("erm", "iga", "iga_fused")
 DOMAINS = ["math", "medical", "legal", "science"]
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+PROFILE_STEPS = 2
+# the record_function ranges of one optimizer step (see run_method)
+RANGES = ("forward", "loss", "backward", "optimizer_step")
 
 
 def load_config(path: str) -> dict:
@@ -146,7 +161,9 @@ def micro_batches(args, vocab: int, device, step: int):
     gen = torch.Generator().manual_seed(step)
     for _ in range(args.gas):
         ids = torch.randint(0, vocab, (args.micro, args.seq), generator=gen).to(device)
-        yield ids, torch.ones_like(ids), torch.arange(args.micro, device=device) % len(DOMAINS)
+        # domain ids stay on the host, as a training loop has them: read back from the device
+        # they would cost a sync per micro-batch
+        yield ids, torch.ones_like(ids), torch.arange(args.micro) % len(DOMAINS)
 
 
 def run_method(method: str, args, rank: int, world: int, device) -> dict:
@@ -173,6 +190,20 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
     hook = attach(engine, IGAConfig(method="erm" if method == "erm" else "iga", params=iga_params,
                                     domains=list(DOMAINS)))
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def one_step(step: int, mark) -> None:
+        # mark: torch.profiler.record_function when profiled, a no-op context in the timed steps
+        for ids, attn, domains in micro_batches(args, config["vocab_size"], device, step):
+            with hook.micro_batch(domains):
+                with mark("forward"):
+                    logits = engine(input_ids=ids, attention_mask=attn).logits
+                with mark("loss"):
+                    loss = hook.objective(sequence_losses(logits, ids), domains)
+                with mark("backward"):
+                    engine.backward(loss)
+            with mark("optimizer_step"):  # at the accumulation boundary: the hook's method, then AdamW
+                engine.step()
+
     times, hook_stats = [], []
     from tqdm import tqdm
 
@@ -181,12 +212,7 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
             torch.cuda.reset_peak_memory_stats(device)
         sync()
         t0 = time.perf_counter()
-        for ids, attn, domains in micro_batches(args, config["vocab_size"], device, step):
-            with hook.micro_batch(domains):
-                logits = engine(input_ids=ids, attention_mask=attn).logits
-                loss = hook.objective(sequence_losses(logits, ids), domains)
-                engine.backward(loss)
-            engine.step()
+        one_step(step, contextlib.nullcontext)
         sync()
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
@@ -210,12 +236,82 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
         "comm_ms": 1e3 * statistics.median(s["time/comm_s"] for s in hook_stats),
         "trainable_params": sum(p.numel() for p in params),
     }
+    if args.profile:  # after the timed steps and the peak-memory reading: neither sees the profiler
+        summary = profile_steps(one_step, args.warmup + args.steps, args, method, rank, cuda)
+        result["profile_wall_ms"] = summary["wall_ms"]
     hook.detach()
     del engine, hook, model, optimizer, params
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     return result
+
+
+def profile_steps(one_step, first_step: int, args, method: str, rank: int, cuda: bool) -> dict:
+    """Run PROFILE_STEPS more optimizer steps under torch.profiler; write the op table and a summary."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=activities, record_shapes=False) as prof:
+        t0 = time.perf_counter()
+        for step in range(first_step, first_step + PROFILE_STEPS):
+            one_step(step, record_function)
+        sync()  # inside the profiler: the last step's kernels are recorded too
+        wall_s = time.perf_counter() - t0
+    os.makedirs(args.profile, exist_ok=True)
+    stem = os.path.join(args.profile, f"{method}_rank{rank}")
+    averages = prof.key_averages()
+    sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    with open(f"{stem}_ops.txt", "w") as fh:
+        fh.write(averages.table(sort_by=sort_by, row_limit=40, max_name_column_width=80) + "\n")
+    summary = {"method": method, "rank": rank, "steps": PROFILE_STEPS, "cuda": cuda,
+               **profile_summary(averages, wall_s, cuda)}
+    with open(f"{stem}_summary.json", "w") as fh:
+        json.dump(summary, fh, indent=1)
+    if args.profile_trace:
+        prof.export_chrome_trace(f"{stem}_trace.json")
+    if rank == 0:
+        print(f"profile: wrote {stem}_ops.txt and {stem}_summary.json", file=sys.stderr)
+    return summary
+
+
+def profile_summary(averages, wall_s: float, cuda: bool, top: int = 25) -> dict:
+    """Totals, the ``top`` ops by self CUDA (else CPU) time, and the RANGES, in ms, from key_averages()."""
+    from torch.autograd import DeviceType
+
+    def self_cuda_us(evt) -> float:
+        # self_device_time_total since torch 2.4, where the older self_cuda_time_total warns
+        value = getattr(evt, "self_device_time_total", None)
+        return float(evt.self_cuda_time_total if value is None else value)
+
+    def total_cuda_us(evt) -> float:
+        value = getattr(evt, "device_time_total", None)
+        return float(evt.cuda_time_total if value is None else value)
+
+    def ms(us: float) -> float:
+        return round(us / 1e3, 3)
+
+    # device-side copies of the record_function ranges repeat their kernels' time: not ops
+    ops = [e for e in averages if not (e.device_type != DeviceType.CPU and getattr(e, "is_user_annotation", False))]
+    kernels = [e for e in ops if e.device_type != DeviceType.CPU]
+    ranked = sorted(ops, key=(lambda e: (self_cuda_us(e), e.self_cpu_time_total)) if cuda
+                    else (lambda e: e.self_cpu_time_total), reverse=True)
+    # inclusive times: a range whose CPU time is well above its CUDA time is host-bound
+    ranges = {e.key: {"calls": e.count, "cpu_ms": ms(e.cpu_time_total),
+                      "cuda_ms": ms(total_cuda_us(e)) if cuda else 0.0}
+              for e in ops if e.key in RANGES and e.device_type == DeviceType.CPU}
+    return {
+        "wall_ms": ms(1e6 * wall_s),
+        "self_cpu_ms": ms(sum(e.self_cpu_time_total for e in ops)),
+        # kernels carry the device time (their launching ops repeat it), as in the table's footer
+        "self_cuda_ms": ms(sum(self_cuda_us(e) for e in kernels)) if cuda else 0.0,
+        "ranges": ranges,
+        "top_ops": [{"name": e.key, "calls": e.count, "self_cpu_ms": ms(e.self_cpu_time_total),
+                     "self_cuda_ms": ms(self_cuda_us(e)) if cuda else 0.0} for e in ranked[:top]],
+    }
 
 
 def environment(device, world: int) -> dict:
@@ -375,6 +471,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing (non-reentrant)")
     p.add_argument("--out", default="bench_step.json")
+    p.add_argument("--profile", metavar="DIR",
+                   help=f"after the timed steps, profile {PROFILE_STEPS} more per method; tables, summaries to DIR")
+    p.add_argument("--profile-trace", action="store_true", help="with --profile: also a Chrome trace (large)")
     p.add_argument("--as-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -382,6 +481,8 @@ def parse_args(argv=None):
     bad = [m for m in args.methods if m not in METHODS]
     if bad:
         p.error(f"--methods: unknown {bad[0]!r}; expected some of {', '.join(METHODS)}")
+    if args.profile_trace and not args.profile:
+        p.error("--profile-trace needs --profile DIR")
     if args.micro % len(DOMAINS):
         p.error(f"--micro must be a multiple of {len(DOMAINS)}: a micro-batch holds whole isomer groups")
     return args

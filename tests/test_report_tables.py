@@ -97,8 +97,9 @@ def test_report_tables_and_figures(tmp_path):
         statistics.mean([truth[("pareto", s, b)][1] for b in BENCHES]) / (truth[("pareto", s, "wall")] / 3600)
         for s in SEEDS
     ]
-    assert eff[5].replace("**", "") == f"{statistics.mean(per_seed):.2f} ± {statistics.stdev(per_seed):.2f}"
-    assert eff[3] == "2.00 ± 0.00"  # trainable params in millions, the same for every seed
+    assert eff[6].replace("**", "") == f"{statistics.mean(per_seed):.2f} ± {statistics.stdev(per_seed):.2f}"
+    assert eff[4] == "2.00 ± 0.00"  # trainable params in millions, the same for every seed
+    assert eff[1] == "–"  # no step times in these training logs
 
     # Table 6 and its IGA / ERM ratio
     ratio = _row(report, "IGA / ERM ratio", "## LCS by layer")
@@ -134,3 +135,71 @@ def test_report_errors(tmp_path, capsys):
     (tmp_path / "c" / "cell.json").write_text("{oops")
     assert main(["report", str(tmp_path)]) == 2
     assert "cell.json:1: not valid JSON" in capsys.readouterr().err
+
+
+# -- shortcut reliance, mask statistics, claims ---------------------------------------------------
+
+
+def _cue_cells(root: Path) -> dict:
+    """ERM, IGA and one IGA ablation x 3 seeds on one synthetic evaluation with a cue; IGA logs
+    mask statistics. Returns the raw per-seed values."""
+    rng = random.Random(3)
+    raw: dict = {}
+    plan = [("erm", None, 53.0, 97.0), ("iga", None, 60.0, 40.0), ("tau_8.0", "tau_8.0", 60.5, 41.0)]
+    for method, ablation, ood, follow in plan:
+        for seed in SEEDS:
+            cell = root / f"{ablation or method}-s{seed}"
+            (cell / "eval").mkdir(parents=True)
+            info = {"method": "iga" if ablation else method, "seed": seed, "ablation": ablation,
+                    "wall_time_s": 10.0, "epochs": 1}
+            (cell / "cell.json").write_text(json.dumps(info))
+            o, f = ood + rng.uniform(-0.5, 0.5), follow + rng.uniform(-0.5, 0.5)
+            ev = _eval("synthetic", 89.0, o, None) | {"ood_cue_follow": f}
+            (cell / "eval" / "synthetic.json").write_text(json.dumps(ev))
+            masks = [rng.uniform(0.5, 1.0) for _ in range(20)] if method == "iga" or ablation else []
+            rows = [{"step": s + 1, "step_time_s": 0.01 * (s + 1), **({"hook.mask_mean": m} if masks else {})}
+                    for s, m in enumerate(masks or [None] * 20)]
+            (cell / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            raw[(ablation or method, seed)] = (o, f, masks)
+    return raw
+
+
+def test_report_shows_cue_following_mask_statistics_and_claims(tmp_path):
+    raw = _cue_cells(tmp_path)
+    report = build_report(load_results(tmp_path), title="Replication", discussion="## Discussion\n\nText.")
+    assert report.startswith("# Replication\n") and report.rstrip().endswith("Text.")
+    iga = _row(report, "IGA", "## Main results")
+    assert iga[3] == "**" + _pm([raw[("iga", s)][1] for s in SEEDS]).replace(" ±", "** ±")  # lower is better
+    # mask table: mean over all steps and over the last 10% (2 of 20 steps), per seed, then over seeds
+    row = _row(report, "IGA", "## Mask statistics")
+    assert row[1] == f"{statistics.mean(statistics.mean(raw[('iga', s)][2]) for s in SEEDS):.3f} ± " \
+                     f"{statistics.stdev(statistics.mean(raw[('iga', s)][2]) for s in SEEDS):.3f}"
+    assert row[2].startswith(f"{statistics.mean(statistics.mean(raw[('iga', s)][2][-2:]) for s in SEEDS):.3f}")
+    assert "ERM-SFT |" not in report.split("## Mask statistics")[1].split("##")[0]
+    claims = report.split("## The paper's claims")[1]
+    follow = _row(claims, "synthetic OOD follows wrong cue", "IGA against ERM-SFT")
+    d = statistics.mean(raw[("iga", s)][1] for s in SEEDS) - statistics.mean(raw[("erm", s)][1] for s in SEEDS)
+    assert follow[3] == f"{d:+.1f}" and follow[5] == "better"
+    ood = _row(claims, "synthetic OOD accuracy", "IGA against ERM-SFT")
+    assert ood[5] == "better"
+    # Full IGA against tau = 8.0: half a point apart with seed noise of the same size
+    abl = _row(claims, "tau_8.0", "Full IGA against")
+    assert abl[4] == "no difference at this size"
+
+
+def test_compare_counts_a_difference_beyond_twice_its_standard_error():
+    from iga_ds.evaluation.report import compare
+
+    a, b = [10.0, 11.0, 12.0], [5.0, 6.0, 7.0]
+    verdict, diff, se = compare(a, b, higher_is_better=True)
+    assert verdict == "better" and diff == 5.0 and abs(se - (2 * 1.0 / 3) ** 0.5) < 1e-12
+    assert compare(a, b, higher_is_better=False)[0] == "worse"
+    assert compare([10.0, 12.0, 14.0], [9.0, 11.0, 13.0], True)[0] == "no difference at this size"
+    assert compare([1.0], [2.0], True)[0] == "one seed: not judged"
+    assert compare([None], [2.0, 3.0], True)[0] == "not measured"
+
+
+def test_report_discussion_file_must_exist(tmp_path, capsys):
+    _cue_cells(tmp_path / "r")
+    assert main(["report", str(tmp_path / "r"), "--no-figures", "--discussion", str(tmp_path / "none.md")]) != 0
+    assert "none.md: discussion file not found" in capsys.readouterr().err

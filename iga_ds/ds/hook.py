@@ -94,7 +94,7 @@ class IGAEngineHook:
         self.num_domains = config.num_domains
         self.device = torch.device(engine.device)
         self._stats: dict = {}
-        self._nonfinite_loss = False
+        self._loss_finite: torch.Tensor | None = None  # device flag: no host sync per micro-batch
         self.skipped_last_step = False
         self.skipped_steps = 0
         self._micro_batch_seconds = 0.0
@@ -157,9 +157,12 @@ class IGAEngineHook:
         return None
 
     def objective(self, sequence_losses: torch.Tensor, domain_ids: torch.Tensor, dummy_scale=None) -> torch.Tensor:
-        loss = self.method.objective(sequence_losses, domain_ids.to(sequence_losses.device), self.num_domains, dummy_scale)
-        if not bool(torch.isfinite(loss.detach())):
-            self._nonfinite_loss = True
+        loss = self.method.objective(sequence_losses, domain_ids.to(sequence_losses.device, non_blocking=True),
+                                     self.num_domains, dummy_scale)
+        # kept on the device and read once at the boundary: a host read here would stall the
+        # launch queue before every backward
+        finite = torch.isfinite(loss.detach()).all()
+        self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
         return loss
 
     # -- at the accumulation boundary ------------------------------------------------------
@@ -168,14 +171,14 @@ class IGAEngineHook:
         stats: dict = {"step": step}
         t0 = time.perf_counter()
         updates = None
-        bad = self._nonfinite_loss
+        bad = self._loss_finite is not None and not bool(self._loss_finite)
         if self.capture is not None:
             updates, bad_local, stats_comm = self._combine(step)
             bad = bad or bad_local
             stats.update(stats_comm)
         flag = torch.tensor([1.0 if bad else 0.0], device=self.device)
         bad = bool(self.comm.all_reduce_max(flag).item() > 0)
-        self._nonfinite_loss = False
+        self._loss_finite = None
         self.skipped_last_step = bad
         if bad and not self.config.skip_nonfinite:
             raise FloatingPointError(
@@ -254,6 +257,26 @@ class IGAEngineHook:
         return grads
 
     def _gather_results(self, mine: list[LoraModule], results):
+        """Every module's new (gA, gB) and statistics on every rank."""
+        if self.comm.world_size == 1:
+            return self._results_direct(mine, results)
+        return self._gather_packed(mine, results)
+
+    def _results_direct(self, mine: list[LoraModule], results):
+        """World size 1: this rank owns every module, so the packed buffer would be pure copying."""
+        # the packed path carries statistics as float32; round the same way on the host (they are
+        # host floats already: no device copy), so both paths report the same numbers
+        table = torch.tensor([[float(u.stats.get(k, math.nan)) for k in STAT_KEYS] for u in results],
+                             dtype=torch.float32).tolist()
+        updates, per_module = [], {}
+        for m, u, vals in zip(mine, results, table):
+            # reshape and float are no-ops for the methods' float32 (r, in) and (out, r) results
+            updates.append((u.gA.reshape(m.rank, m.in_features).float(),
+                            u.gB.reshape(m.out_features, m.rank).float()))
+            per_module[m.name] = {k: v for k, v in zip(STAT_KEYS, vals) if not math.isnan(v)}
+        return updates, per_module
+
+    def _gather_packed(self, mine: list[LoraModule], results):
         """Owners pack their modules' new gradients and statistics; one all-gather brings all to all."""
         lay, S = self.layout, len(STAT_KEYS)
         out = torch.zeros(lay.out_chunk, dtype=torch.float32, device=self.device)

@@ -71,6 +71,8 @@ def register(subparsers: Any) -> None:
     rep.add_argument("dir", help="results folder")
     rep.add_argument("--out", help="report file (default: DIR/report.md)")
     rep.add_argument("--no-figures", action="store_true")
+    rep.add_argument("--title", default="IGA results", help="the report's heading")
+    rep.add_argument("--discussion", help="Markdown file appended after the tables (interpretation)")
     rep.set_defaults(func=run_report)
 
     exp = subparsers.add_parser(
@@ -222,6 +224,7 @@ def run_experiment(args: argparse.Namespace) -> int:
 def run_report(args: argparse.Namespace) -> int:
     from iga_ds.evaluation.report import write_report
 
-    out = write_report(args.dir, out=args.out, figures=not args.no_figures)
+    out = write_report(args.dir, out=args.out, figures=not args.no_figures, title=args.title,
+                       discussion=args.discussion)
     print(f"wrote {out}")
     return 0

@@ -5,10 +5,12 @@ Numbers come only from the result files; a value a cell lacks is shown as "–".
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Sequence
 
+from iga_ds.errors import DataError
 from iga_ds.evaluation.results import Cell, load_results, row_order
 from iga_ds.metrics.accuracy import accuracy_per_compute_hour, mean_std
 from iga_ds.utils_io import atomic_write_text
@@ -49,6 +51,23 @@ def cell_default_lcs(cell: Cell) -> float | None:
 def cell_avg_delta_gap(cell: Cell) -> float | None:
     gaps = [r["delta_gap"] for r in cell.evals.values() if r.get("delta_gap") is not None]
     return sum(gaps) / len(gaps) if gaps else None
+
+
+def cell_median_step_ms(cell: Cell) -> float | None:
+    """Median optimizer-step wall time of the training log, in ms."""
+    times = sorted(float(r["step_time_s"]) for r in cell.metrics
+                   if isinstance(r.get("step_time_s"), (int, float)) and not isinstance(r.get("step_time_s"), bool))
+    return 1000.0 * times[len(times) // 2] if times else None
+
+
+def cell_metric_mean(cell: Cell, key: str, tail: float = 1.0) -> float | None:
+    """Mean of a numeric training-log entry over the last ``tail`` fraction of its steps."""
+    vals = [float(r[key]) for r in cell.metrics
+            if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+    if not vals:
+        return None
+    vals = vals[len(vals) - max(1, int(round(tail * len(vals)))):]
+    return sum(vals) / len(vals)
 
 
 def cell_avg_headline(cell: Cell, benchmarks: Sequence[str]) -> float | None:
@@ -114,6 +133,11 @@ def _has_ood(cells: Sequence[Cell], bench: str) -> bool:
     return any(c.evals.get(bench, {}).get("ood_accuracy") is not None for c in cells)
 
 
+def _has_cue(cells: Sequence[Cell], bench: str) -> bool:
+    """Whether the evaluation measured shortcut reliance (items with a planted cue)."""
+    return any(c.evals.get(bench, {}).get("ood_cue_follow") is not None for c in cells)
+
+
 # -- the tables ---------------------------------------------------------------------------------
 
 
@@ -126,6 +150,9 @@ def main_table(cells: Sequence[Cell]) -> str:
         header += [f"{bench} ID", f"{bench} OOD"]
         columns.append(_column(rows, lambda c, b=bench: c.evals.get(b, {}).get("id_accuracy"), True, 1))
         columns.append(_column(rows, lambda c, b=bench: c.evals.get(b, {}).get("ood_accuracy"), True, 1))
+        if _has_cue(cells, bench):
+            header.append(f"{bench} OOD follows wrong cue ↓")
+            columns.append(_column(rows, lambda c, b=bench: c.evals.get(b, {}).get("ood_cue_follow"), False, 1))
     header += ["LCS (×1e-2) ↓", "Avg Δ-gap ↓"]
     columns.append(_column(rows, cell_default_lcs, False, 2))
     columns.append(_column(rows, cell_avg_delta_gap, False, 2))
@@ -164,6 +191,9 @@ def ablation_table(main_cells: Sequence[Cell], ablation_cells: Sequence[Cell]) -
             deltas[label].append(delta)
             delta_col[label] = "—" if label == "Full IGA" else f"{delta:+.1f}"
         columns.append(delta_col)
+        if _has_cue(cells_all, bench):
+            header.append(f"{bench} OOD follows wrong cue ↓")
+            columns.append(_column(rows, lambda c, b=bench: c.evals.get(b, {}).get("ood_cue_follow"), False, 1))
     header += ["LCS (×1e-2) ↓", "Avg Δ vs IGA"]
     columns.append(_column(rows, cell_default_lcs, False, 2))
     columns.append({lab: (f"{sum(d) / len(d):+.2f}" if (d := deltas.get(lab)) else DASH) for lab in rows})
@@ -186,13 +216,14 @@ def efficiency_table(cells: Sequence[Cell]) -> str:
         return p / 1e6 if isinstance(p, (int, float)) else None
 
     columns = [
+        _column(rows, cell_median_step_ms, None, 1),
         _column(rows, lambda c: c.train_hours_per_epoch, None, 3),
         _column(rows, lambda c: c.info.get("peak_mem_gb"), None, 1),
         _column(rows, params_m, None, 2),
         _column(rows, lambda c: cell_avg_headline(c, benches), True, 1),
         _column(rows, acc_per_hour, True, 2),
     ]
-    header = ["Method", "Train time/epoch (h)", "Peak mem (GB)", "Trainable params (M)", "Avg OOD acc (%)", "Acc/CHr"]
+    header = ["Method", "Median step (ms)", "Train time/epoch (h)", "Peak mem (GB)", "Trainable params (M)", "Avg OOD acc (%)", "Acc/CHr"]
     return _markdown(header, [[lab] + [col[lab] for col in columns] for lab in row_order(list(rows))])
 
 
@@ -215,12 +246,104 @@ def lcs_layer_table(cells: Sequence[Cell]) -> str | None:
     return _markdown(["Method"] + [f"Layer {layer}" for layer in layers], body)
 
 
-def build_report(cells: Sequence[Cell], figures: dict[str, str] | None = None) -> str:
+MASK_COLUMNS = (  # (training-log key, header, scale, tail fraction)
+    ("hook.mask_mean", "mask mean", 1.0, 1.0),
+    ("hook.mask_mean", "mask mean, last 10% of steps", 1.0, 0.1),
+    ("hook.mask_frac_below_half", "% below 1/2", 100.0, 1.0),
+    ("hook.mask_frac_below_half", "% below 1/2, last 10%", 100.0, 0.1),
+    ("hook.mask_min", "min", 1.0, 1.0),
+    ("hook.energy_kept", "energy kept by rank r", 1.0, 1.0),
+)
+
+
+def mask_table(cells: Sequence[Cell]) -> str | None:
+    """Does the mask act? Its statistics averaged over training (and over its last 10%), per
+    row that logged them: mean mask, share of elements masked below 1/2, the smallest mask
+    value, and the share of the masked matrix's energy the rank-r truncation keeps."""
+    rows = {lab: group for lab, group in _group(cells).items()
+            if any(cell_metric_mean(c, "hook.mask_mean") is not None for c in group)}
+    if not rows:
+        return None
+    columns = []
+    for key, _, scale, tail in MASK_COLUMNS:
+        columns.append(_column(rows, lambda c, k=key, f=scale, t=tail: (
+            None if (v := cell_metric_mean(c, k, t)) is None else f * v), None, 3 if scale == 1.0 else 1))
+    body = [[lab] + [col[lab] for col in columns] for lab in sorted(rows)]
+    return _markdown(["Row"] + [h for _, h, _, _ in MASK_COLUMNS], body)
+
+
+def compare(a: Sequence[float | None], b: Sequence[float | None], higher_is_better: bool) -> tuple[str, float | None, float | None]:
+    """(verdict, difference a - b, its standard error) for two rows' per-seed values. A
+    difference counts when it exceeds twice its standard error over seeds: with a few seeds
+    a screen, not a significance test."""
+    sa, sb = Stat(a), Stat(b)
+    if sa.mean is None or sb.mean is None:
+        return "not measured", None, None
+    diff = sa.mean - sb.mean
+    if sa.n < 2 or sb.n < 2:
+        return "one seed: not judged", diff, None
+    se = math.sqrt(sa.std ** 2 / sa.n + sb.std ** 2 / sb.n)
+    better = diff if higher_is_better else -diff
+    if better > 2 * se and better > 1e-12:
+        return "better", diff, se
+    if -better > 2 * se and -better > 1e-12:
+        return "worse", diff, se
+    return "no difference at this size", diff, se
+
+
+def claims_section(cells: Sequence[Cell]) -> str | None:
+    """The paper's claims as checks computed from the runs: IGA against ERM-SFT, and Full IGA
+    against each ablation."""
+    main = _group([c for c in cells if not c.ablation])
+    if "IGA" not in main or "ERM-SFT" not in main:
+        return None
+    iga, erm = main["IGA"], main["ERM-SFT"]
+    lines = ["Rule: a difference counts when it exceeds twice its standard error over seeds "
+             "(sqrt(s1²/n1 + s2²/n2)); with 3 seeds this is a screen, not a significance test.", ""]
+    body = []
+    for bench in benchmarks_of(cells):
+        checks = [("OOD accuracy", lambda c, b=bench: c.evals.get(b, {}).get("ood_accuracy"), True),
+                  ("ID accuracy", lambda c, b=bench: c.evals.get(b, {}).get("id_accuracy"), True),
+                  ("Δ-gap (ID - OOD)", lambda c, b=bench: c.evals.get(b, {}).get("delta_gap"), False)]
+        if _has_cue(cells, bench):
+            checks.append(("OOD follows wrong cue", lambda c, b=bench: c.evals.get(b, {}).get("ood_cue_follow"), False))
+        for name, value, higher in checks:
+            verdict, diff, se = compare([value(c) for c in iga], [value(c) for c in erm], higher)
+            body.append([f"{bench} {name}", Stat([value(c) for c in iga]).text(1), Stat([value(c) for c in erm]).text(1),
+                         DASH if diff is None else f"{diff:+.1f}", DASH if se is None else f"{se:.1f}", verdict])
+    verdict, diff, se = compare([cell_default_lcs(c) for c in iga], [cell_default_lcs(c) for c in erm], False)
+    body.append(["LCS (×1e-2)", Stat([cell_default_lcs(c) for c in iga]).text(2),
+                 Stat([cell_default_lcs(c) for c in erm]).text(2), DASH if diff is None else f"{diff:+.2f}",
+                 DASH if se is None else f"{se:.2f}", verdict])
+    lines.append(_markdown(["IGA against ERM-SFT", "IGA", "ERM-SFT", "difference", "std. error", "IGA is"], body))
+    ablations = _group([c for c in cells if c.ablation])
+    if ablations:
+        benches = benchmarks_of(cells)
+        body = []
+        for label, group in sorted(ablations.items()):
+            for bench in benches:
+                value = lambda c, b=bench: headline_accuracy(c.evals[b]) if b in c.evals else None  # noqa: E731
+                verdict, diff, se = compare([value(c) for c in iga], [value(c) for c in group], True)
+                row = [label, bench, DASH if diff is None else f"{diff:+.1f}", DASH if se is None else f"{se:.1f}", verdict]
+                if _has_cue(cells, bench):
+                    cue = lambda c, b=bench: c.evals.get(b, {}).get("ood_cue_follow")  # noqa: E731
+                    v2, d2, _ = compare([cue(c) for c in iga], [cue(c) for c in group], False)
+                    row += [DASH if d2 is None else f"{d2:+.1f}", v2]
+                body.append(row)
+        header = ["Full IGA against", "evaluation", "OOD acc. difference", "std. error", "Full IGA is"]
+        if any(_has_cue(cells, b) for b in benches):
+            header += ["wrong-cue following difference", "Full IGA is"]
+        lines += ["", _markdown(header, body)]
+    return "\n".join(lines)
+
+
+def build_report(cells: Sequence[Cell], figures: dict[str, str] | None = None, title: str = "IGA results",
+                 discussion: str | None = None) -> str:
     main_cells = [c for c in cells if not c.ablation]
     ablation_cells = [c for c in cells if c.ablation]
     seeds = sorted({c.seed for c in cells})
     parts = [
-        "# IGA results",
+        f"# {title}",
         "",
         f"{len(cells)} runs: {len(_group(main_cells))} methods, {len(_group(ablation_cells))} ablations, "
         f"seeds {', '.join(map(str, seeds))}. Entries are mean ± sample std over seeds (std shown "
@@ -236,6 +359,14 @@ def build_report(cells: Sequence[Cell], figures: dict[str, str] | None = None) -
     parts += ["## Efficiency (paper Table 4)", "", efficiency_table(main_cells) if main_cells else DASH, ""]
     lcs_table = lcs_layer_table(cells)
     parts += ["## LCS by layer (paper Table 6)", "", lcs_table or "No evaluation computed LCS.", ""]
+    masks = mask_table(cells)
+    if masks:
+        parts += ["## Mask statistics over training", "", masks, ""]
+    claims = claims_section(cells)
+    if claims:
+        parts += ["## The paper's claims, checked on these runs", "", claims, ""]
+    if discussion:
+        parts += [discussion.strip(), ""]
     if figures:
         parts += ["## Figures", ""]
         parts += [f"![{title}]({path})" for title, path in figures.items()]
@@ -243,7 +374,10 @@ def build_report(cells: Sequence[Cell], figures: dict[str, str] | None = None) -
     return "\n".join(parts)
 
 
-def write_report(root: str | Path, out: str | Path | None = None, figures: bool = True) -> Path:
+def write_report(root: str | Path, out: str | Path | None = None, figures: bool = True, title: str = "IGA results",
+                 discussion: str | Path | None = None) -> Path:
+    """Write the report of the results folder ``root``; ``discussion`` is a Markdown file
+    appended as written (interpretation; every number stays in the generated tables)."""
     root = Path(root)
     cells = load_results(root)
     out = Path(out) if out else root / "report.md"
@@ -253,5 +387,11 @@ def write_report(root: str | Path, out: str | Path | None = None, figures: bool 
 
         for title, path in make_figures(cells, out.parent / "figures").items():
             made[title] = str(Path(path).relative_to(out.parent)) if Path(path).is_relative_to(out.parent) else str(path)
-    atomic_write_text(out, build_report(cells, made))
+    text = None
+    if discussion is not None:
+        path = Path(discussion)
+        if not path.is_file():
+            raise DataError(f"{path}: discussion file not found (--discussion)")
+        text = path.read_text(encoding="utf-8")
+    atomic_write_text(out, build_report(cells, made, title=title, discussion=text))
     return out

@@ -118,6 +118,8 @@ class DomainGradientCapture:
     @contextlib.contextmanager
     def micro_batch(self, domain_ids: torch.Tensor, loss_scale: float) -> Iterator[None]:
         domain_ids = torch.as_tensor(domain_ids).reshape(-1)
+        # ids on the host cost nothing here; ids on the device are read back, which waits for
+        # the device to drain its queue (pass host ids where the loop has them)
         ids_cpu = domain_ids.cpu()
         if ids_cpu.numel() == 0:
             raise ValueError("empty micro-batch")
@@ -125,7 +127,11 @@ class DomainGradientCapture:
             raise ValueError(f"domain ids must be in [0, {self.num_domains}), got {ids_cpu.tolist()}")
         device = self.buffers[0][0].device
         self.counts += torch.bincount(ids_cpu, minlength=self.num_domains).double()
-        self._micro = _MicroBatch(ids_cpu.to(device), 1.0 / loss_scale, int(ids_cpu.numel()))
+        if device.type == "cuda":  # pinned, so the copy is queued without a stream sync
+            ids_dev = ids_cpu.pin_memory().to(device, non_blocking=True)
+        else:
+            ids_dev = ids_cpu.to(device)
+        self._micro = _MicroBatch(ids_dev, 1.0 / loss_scale, int(ids_cpu.numel()))
         try:
             yield
         finally:

@@ -307,11 +307,15 @@ class Trainer:
                 mine = sampler.rank_groups(step, dist.rank, dist.world_size)
                 per_micro = cfg.data.groups_per_micro_batch
                 sums = torch.zeros(2 * ndom + 2, dtype=torch.float64)  # loss sums, counts, tokens, targets
+                # per-domain loss sums stay on the device until the step ends: reading them per
+                # micro-batch would stall the launch queue
+                loss_sums = torch.zeros(ndom, dtype=torch.float64, device=engine.device)
                 lr = engine.get_lr()[0]
                 for i in range(0, len(mine), per_micro):
                     mb = collate(tokenizer, [groups[g] for g in mine[i : i + per_micro]], domains, cfg.data.max_length)
+                    host_ids = mb.domain_ids  # the hook reads domain ids on the host
                     mb = mb.to(engine.device)
-                    with hook.micro_batch(mb.domain_ids):
+                    with hook.micro_batch(host_ids):
                         scale = hook.dummy_scale()
                         logits = engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
                         if scale is not None:
@@ -320,11 +324,11 @@ class Trainer:
                         loss = hook.objective(seq, mb.domain_ids, scale)
                         engine.backward(loss)
                     engine.step()
-                    d = mb.domain_ids.cpu()
-                    sums[:ndom] += torch.zeros(ndom, dtype=torch.float64).index_add_(0, d, seq.detach().double().cpu())
-                    sums[ndom : 2 * ndom] += torch.bincount(d, minlength=ndom).double()
+                    loss_sums.index_add_(0, mb.domain_ids, seq.detach().double())
+                    sums[ndom : 2 * ndom] += torch.bincount(host_ids, minlength=ndom).double()
                     sums[-2] += mb.num_tokens
                     sums[-1] += mb.num_target_tokens
+                sums[:ndom] += loss_sums.cpu()
                 if torch.distributed.is_initialized() and dist.world_size > 1:
                     torch.distributed.all_reduce(sums)
                 step += 1
