@@ -330,7 +330,10 @@ class Trainer:
                     sums[-1] += mb.num_target_tokens
                 sums[:ndom] += loss_sums.cpu()
                 if torch.distributed.is_initialized() and dist.world_size > 1:
-                    torch.distributed.all_reduce(sums)
+                    # on the engine's device: NCCL reduces no host tensors
+                    sums_dev = sums.to(engine.device)
+                    torch.distributed.all_reduce(sums_dev)
+                    sums = sums_dev.cpu()
                 step += 1
                 dt = time.perf_counter() - t0
                 record = self._step_record(step, sums, ndom, domains, lr, engine, hook, dt)
