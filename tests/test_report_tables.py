@@ -199,7 +199,29 @@ def test_compare_counts_a_difference_beyond_twice_its_standard_error():
     assert compare([None], [2.0, 3.0], True)[0] == "not measured"
 
 
+def test_report_title_survives_the_figures(tmp_path):
+    _cue_cells(tmp_path / "r")
+    assert main(["report", str(tmp_path / "r"), "--title", "My grid", "--out", str(tmp_path / "R.md")]) == 0
+    text = (tmp_path / "R.md").read_text()
+    assert text.startswith("# My grid\n") and "](figures/" in text
+
+
 def test_report_discussion_file_must_exist(tmp_path, capsys):
     _cue_cells(tmp_path / "r")
     assert main(["report", str(tmp_path / "r"), "--no-figures", "--discussion", str(tmp_path / "none.md")]) != 0
     assert "none.md: discussion file not found" in capsys.readouterr().err
+
+
+def test_mask_figure_series_is_the_seed_mean_then_a_trailing_average():
+    from iga_ds.evaluation.figures import _seed_mean_series
+    from iga_ds.evaluation.results import Cell
+
+    a = [0.2, 0.4, 0.9, 0.5, 0.3]
+    b = [0.6, 0.0, 0.1, 0.7]  # one step fewer: the last step averages one seed only
+    cells = [Cell(f"c{i}", "iga", i, None, "IGA", {},
+                  metrics=[{"step": s + 1, "hook.mask_mean": v} for s, v in enumerate(vals)])
+             for i, vals in enumerate((a, b))]
+    xs, ys = _seed_mean_series(cells, "hook.mask_mean", window=2)
+    means = [(a[i] + b[i]) / 2 if i < len(b) else a[i] for i in range(len(a))]
+    want = [means[0]] + [(means[i - 1] + means[i]) / 2 for i in range(1, len(means))]
+    assert xs == [1, 2, 3, 4, 5] and max(abs(y - w) for y, w in zip(ys, want)) < 1e-12

@@ -84,22 +84,43 @@ def lcs_layer_figure(cells: Sequence[Cell], path: Path) -> str | None:
     return out
 
 
-def mask_figure(cells: Sequence[Cell], path: Path) -> str | None:
+def _seed_mean_series(cells: Sequence[Cell], key: str, window: int) -> tuple[list[float], list[float]]:
+    """Per step, the mean of ``key`` over the cells (seeds) that logged it, then a trailing
+    moving average over ``window`` steps: one readable line per table row."""
+    by_step: dict[float, list[float]] = {}
+    for c in cells:
+        for x, y in zip(*metric_series(c.metrics, key)):
+            by_step.setdefault(x, []).append(y)
+    xs = sorted(by_step)
+    ys = [sum(by_step[x]) / len(by_step[x]) for x in xs]
+    smooth = []
+    for i in range(len(ys)):
+        part = ys[max(0, i - window + 1): i + 1]
+        smooth.append(sum(part) / len(part))
+    return xs, smooth
+
+
+def mask_figure(cells: Sequence[Cell], path: Path, window: int = 25) -> str | None:
     keys = mask_keys(row for c in cells for row in c.metrics)
     if not keys:
         return None
     keys = keys[:4]
+    rows: dict[str, list[Cell]] = {}
+    for c in sorted(cells, key=lambda c: (c.label, c.seed)):
+        rows.setdefault(c.label, []).append(c)
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3), squeeze=False)
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys) + 3, 3.2), squeeze=False)
     for ax, key in zip(axes[0], keys):
-        for c in sorted(cells, key=lambda c: (c.label, c.seed)):
-            xs, ys = metric_series(c.metrics, key)
+        for label, group in rows.items():
+            xs, ys = _seed_mean_series(group, key, window)
             if xs:
-                ax.plot(xs, ys, label=f"{c.label} s{c.seed}", linewidth=1)
+                ax.plot(xs, ys, label=label, linewidth=1.2)
         ax.set_xlabel("step")
-        ax.set_title(key)
-    axes[0][0].legend(fontsize=6)
-    fig.suptitle("Mask statistics over training")
+        ax.set_title(key.removeprefix("hook."))
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="center right")
+    fig.suptitle(f"Mask statistics over training (mean over seeds, {window}-step moving average)")
+    fig.tight_layout(rect=(0, 0, 0.78, 0.95))
     out = _save(fig, path)
     plt.close(fig)
     return out

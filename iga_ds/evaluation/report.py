@@ -385,8 +385,8 @@ def write_report(root: str | Path, out: str | Path | None = None, figures: bool 
     if figures:
         from iga_ds.evaluation.figures import make_figures
 
-        for title, path in make_figures(cells, out.parent / "figures").items():
-            made[title] = str(Path(path).relative_to(out.parent)) if Path(path).is_relative_to(out.parent) else str(path)
+        for caption, path in make_figures(cells, out.parent / "figures").items():
+            made[caption] = str(Path(path).relative_to(out.parent)) if Path(path).is_relative_to(out.parent) else str(path)
     text = None
     if discussion is not None:
         path = Path(discussion)
