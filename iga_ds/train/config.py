@@ -29,6 +29,9 @@ class ModelConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16
     gradient_checkpointing: bool = False
     attn_implementation: Optional[str] = "eager"
+    # builtin:tiny only: its shape and pretraining (fields of iga_ds.train.model.TinyBaseConfig,
+    # e.g. {hidden_size: 256, num_layers: 4, steps: 1500}); each setting is its own cached base
+    tiny: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -133,10 +136,33 @@ class RunConfig:
         for ok, key, expected in checks:
             if not ok:
                 raise ConfigError(f"{key}: expected {expected}, got {_get_dotted(self, key)!r}")
+        if self.model.tiny:
+            self._check_tiny()
         if self.data.domains is not None and len(set(self.data.domains)) != len(self.data.domains):
             raise ConfigError(f"data.domains: names must be unique, got {self.data.domains}")
         if self.method is not None and not self.method.name:
             raise ConfigError("method.name: expected a method name")
+
+
+    def _check_tiny(self) -> None:
+        from iga_ds.train.model import TinyBaseConfig
+
+        if self.model.name_or_path != BUILTIN_TINY:
+            raise ConfigError(f"model.tiny: shapes the built-in base only; model.name_or_path is {self.model.name_or_path!r}")
+        fields = {f.name: f.type for f in dataclasses.fields(TinyBaseConfig)}
+        for key, value in self.model.tiny.items():
+            if key not in fields:
+                raise ConfigError(f"model.tiny.{key}: unknown key; expected one of: {', '.join(fields)}")
+            want_int = fields[key] in (int, "int")
+            may_be_zero = key in ("seed", "weight_decay", "warmup_steps")
+            ok = not isinstance(value, bool) and (isinstance(value, int) if want_int else isinstance(value, (int, float)))
+            if not ok or value < 0 or (value == 0 and not may_be_zero):
+                kind = "integer" if want_int else "number"
+                raise ConfigError(f"model.tiny.{key}: expected a {'non-negative' if may_be_zero else 'positive'} {kind}, got {value!r}")
+        try:
+            TinyBaseConfig(**self.model.tiny).check()
+        except ValueError as exc:
+            raise ConfigError(f"model.tiny: {exc}") from None
 
 
 # -- loading ---------------------------------------------------------------------------------

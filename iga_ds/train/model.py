@@ -115,6 +115,13 @@ class TinyBaseConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def check(self) -> None:
+        """ValueError when the shape cannot be built."""
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+        if self.warmup_steps >= self.steps:
+            raise ValueError(f"warmup_steps {self.warmup_steps} must be below steps {self.steps}")
+
 
 def corpus_digest(texts: Sequence[str]) -> str:
     h = hashlib.sha256()

@@ -197,9 +197,11 @@ class Trainer:
             return self.base_model_dir
         path = self.cfg.model.name_or_path
         if path == BUILTIN_TINY:
+            from iga_ds.train.model import TinyBaseConfig
             from iga_ds.train.pretrain import default_tiny_base
 
-            return str(default_tiny_base(progress=self.dist.rank == 0 and not self.quiet, log=self._print))
+            shape = TinyBaseConfig(**self.cfg.model.tiny) if self.cfg.model.tiny else None
+            return str(default_tiny_base(shape, progress=self.dist.rank == 0 and not self.quiet, log=self._print))
         return path
 
     def _print(self, msg: str) -> None:
