@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from iga_ds.errors import UserError
@@ -57,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("iga-ds: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (`iga-ds experiment --dry-run | head`): stop quietly, and point
+        # stdout at nothing so the interpreter's final flush does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

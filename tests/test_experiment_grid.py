@@ -302,3 +302,16 @@ def test_replication_grid_holds_every_paper_row_and_its_control():
     taus = {v.params.get("tau") for v in ablations.values() if v.key.startswith("tau_")}
     assert len(taus | {methods["iga"].params["tau"]}) >= 4
     assert rep.data["synthetic"]["shortcut"] > 0 and rep.data["synthetic"]["answer_only"] is True
+
+
+def test_dry_run_into_a_closed_pipe_stops_quietly(tmp_path):
+    import subprocess
+    import sys
+
+    cmd = (f"'{sys.executable}' -m iga_ds experiment --grid configs/experiments/replication.yaml "
+           f"--out '{tmp_path / 'out'}' --dry-run | head -n 1")
+    proc = subprocess.run(["bash", "-c", cmd + "; exit ${PIPESTATUS[0]}"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.stdout.startswith("erm-s0")
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
+    assert proc.returncode in (0, 141)  # 141 when the pipe closed before the listing ended
