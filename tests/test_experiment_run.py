@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from tiny_models import shrunk_tiny_base_config
 
 
 @pytest.mark.slow
@@ -14,12 +15,10 @@ import pytest
 def test_two_cells_train_evaluate_resume_and_report(tmp_path, monkeypatch, capsys):
     from iga_ds.cli import main
     from iga_ds.evaluation.results import load_results
-    from iga_ds.train.model import TinyBaseConfig
     from iga_ds.train.pretrain import default_tiny_base
 
     monkeypatch.setenv("IGA_DS_CACHE", str(tmp_path / "cache"))
-    shrunk = TinyBaseConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, steps=5, batch_size=4,
-                            warmup_steps=1)
+    shrunk = shrunk_tiny_base_config()
     base = default_tiny_base(shrunk, groups=10, progress=False, log=lambda msg: None)
     logiqa = Path(__file__).parent / "fixtures" / "benchmarks" / "logiqa2"
     grid = tmp_path / "grid.yaml"
@@ -99,13 +98,11 @@ def test_launcher_trains_a_cell_on_two_processes(tmp_path, monkeypatch, capsys):
     import sys
 
     from iga_ds.cli import main
-    from iga_ds.train.model import TinyBaseConfig
     from iga_ds.train.pretrain import default_tiny_base
 
     monkeypatch.setenv("IGA_DS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    shrunk = TinyBaseConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, steps=5, batch_size=4,
-                            warmup_steps=1)
+    shrunk = shrunk_tiny_base_config()
     base = default_tiny_base(shrunk, groups=10, progress=False, log=lambda msg: None)
     grid = tmp_path / "grid.yaml"
     grid.write_text(textwrap.dedent(f"""\

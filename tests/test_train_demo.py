@@ -4,19 +4,18 @@ from __future__ import annotations
 import json
 
 import pytest
+from tiny_models import shrunk_tiny_base_config
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_demo_runs_end_to_end_and_prints_the_table(tmp_path, monkeypatch, capsys):
     from iga_ds.train.demo import DemoSettings, run_demo
-    from iga_ds.train.model import TinyBaseConfig
 
     monkeypatch.setenv("IGA_DS_CACHE", str(tmp_path / "cache"))
     settings = DemoSettings(groups=40, id_groups=4, ood_groups=4, steps=3, groups_per_step=2, lora_r=2,
                             max_new_tokens=24)
-    base = TinyBaseConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, steps=5, batch_size=4,
-                          warmup_steps=1)
+    base = shrunk_tiny_base_config()
     rows = run_demo(tmp_path / "demo", methods=["erm", "iga"], settings=settings, base_config=base,
                     pretrain_groups=10)
     out = capsys.readouterr().out

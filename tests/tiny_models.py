@@ -55,3 +55,14 @@ def sequence_losses(logits, labels):
         logits.reshape(-1, logits.shape[-1]), targets.clamp_min(0).reshape(-1), reduction="none"
     ).view(targets.shape)
     return (ce * mask).sum(1) / mask.sum(1).clamp_min(1)
+
+
+# the built-in base shrunk to train in seconds: enough for pipelines, not for accuracy
+SHRUNK_TINY_BASE = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2, "steps": 5,
+                    "batch_size": 4, "warmup_steps": 1}
+
+
+def shrunk_tiny_base_config():
+    from iga_ds.train.model import TinyBaseConfig
+
+    return TinyBaseConfig(**SHRUNK_TINY_BASE)

@@ -266,14 +266,13 @@ class IGAEngineHook:
         """World size 1: this rank owns every module, so the packed buffer would be pure copying."""
         # the packed path carries statistics as float32; round the same way on the host (they are
         # host floats already: no device copy), so both paths report the same numbers
-        table = torch.tensor([[float(u.stats.get(k, math.nan)) for k in STAT_KEYS] for u in results],
-                             dtype=torch.float32).tolist()
+        table = _stat_table(results).tolist()
         updates, per_module = [], {}
         for m, u, vals in zip(mine, results, table):
             # reshape and float are no-ops for the methods' float32 (r, in) and (out, r) results
             updates.append((u.gA.reshape(m.rank, m.in_features).float(),
                             u.gB.reshape(m.out_features, m.rank).float()))
-            per_module[m.name] = {k: v for k, v in zip(STAT_KEYS, vals) if not math.isnan(v)}
+            per_module[m.name] = _stat_dict(vals)
         return updates, per_module
 
     def _gather_packed(self, mine: list[LoraModule], results):
@@ -282,8 +281,7 @@ class IGAEngineHook:
         out = torch.zeros(lay.out_chunk, dtype=torch.float32, device=self.device)
         base = self.comm.rank * lay.out_chunk
         # statistics are host floats: one host-to-device copy for all of them
-        table = torch.tensor([[float(u.stats.get(k, math.nan)) for k in STAT_KEYS] for u in results],
-                             dtype=torch.float32).to(self.device)
+        table = _stat_table(results).to(self.device)
         for j, (m, u) in enumerate(zip(mine, results)):
             off = lay.out_offsets[m.index] - base
             nA, nB = m.rank * m.in_features, m.out_features * m.rank
@@ -299,7 +297,7 @@ class IGAEngineHook:
             nA, nB = m.rank * m.in_features, m.out_features * m.rank
             updates.append((gathered[off: off + nA].view(m.rank, m.in_features),
                             gathered[off + nA: off + nA + nB].view(m.out_features, m.rank)))
-            per_module[m.name] = {k: v for k, v in zip(STAT_KEYS, vals) if not math.isnan(v)}
+            per_module[m.name] = _stat_dict(vals)
         return updates, per_module
 
     def _now(self) -> float:
@@ -320,6 +318,18 @@ class IGAEngineHook:
             self.capture.remove()
             self.capture = None
         self.engine.optimizer.step = self._original_step
+
+
+def _stat_table(results) -> torch.Tensor:
+    """The results' statistics as one float32 host table (rows: modules, columns: STAT_KEYS;
+    NaN where a method reports no such statistic)."""
+    return torch.tensor([[float(u.stats.get(k, math.nan)) for k in STAT_KEYS] for u in results],
+                        dtype=torch.float32)
+
+
+def _stat_dict(values: list[float]) -> dict[str, float]:
+    """One row of the table back to a statistics dict, without the statistics it lacks."""
+    return {k: v for k, v in zip(STAT_KEYS, values) if not math.isnan(v)}
 
 
 def _all_finite(tensors: list[torch.Tensor], device) -> bool:

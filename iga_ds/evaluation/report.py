@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 from iga_ds.errors import DataError
 from iga_ds.evaluation.results import Cell, load_results, row_order
 from iga_ds.metrics.accuracy import accuracy_per_compute_hour, mean_std
+from iga_ds.metrics.mask import metric_series
 from iga_ds.utils_io import atomic_write_text
 
 PAPER_BENCHMARK_ORDER = ("arb", "logiqa2", "reclor", "math")
@@ -55,19 +56,22 @@ def cell_avg_delta_gap(cell: Cell) -> float | None:
 
 def cell_median_step_ms(cell: Cell) -> float | None:
     """Median optimizer-step wall time of the training log, in ms."""
-    times = sorted(float(r["step_time_s"]) for r in cell.metrics
-                   if isinstance(r.get("step_time_s"), (int, float)) and not isinstance(r.get("step_time_s"), bool))
+    times = sorted(metric_series(cell.metrics, "step_time_s")[1])
     return 1000.0 * times[len(times) // 2] if times else None
 
 
 def cell_metric_mean(cell: Cell, key: str, tail: float = 1.0) -> float | None:
     """Mean of a numeric training-log entry over the last ``tail`` fraction of its steps."""
-    vals = [float(r[key]) for r in cell.metrics
-            if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+    vals = metric_series(cell.metrics, key)[1]
     if not vals:
         return None
     vals = vals[len(vals) - max(1, int(round(tail * len(vals)))):]
     return sum(vals) / len(vals)
+
+
+def cell_cue_follow(cell: Cell, bench: str) -> float | None:
+    """Share (%) of the evaluation's wrong-cue OOD items answered as the cue signals."""
+    return cell.evals.get(bench, {}).get("ood_cue_follow")
 
 
 def cell_avg_headline(cell: Cell, benchmarks: Sequence[str]) -> float | None:
@@ -135,7 +139,7 @@ def _has_ood(cells: Sequence[Cell], bench: str) -> bool:
 
 def _has_cue(cells: Sequence[Cell], bench: str) -> bool:
     """Whether the evaluation measured shortcut reliance (items with a planted cue)."""
-    return any(c.evals.get(bench, {}).get("ood_cue_follow") is not None for c in cells)
+    return any(cell_cue_follow(c, bench) is not None for c in cells)
 
 
 # -- the tables ---------------------------------------------------------------------------------
@@ -152,7 +156,7 @@ def main_table(cells: Sequence[Cell]) -> str:
         columns.append(_column(rows, lambda c, b=bench: c.evals.get(b, {}).get("ood_accuracy"), True, 1))
         if _has_cue(cells, bench):
             header.append(f"{bench} OOD follows wrong cue ↓")
-            columns.append(_column(rows, lambda c, b=bench: c.evals.get(b, {}).get("ood_cue_follow"), False, 1))
+            columns.append(_column(rows, lambda c, b=bench: cell_cue_follow(c, b), False, 1))
     header += ["LCS (×1e-2) ↓", "Avg Δ-gap ↓"]
     columns.append(_column(rows, cell_default_lcs, False, 2))
     columns.append(_column(rows, cell_avg_delta_gap, False, 2))
@@ -193,7 +197,7 @@ def ablation_table(main_cells: Sequence[Cell], ablation_cells: Sequence[Cell]) -
         columns.append(delta_col)
         if _has_cue(cells_all, bench):
             header.append(f"{bench} OOD follows wrong cue ↓")
-            columns.append(_column(rows, lambda c, b=bench: c.evals.get(b, {}).get("ood_cue_follow"), False, 1))
+            columns.append(_column(rows, lambda c, b=bench: cell_cue_follow(c, b), False, 1))
     header += ["LCS (×1e-2) ↓", "Avg Δ vs IGA"]
     columns.append(_column(rows, cell_default_lcs, False, 2))
     columns.append({lab: (f"{sum(d) / len(d):+.2f}" if (d := deltas.get(lab)) else DASH) for lab in rows})
@@ -306,7 +310,7 @@ def claims_section(cells: Sequence[Cell]) -> str | None:
                   ("ID accuracy", lambda c, b=bench: c.evals.get(b, {}).get("id_accuracy"), True),
                   ("Δ-gap (ID - OOD)", lambda c, b=bench: c.evals.get(b, {}).get("delta_gap"), False)]
         if _has_cue(cells, bench):
-            checks.append(("OOD follows wrong cue", lambda c, b=bench: c.evals.get(b, {}).get("ood_cue_follow"), False))
+            checks.append(("OOD follows wrong cue", lambda c, b=bench: cell_cue_follow(c, b), False))
         for name, value, higher in checks:
             verdict, diff, se = compare([value(c) for c in iga], [value(c) for c in erm], higher)
             body.append([f"{bench} {name}", Stat([value(c) for c in iga]).text(1), Stat([value(c) for c in erm]).text(1),
@@ -326,7 +330,7 @@ def claims_section(cells: Sequence[Cell]) -> str | None:
                 verdict, diff, se = compare([value(c) for c in iga], [value(c) for c in group], True)
                 row = [label, bench, DASH if diff is None else f"{diff:+.1f}", DASH if se is None else f"{se:.1f}", verdict]
                 if _has_cue(cells, bench):
-                    cue = lambda c, b=bench: c.evals.get(b, {}).get("ood_cue_follow")  # noqa: E731
+                    cue = lambda c, b=bench: cell_cue_follow(c, b)  # noqa: E731
                     v2, d2, _ = compare([cue(c) for c in iga], [cue(c) for c in group], False)
                     row += [DASH if d2 is None else f"{d2:+.1f}", v2]
                 body.append(row)
