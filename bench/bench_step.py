@@ -365,6 +365,7 @@ def worker(args) -> int:
         if not args.as_worker:  # the driver prints the merged table
             print_table(report)
             print(f"wrote {args.out}")
+    torch.distributed.destroy_process_group()
     return 0
 
 

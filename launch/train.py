@@ -32,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"launch/train.py: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # this process is done with it: exit without live group threads
+        dist.destroy_process_group()
     return 0 if result.status in ("completed", "stopped") else 1
 
 

@@ -108,6 +108,8 @@ def main() -> int:
     if rank == 0:
         torch.save({"params": state, "stats": stats, "straddles": straddles,
                     "skipped": engine.skipped_steps}, out_path)
+    hook.detach()
+    torch.distributed.destroy_process_group()  # a clean exit: no group threads alive at teardown
     return 0
 
 

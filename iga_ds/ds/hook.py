@@ -313,11 +313,13 @@ class IGAEngineHook:
         return stats
 
     def detach(self) -> None:
-        """Restore the engine: remove capture hooks and the step wrapper."""
+        """Restore the engine: remove capture hooks and the step wrapper, and release the
+        hook's own process group (left alive, its threads can abort the process at exit)."""
         if self.capture is not None:
             self.capture.remove()
             self.capture = None
         self.engine.optimizer.step = self._original_step
+        self.comm.destroy()
 
 
 def _stat_table(results) -> torch.Tensor:
