@@ -107,8 +107,7 @@ def test_world_size_one_results_match_the_packed_path(implementation):
     hook = _hook_at_world_size_one(implementation)
     try:
         assert hook.comm.world_size == 1 and hook.owned == hook.modules
-        inv_counts = (1.0 / hook.capture.counts).to(torch.float32)
-        grads = hook._module_grads(hook.comm.reduce_scatter_sum(hook.flat_in), hook.owned, 0, inv_counts)
+        grads = hook._module_grads(hook.comm.reduce_scatter_sum(hook.flat_in), hook.owned, 0, hook.capture.counts)
         results = hook.method.combine(grads, 0)
         # a statistic a method lacks and one it reports as NaN: both dropped
         del results[0].stats["gir"]
@@ -127,3 +126,43 @@ def test_world_size_one_results_match_the_packed_path(implementation):
         assert set(direct[1][names[2]]) == {"mask_mean", "mask_frac_below_half", "mask_min", "gir", "energy_kept"}
     finally:
         hook.detach()
+
+
+@pytest.mark.parametrize("counts", [[2.0, 2.0, 2.0], [1.0, 2.0, 4.0]])
+def test_module_grads_are_per_domain_means(counts):
+    """One in-place scale for equal counts, per-module scales otherwise: both the plain division."""
+    hook = _hook_at_world_size_one("reference")
+    try:
+        N = hook.num_domains
+        sums = hook.flat_in.clone()
+        counts = torch.tensor(counts, dtype=torch.float64)
+        grads = hook._module_grads(hook.flat_in, hook.owned, 0, counts)
+        assert len(grads) == len(hook.modules)
+        for g, m in zip(grads, hook.modules):
+            off = hook.layout.in_offsets[m.index]
+            nA, nB = N * m.rank * m.in_features, N * m.out_features * m.rank
+            want_A = sums[off: off + nA].double().view(N, m.rank, m.in_features) / counts.view(-1, 1, 1)
+            want_B = sums[off + nA: off + nA + nB].double().view(N, m.out_features, m.rank) / counts.view(-1, 1, 1)
+            torch.testing.assert_close(g.gA.double(), want_A, rtol=1e-6, atol=0)
+            torch.testing.assert_close(g.gB.double(), want_B, rtol=1e-6, atol=0)
+            assert want_A.abs().sum() > 0
+            assert torch.equal(g.A, m.lora_A.weight.detach()) and g.A.dtype == torch.float32
+    finally:
+        hook.detach()
+
+
+def test_batched_finiteness_and_cast_match_the_per_tensor_versions():
+    from iga_ds.ds.hook import _all_finite, _as_float32
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g), torch.randn(2, 2, 2, generator=g)]
+    assert _all_finite(tensors) and _all_finite([])
+    for bad in (math.nan, math.inf, -math.inf):
+        for i in range(len(tensors)):
+            t = [x.clone() for x in tensors]
+            t[i].view(-1)[1] = bad
+            assert not _all_finite(t)
+    assert _as_float32(tensors) is tensors  # float32 already: no copy
+    low = [x.to(torch.bfloat16) for x in tensors]
+    for got, x in zip(_as_float32(low), low):
+        assert got.dtype == torch.float32 and got.shape == x.shape and torch.equal(got, x.float())

@@ -1,6 +1,8 @@
 """Captured per-domain sums against autograd's per-domain gradients (no DeepSpeed)."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -107,3 +109,30 @@ def test_rslora_scaling_is_found():
     mods = find_lora_modules(model)
     assert mods[1].scaling == pytest.approx(8 / 4**0.5)  # alpha / sqrt(r)
     assert mods[0].rank == 6 and mods[0].scaling == pytest.approx(8 / 6**0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_sequence_per_domain_fast_path_equals_index_add(dtype, monkeypatch):
+    """Micro-batches of one group in domain order add in place; any other order takes index_add."""
+    model = tiny_peft_llama(seed=10, dtype=dtype)
+    modules = find_lora_modules(model)
+    ids, attn, labels, domains = batch(seed=11)  # domains 0, 1, 2, 0, 1, 2
+    taken = []
+    real = DomainGradientCapture.micro_batch
+
+    @contextlib.contextmanager
+    def spy(self, domain_ids, loss_scale):
+        with real(self, domain_ids, loss_scale):
+            taken.append(self._micro.one_per_domain)
+            yield
+
+    monkeypatch.setattr(DomainGradientCapture, "micro_batch", spy)
+    in_order = [torch.arange(0, 3), torch.arange(3, 6)]
+    shuffled = [torch.tensor([2, 0, 1]), torch.tensor([4, 3, 5])]
+    fast, _ = run_capture(model, modules, ids, attn, labels, domains, in_order)
+    slow, _ = run_capture(model, modules, ids, attn, labels, domains, shuffled)
+    assert taken == [True, True, False, False]
+    for (fA, fB), (sA, sB) in zip(fast, slow):
+        torch.testing.assert_close(fA, sA, rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(fB, sB, rtol=1e-6, atol=1e-9)
+        assert fA.abs().sum() > 0

@@ -220,10 +220,11 @@ class IGAEngineHook:
             summed, mine = self.comm.reduce_scatter_sum(self.flat_in), self.owned
             base = self.comm.rank * self.layout.in_chunk
         t1 = self._now()
-        grads = self._module_grads(summed, mine, base, (1.0 / counts).to(torch.float32).to(self.device))
-        bad = not _all_finite([t for g in grads for t in (g.gA, g.gB)], self.device)
-        results = self.method.combine(grads, step) if grads and not bad else []
-        bad = bad or not _all_finite([t for u in results for t in (u.gA, u.gB)], self.device)
+        # the summed buffer holds exactly the modules this rank combines: one check for all
+        bad = not bool(torch.isfinite(summed).all())
+        grads = self._module_grads(summed, mine, base, counts) if not bad else []
+        results = self.method.combine(grads, step) if grads else []
+        bad = bad or not _all_finite([t for u in results for t in (u.gA, u.gB)])
         t2 = self._now()
         if global_scope:
             updates = [(u.gA, u.gB) for u in results] or None
@@ -243,17 +244,28 @@ class IGAEngineHook:
         stats.update(summarize(per_module, {m.name: m.full_rank_cost for m in self.modules}))
         return updates, bad, stats
 
-    def _module_grads(self, summed: torch.Tensor, mine: list[LoraModule], base: int, inv_counts: torch.Tensor):
-        """Per-domain means (sums / global sequence counts) of the modules in ``mine``, as views."""
-        N, scale = self.num_domains, inv_counts.view(-1, 1, 1)
+    def _module_grads(self, summed: torch.Tensor, mine: list[LoraModule], base: int, counts: torch.Tensor):
+        """Per-domain means (sums / global sequence counts) of the modules in ``mine``, as views.
+
+        Scales ``summed`` in place (the buffer is reset after the step). Whole isomer groups give
+        every domain the same count: then one multiply covers every module.
+        """
+        N = self.num_domains
+        equal = bool((counts == counts[0]).all())
+        if equal:
+            summed.mul_(1.0 / float(counts[0]))
+        else:
+            scale = (1.0 / counts).to(torch.float32).to(self.device).view(-1, 1, 1)
+        weights = _as_float32([w for m in mine for w in (m.lora_A.weight.detach(), m.lora_B.weight.detach())])
         grads = []
-        for m in mine:
+        for j, m in enumerate(mine):
             off = self.layout.in_offsets[m.index] - base
             nA, nB = N * m.rank * m.in_features, N * m.out_features * m.rank
-            gA = summed[off: off + nA].view(N, m.rank, m.in_features) * scale
-            gB = summed[off + nA: off + nA + nB].view(N, m.out_features, m.rank) * scale
-            grads.append(ModuleGrads(m.name, m.index, m.lora_A.weight.detach().float(),
-                                     m.lora_B.weight.detach().float(), gA, gB, m.scaling))
+            gA = summed[off: off + nA].view(N, m.rank, m.in_features)
+            gB = summed[off + nA: off + nA + nB].view(N, m.out_features, m.rank)
+            if not equal:
+                gA, gB = gA * scale, gB * scale
+            grads.append(ModuleGrads(m.name, m.index, weights[2 * j], weights[2 * j + 1], gA, gB, m.scaling))
         return grads
 
     def _gather_results(self, mine: list[LoraModule], results):
@@ -334,11 +346,21 @@ def _stat_dict(values: list[float]) -> dict[str, float]:
     return {k: v for k, v in zip(STAT_KEYS, values) if not math.isnan(v)}
 
 
-def _all_finite(tensors: list[torch.Tensor], device) -> bool:
-    """One device-to-host sync for the whole list, not one per tensor."""
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """One device-to-host sync and a few multi-tensor kernels for the whole list: the total
+    2-norm is finite exactly when every element is (short of float32 overflow of the sum of
+    squares, at gradients above about 1e19)."""
     if not tensors:
         return True
-    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+    return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all())
+
+
+def _as_float32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """float32 versions of ``tensors``: bf16 weights are cast with one copy for all, not one each."""
+    if all(t.dtype == torch.float32 for t in tensors):
+        return tensors
+    flat = torch.cat([t.reshape(-1) for t in tensors]).float()
+    return [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
 
 def summarize(per_module: dict[str, dict[str, float]], weights: dict[str, int]) -> dict[str, float]:

@@ -30,6 +30,9 @@ class _MicroBatch:
     domain_ids: torch.Tensor  # (B,) on the buffers' device
     factor: float  # turns gradients of the (mean, GAS-scaled) loss into sums over sequences
     batch_size: int
+    # sequence n is domain n, one each (one isomer group per micro-batch, in domain order):
+    # per-sequence products are then per-domain sums and are added in place, no index_add
+    one_per_domain: bool = False
 
 
 class _CaptureFn(torch.autograd.Function):
@@ -63,8 +66,12 @@ class _CaptureFn(torch.autograd.Function):
         dh = dy @ weight_B  # gradient at lora_A's output
         per_seq_B = torch.bmm(dy.mT, h.reshape(b, -1, h.shape[-1]))
         per_seq_A = torch.bmm(dh.mT, x.reshape(b, -1, x.shape[-1]))
-        bufB.index_add_(0, micro.domain_ids, per_seq_B.float(), alpha=micro.factor)
-        bufA.index_add_(0, micro.domain_ids, per_seq_A.float(), alpha=micro.factor)
+        if micro.one_per_domain:  # mixed-dtype add: the bf16 -> fp32 cast happens inside the kernel
+            bufB.add_(per_seq_B, alpha=micro.factor)
+            bufA.add_(per_seq_A, alpha=micro.factor)
+        else:
+            bufB.index_add_(0, micro.domain_ids, per_seq_B.float(), alpha=micro.factor)
+            bufA.index_add_(0, micro.domain_ids, per_seq_A.float(), alpha=micro.factor)
         return grad_out, None, None, None, None, None, None
 
 
@@ -131,7 +138,8 @@ class DomainGradientCapture:
             ids_dev = ids_cpu.pin_memory().to(device, non_blocking=True)
         else:
             ids_dev = ids_cpu.to(device)
-        self._micro = _MicroBatch(ids_dev, 1.0 / loss_scale, int(ids_cpu.numel()))
+        one_per_domain = ids_cpu.tolist() == list(range(self.num_domains))
+        self._micro = _MicroBatch(ids_dev, 1.0 / loss_scale, int(ids_cpu.numel()), one_per_domain)
         try:
             yield
         finally:

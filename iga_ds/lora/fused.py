@@ -30,7 +30,7 @@ from typing import Sequence
 import torch
 
 from iga_ds.methods.base import ModuleGrads
-from iga_ds.methods.iga import NORMALIZATIONS, SNR_EPS
+from iga_ds.methods.iga import FACTOR_MAPS, NORMALIZATIONS, SNR_EPS, chain_rule_factors
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # the stacked masked matrices of one batch of equal-shape modules stay under this many bytes
@@ -302,6 +302,7 @@ def batched_iga(
     tile_elements: int = DEFAULT_TILE_ELEMENTS,
     use_triton: bool | None = None,
     triton_precision: str = "ieee",
+    factors: str = "split",
 ) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, float]]]:
     """IGA (continuous mask, randomized SVD) for every module, in the order given.
 
@@ -313,9 +314,14 @@ def batched_iga(
     CUDA tensors when Triton imports, False forces PyTorch; ``triton_precision`` is the
     kernel's ``tl.dot`` precision, "ieee", "tf32x3" or "tf32" (the last also runs the power
     iterations on TF32 tensor cores; measured error in docs/PERFORMANCE.md). float16/bfloat16 inputs are
-    computed in float32 and returned in their own dtype.
+    computed in float32 and returned in their own dtype. ``factors``: ``split`` returns the
+    SVD split as ``iga_update`` does; ``chain_rule`` maps it through
+    :func:`iga_ds.methods.iga.chain_rule_factors` on the whole stack (one batched product
+    instead of one per module).
     """
     _check(modules, generators, rank, normalize, tau)
+    if factors not in FACTOR_MAPS:
+        raise ValueError(f"factors must be one of {FACTOR_MAPS}, got {factors!r}")
     results: list = [None] * len(modules)
     for st in _stacks(modules, generators, batch_bytes):
         # the kernel computes in float32; float64 stays on the PyTorch path
@@ -325,6 +331,8 @@ def batched_iga(
             power_iters=int(power_iters), tile_elements=int(tile_elements), use_triton=triton_ok,
             triton_precision=triton_precision,
         )
+        if factors == "chain_rule":
+            gA_new, gB_new = chain_rule_factors(st.A, st.B, gA_new, gB_new, st.scaling.view(-1, 1, 1))
         # one device-to-host copy for all statistics of the stack
         keys = list(stats)
         table = torch.stack([stats[key].double() for key in keys]).cpu().tolist()

@@ -249,7 +249,8 @@ class IGA(_MaskedProjectionMethod):
         from iga_ds.lora.fused import batched_iga
 
         gens = [module_generator(self.seed, step, m.index, m.gA.device) for m in modules]
+        # the factor map runs batched inside (this class always projects by SVD)
         out = batched_iga(modules, tau=self.tau, normalize=self.normalize, rank=self.rank,
                           oversample=self.oversample, power_iters=self.power_iters, generators=gens,
-                          triton_precision=self.precision)
-        return [ModuleUpdate(*self._map_factors(m, gA, gB), stats) for m, (gA, gB, stats) in zip(modules, out)]
+                          triton_precision=self.precision, factors=self.factors)
+        return [ModuleUpdate(gA, gB, stats) for gA, gB, stats in out]
