@@ -196,6 +196,14 @@ if want resume; then
           fi
           echo "metrics at step $lines: SIGUSR1 to the ranks, pids ${ranks[*]}"
           kill -USR1 "${ranks[@]}" && signalled=1
+          # what each signalled process is, and whether it catches, blocks or still holds SIGUSR1
+          # (bit 10 of the masks: 0x200): a rank that ignores the signal shows up here
+          sleep 2
+          for pid in "${ranks[@]}"; do
+            echo "pid $pid: $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | cut -c1-120)"
+            grep -E '^(SigCgt|SigBlk|SigPnd|ShdPnd):' "/proc/$pid/status" 2>/dev/null | tr '\n' ' '
+            echo
+          done
           break
         fi
         sleep 0.2

@@ -277,3 +277,32 @@ def test_trainer_builds_the_tiny_base_the_config_shapes(tmp_path, monkeypatch):
     written = json.loads((Path(base) / "pretrain.json").read_text())
     assert written["config"] == TinyBaseConfig(**shape).to_dict()
     assert Path(base).parent == tmp_path / "cache" / "tiny-base"
+
+
+def test_tiny_base_key_keeps_cpu_builds_apart_from_gpu_builds():
+    from iga_ds.train.model import TinyBaseConfig, tiny_base_key
+
+    cfg, texts = TinyBaseConfig(), ["the dose is 3 ."]
+    cpu = tiny_base_key(cfg, texts)
+    assert tiny_base_key(cfg, texts, device="cpu") == cpu
+    assert tiny_base_key(cfg, texts, device="cuda") != cpu
+    assert tiny_base_key(TinyBaseConfig(corpus_groups=601), texts) != cpu
+
+
+def test_corpus_groups_sizes_the_pretraining_corpus(tmp_path, monkeypatch):
+    from iga_ds.train import pretrain
+    from iga_ds.train.config import load_run_config
+    from iga_ds.train.model import TinyBaseConfig
+
+    asked = []
+    monkeypatch.setattr(pretrain, "generator_corpus", lambda groups, seed: asked.append(groups) or ["a b ."])
+    monkeypatch.setattr(pretrain, "ensure_tiny_base", lambda texts, config, *a, **k: texts)
+    pretrain.default_tiny_base(TinyBaseConfig(corpus_groups=7))
+    pretrain.default_tiny_base(TinyBaseConfig(corpus_groups=7), groups=3)  # an explicit size wins
+    pretrain.default_tiny_base()
+    assert asked == [7, 3, TinyBaseConfig().corpus_groups]
+    path = tmp_path / "run.yaml"
+    path.write_text("output_dir: out\n")
+    assert load_run_config(path, ["model.tiny={corpus_groups: 2000}"]).model.tiny == {"corpus_groups": 2000}
+    with pytest.raises(ConfigError, match="model.tiny.corpus_groups: expected a positive integer"):
+        load_run_config(path, ["model.tiny={corpus_groups: 0}"])

@@ -111,6 +111,8 @@ class TinyBaseConfig:
     warmup_steps: int = 15
     weight_decay: float = 0.01
     seed: int = 0
+    # isomer groups of generator text in the pretraining corpus (iga_ds.train.pretrain)
+    corpus_groups: int = 600
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -131,7 +133,8 @@ def corpus_digest(texts: Sequence[str]) -> str:
     return h.hexdigest()
 
 
-def tiny_base_key(config: TinyBaseConfig, texts: Sequence[str], extra_words: Sequence[str] = ()) -> str:
+def tiny_base_key(config: TinyBaseConfig, texts: Sequence[str], extra_words: Sequence[str] = (),
+                  device: str = "cpu") -> str:
     import torch
     import transformers
 
@@ -144,6 +147,8 @@ def tiny_base_key(config: TinyBaseConfig, texts: Sequence[str], extra_words: Seq
         "torch": torch.__version__.split("+")[0].rsplit(".", 1)[0],
         "transformers": transformers.__version__.split(".")[0],
     }
+    if device != "cpu":  # a GPU rounds differently: its base is its own (CPU keys stay as they were)
+        payload["device"] = device
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -169,7 +174,15 @@ def build_tiny_llama(vocab_size: int, config: TinyBaseConfig, special_ids: dict[
     return LlamaForCausalLM(cfg)
 
 
-def _pretrain(model, tokenizer, texts: Sequence[str], config: TinyBaseConfig, progress: bool) -> list[float]:
+def pretrain_device() -> str:
+    """Where the base is pretrained: the GPU when there is one (minutes on a CPU, seconds there)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _pretrain(model, tokenizer, texts: Sequence[str], config: TinyBaseConfig, progress: bool,
+              device: str = "cpu") -> list[float]:
     """Next-token pretraining on whole texts; returns the loss curve."""
     import torch
     from tqdm.auto import tqdm
@@ -207,13 +220,13 @@ def _pretrain(model, tokenizer, texts: Sequence[str], config: TinyBaseConfig, pr
             input_ids[row, : len(seq)] = torch.tensor(seq)
             labels[row, : len(seq)] = torch.tensor(seq)
             mask[row, : len(seq)] = 1
-        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        loss = model(input_ids=input_ids.to(device), attention_mask=mask.to(device), labels=labels.to(device)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(float(loss.detach()))
+        losses.append(float(loss.detach()))  # one sync per step: the bar shows it anyway
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     model.eval()
     return losses
@@ -226,9 +239,11 @@ def ensure_tiny_base(
     progress: bool = True,
     log=print,
     extra_words: Sequence[str] = (),
+    device: str | None = None,
 ) -> Path:
     """Return the folder of the tiny base pretrained on ``texts``; build it on a cache miss.
-    ``extra_words`` join the vocabulary even where the corpus lacks them.
+    ``extra_words`` join the vocabulary even where the corpus lacks them. ``device``: where to
+    pretrain (default: the GPU if there is one); it enters the cache key unless it is the CPU.
 
     The folder is a normal Hugging Face model directory (``config.json``,
     ``model.safetensors``, ``tokenizer.json``) plus ``pretrain.json`` (settings, corpus hash,
@@ -240,7 +255,8 @@ def ensure_tiny_base(
         raise ConfigError("tiny base: the pretraining corpus is empty")
     config = config or TinyBaseConfig()
     root = Path(cache_dir) if cache_dir else cache_root()
-    key = tiny_base_key(config, texts, extra_words)
+    device = device or pretrain_device()
+    key = tiny_base_key(config, texts, extra_words, device)
     final = root / "tiny-base" / key
     if (final / "pretrain.json").is_file():
         log(f"tiny base: cached at {final}")
@@ -248,13 +264,15 @@ def ensure_tiny_base(
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{key}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    log(f"tiny base: pretraining from scratch on {len(texts)} texts ({config.steps} steps); cached afterwards")
+    log(f"tiny base: pretraining from scratch on {len(texts)} texts ({config.steps} steps, {device}); cached afterwards")
     start = time.perf_counter()
     tokenizer = build_word_tokenizer(build_vocab(texts, extra_words))
     special = {"pad": tokenizer.pad_token_id, "bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id}
-    with torch.random.fork_rng():
-        model = build_tiny_llama(len(tokenizer), config, special)
-        losses = _pretrain(model, tokenizer, texts, config, progress)
+    # CPU generators only: the initialization and batch order are the same on either device
+    with torch.random.fork_rng(devices=[]):
+        model = build_tiny_llama(len(tokenizer), config, special).to(device)
+        losses = _pretrain(model, tokenizer, texts, config, progress, device)
+    model = model.to("cpu")
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     atomic_write_json(
@@ -270,6 +288,7 @@ def ensure_tiny_base(
             "loss_last": losses[-1],
             "losses": losses,
             "seconds": round(time.perf_counter() - start, 2),
+            "device": device,
         },
     )
     try:

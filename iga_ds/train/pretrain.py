@@ -16,7 +16,7 @@ from typing import Sequence
 
 from iga_ds.train.model import TinyBaseConfig, ensure_tiny_base
 
-PRETRAIN_GROUPS = 600
+PRETRAIN_GROUPS = TinyBaseConfig.corpus_groups
 PRETRAIN_SEED = 9_001  # far from the seeds the demo and the example configs use
 
 
@@ -80,12 +80,14 @@ def generator_words() -> list[str]:
 
 def default_tiny_base(
     config: TinyBaseConfig | None = None,
-    groups: int = PRETRAIN_GROUPS,
+    groups: int | None = None,
     seed: int = PRETRAIN_SEED,
     cache_dir: str | None = None,
     progress: bool = True,
     log=print,
 ) -> Path:
-    """Folder of the cached tiny base, pretraining it first on a cache miss."""
-    return ensure_tiny_base(generator_corpus(groups, seed), config, cache_dir, progress=progress, log=log,
-                            extra_words=generator_words())
+    """Folder of the cached tiny base, pretraining it first on a cache miss. ``groups``: the
+    corpus size, default ``config.corpus_groups``."""
+    config = config or TinyBaseConfig()
+    texts = generator_corpus(config.corpus_groups if groups is None else groups, seed)
+    return ensure_tiny_base(texts, config, cache_dir, progress=progress, log=log, extra_words=generator_words())
