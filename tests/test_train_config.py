@@ -306,3 +306,54 @@ def test_corpus_groups_sizes_the_pretraining_corpus(tmp_path, monkeypatch):
     assert load_run_config(path, ["model.tiny={corpus_groups: 2000}"]).model.tiny == {"corpus_groups": 2000}
     with pytest.raises(ConfigError, match="model.tiny.corpus_groups: expected a positive integer"):
         load_run_config(path, ["model.tiny={corpus_groups: 0}"])
+
+
+def _build_on_rank(rank: int, world: int, port: int, root: str) -> None:
+    import os
+
+    import torch.distributed as tdist
+
+    from iga_ds.train.model import TinyBaseConfig, ensure_tiny_base
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    tdist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        cfg = TinyBaseConfig(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, max_length=32,
+                             steps=2, batch_size=2, warmup_steps=1)
+        ensure_tiny_base(["the dose is 3 ."], cfg, f"{root}/rank{rank}", progress=False, log=lambda m: None)
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_a_base_built_on_a_rank_other_than_0_is_complete(tmp_path):
+    """save_pretrained writes nothing on rank 1 once torch.distributed is up; the base must not depend on it."""
+    import socket
+
+    import torch.multiprocessing as mp
+    from transformers import AutoModelForCausalLM
+
+    from iga_ds.train.model import BASE_FILES
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_build_on_rank, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        (folder,) = (tmp_path / f"rank{rank}" / "tiny-base").iterdir()
+        assert all((folder / name).is_file() for name in BASE_FILES), sorted(p.name for p in folder.iterdir())
+        assert AutoModelForCausalLM.from_pretrained(folder).config.model_type == "llama"
+
+
+def test_an_incomplete_cached_base_is_built_again(tmp_path):
+    from iga_ds.train.model import TinyBaseConfig, ensure_tiny_base
+
+    cfg = TinyBaseConfig(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, max_length=32,
+                         steps=2, batch_size=2, warmup_steps=1)
+    texts = ["the dose is 3 ."]
+    first = ensure_tiny_base(texts, cfg, tmp_path, progress=False, log=lambda m: None)
+    (first / "model.safetensors").unlink()  # what an older version could leave behind
+    calls = []
+    again = ensure_tiny_base(texts, cfg, tmp_path, progress=False, log=calls.append)
+    assert again == first and (again / "model.safetensors").is_file()
+    assert any("incomplete" in c for c in calls) and any("pretraining" in c for c in calls)
+    assert [p.name for p in (tmp_path / "tiny-base").iterdir()] == [first.name]

@@ -232,6 +232,34 @@ def _pretrain(model, tokenizer, texts: Sequence[str], config: TinyBaseConfig, pr
     return losses
 
 
+# what a usable base folder holds; the cache checks for these before trusting a folder
+BASE_FILES = ("config.json", "model.safetensors", "tokenizer.json", "pretrain.json")
+
+
+def save_model_files(model, folder: Path) -> None:
+    """config.json and model.safetensors of ``model``, written by this process whatever its rank.
+
+    ``save_pretrained`` writes nothing on a rank other than 0 once torch.distributed is
+    initialized, so a base built on such a rank would lack its weights. Tied tensors (the
+    embedding and the output head) are stored once, under the first name, as
+    ``save_pretrained`` stores them; loading ties them again.
+    """
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    tensors, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        tensors[name] = tensor.detach().contiguous()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
 def ensure_tiny_base(
     texts: Sequence[str],
     config: TinyBaseConfig | None = None,
@@ -259,8 +287,15 @@ def ensure_tiny_base(
     key = tiny_base_key(config, texts, extra_words, device)
     final = root / "tiny-base" / key
     if (final / "pretrain.json").is_file():
-        log(f"tiny base: cached at {final}")
-        return final
+        if all((final / name).is_file() for name in BASE_FILES):
+            log(f"tiny base: cached at {final}")
+            return final
+        # an incomplete folder (older versions could leave one behind on a rank other than 0):
+        # set it aside, then build again
+        aside = final.parent / f".{key}.incomplete.{os.getpid()}"
+        os.rename(final, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+        log(f"tiny base: the cached folder {final} was incomplete; building it again")
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{key}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -273,7 +308,7 @@ def ensure_tiny_base(
         model = build_tiny_llama(len(tokenizer), config, special).to(device)
         losses = _pretrain(model, tokenizer, texts, config, progress, device)
     model = model.to("cpu")
-    model.save_pretrained(tmp, safe_serialization=True)
+    save_model_files(model, tmp)
     tokenizer.save_pretrained(tmp)
     atomic_write_json(
         tmp / "pretrain.json",
@@ -291,6 +326,10 @@ def ensure_tiny_base(
             "device": device,
         },
     )
+    missing = [name for name in BASE_FILES if not (tmp / name).is_file()]
+    if missing:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(f"tiny base: {', '.join(missing)} not written to {tmp}; nothing was cached")
     try:
         os.rename(tmp, final)
     except OSError:

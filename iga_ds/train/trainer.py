@@ -201,8 +201,26 @@ class Trainer:
             from iga_ds.train.pretrain import default_tiny_base
 
             shape = TinyBaseConfig(**self.cfg.model.tiny) if self.cfg.model.tiny else None
-            return str(default_tiny_base(shape, progress=self.dist.rank == 0 and not self.quiet, log=self._print))
+
+            def build() -> str:
+                return str(default_tiny_base(shape, progress=self.dist.rank == 0 and not self.quiet, log=self._print))
+
+            return self._local_rank_zero_first(build)
         return path
+
+    def _local_rank_zero_first(self, build):
+        """Run ``build`` on each node's local rank 0 first, then on the other ranks (a cache hit
+        there): one pretraining per node instead of one per rank racing for the same folder."""
+        import torch.distributed as tdist
+
+        if not (tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1):
+            return build()
+        first = self.dist.local_rank == 0
+        try:
+            result = build() if first else None
+        finally:
+            tdist.barrier()  # also when local rank 0 failed, so that the others do not hang here
+        return result if first else build()
 
     def _print(self, msg: str) -> None:
         if self.dist.rank == 0 and not self.quiet:
