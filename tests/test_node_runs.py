@@ -223,3 +223,24 @@ def test_summary_lists_stages_and_skips(tmp_path):
     (tmp_path / "skipped.txt").write_text("bench_step_4gpu\tneeds 4 GPUs, 2 visible\n")
     text = load("node_summary").render(tmp_path)
     assert "| equivalence | 124 |" in text and "- bench_step_4gpu: needs 4 GPUs, 2 visible" in text
+
+
+def test_step_ratio_interval_covers_the_true_ratio_and_narrows_with_steps():
+    import random
+
+    bench = load("bench_step")
+    rng = random.Random(3)
+    erm = [700 * rng.uniform(0.9, 1.2) for _ in range(20)]
+    slower = [700 * 1.3 * rng.uniform(0.9, 1.2) for _ in range(20)]
+    same = [700 * rng.uniform(0.9, 1.2) for _ in range(20)]
+    lo, hi = bench.ratio_interval(slower, erm)
+    assert lo < 1.3 < hi and lo > 1.0  # a 30% slower method is told apart from ERM
+    lo, hi = bench.ratio_interval(same, erm)
+    assert lo < 1.0 < hi  # the same distribution is not
+    assert bench.ratio_interval(same, erm) == (lo, hi)  # deterministic
+    erm_many = [700 * rng.uniform(0.9, 1.2) for _ in range(400)]
+    same_many = [700 * rng.uniform(0.9, 1.2) for _ in range(400)]
+    lo_many, hi_many = bench.ratio_interval(same_many, erm_many)
+    assert hi_many - lo_many < (hi - lo) / 2
+    report = bench_report(1, {"erm": 800.0, "iga_fused": 820.0}, {"erm": 20.0, "iga_fused": 20.5})
+    assert report["results"][1]["ratio_step_interval90"] == [820.0 / 800.0, 820.0 / 800.0]
