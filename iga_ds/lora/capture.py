@@ -27,7 +27,7 @@ from iga_ds.lora.modules import LoraModule
 class _MicroBatch:
     """What backward needs to know about the micro-batch a forward saw."""
 
-    domain_ids: torch.Tensor  # (B,) on the buffers' device
+    domain_ids: torch.Tensor | None  # (B,) on the buffers' device; None when one_per_domain
     factor: float  # turns gradients of the (mean, GAS-scaled) loss into sums over sequences
     batch_size: int
     # sequence n is domain n, one each (one isomer group per micro-batch, in domain order):
@@ -134,11 +134,13 @@ class DomainGradientCapture:
             raise ValueError(f"domain ids must be in [0, {self.num_domains}), got {ids_cpu.tolist()}")
         device = self.buffers[0][0].device
         self.counts += torch.bincount(ids_cpu, minlength=self.num_domains).double()
-        if device.type == "cuda":  # pinned, so the copy is queued without a stream sync
+        one_per_domain = ids_cpu.tolist() == list(range(self.num_domains))
+        if one_per_domain:  # backward adds in place and needs no ids on the device
+            ids_dev = None
+        elif device.type == "cuda":  # pinned, so the copy is queued without a stream sync
             ids_dev = ids_cpu.pin_memory().to(device, non_blocking=True)
         else:
             ids_dev = ids_cpu.to(device)
-        one_per_domain = ids_cpu.tolist() == list(range(self.num_domains))
         self._micro = _MicroBatch(ids_dev, 1.0 / loss_scale, int(ids_cpu.numel()), one_per_domain)
         try:
             yield

@@ -146,9 +146,8 @@ def tiny_base_key(config: TinyBaseConfig, texts: Sequence[str], extra_words: Seq
         # a different major library version may initialize or compute differently
         "torch": torch.__version__.split("+")[0].rsplit(".", 1)[0],
         "transformers": transformers.__version__.split(".")[0],
+        "device": device,  # a GPU rounds differently: its base is cached apart from a CPU build
     }
-    if device != "cpu":  # a GPU rounds differently: its base is its own (CPU keys stay as they were)
-        payload["device"] = device
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -236,6 +235,10 @@ def _pretrain(model, tokenizer, texts: Sequence[str], config: TinyBaseConfig, pr
 BASE_FILES = ("config.json", "model.safetensors", "tokenizer.json", "pretrain.json")
 
 
+def _is_complete(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in BASE_FILES)
+
+
 def save_model_files(model, folder: Path) -> None:
     """config.json and model.safetensors of ``model``, written by this process whatever its rank.
 
@@ -286,8 +289,8 @@ def ensure_tiny_base(
     device = device or pretrain_device()
     key = tiny_base_key(config, texts, extra_words, device)
     final = root / "tiny-base" / key
-    if (final / "pretrain.json").is_file():
-        if all((final / name).is_file() for name in BASE_FILES):
+    if final.is_dir():
+        if _is_complete(final):
             log(f"tiny base: cached at {final}")
             return final
         # an incomplete folder (older versions could leave one behind on a rank other than 0):
@@ -326,16 +329,15 @@ def ensure_tiny_base(
             "device": device,
         },
     )
-    missing = [name for name in BASE_FILES if not (tmp / name).is_file()]
-    if missing:
+    if not _is_complete(tmp):
         shutil.rmtree(tmp, ignore_errors=True)
-        raise RuntimeError(f"tiny base: {', '.join(missing)} not written to {tmp}; nothing was cached")
+        raise RuntimeError(f"tiny base: not every one of {', '.join(BASE_FILES)} was written; nothing was cached")
     try:
         os.rename(tmp, final)
     except OSError:
         # another process finished the same key first: theirs is identical, keep it
         shutil.rmtree(tmp, ignore_errors=True)
-        if not (final / "pretrain.json").is_file():
+        if not _is_complete(final):
             raise
     log(f"tiny base: done in {time.perf_counter() - start:.0f}s, loss {losses[0]:.2f} -> {losses[-1]:.2f}")
     return final
