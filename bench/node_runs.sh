@@ -8,15 +8,16 @@
 #                and 8 GPUs, as many of them as the machine has
 #   equivalence: tests/test_ds_hook_gpu.py at world size N (every visible GPU) against world size 1
 #   resume:      the launch line of the Slurm templates run directly under torchrun on N GPUs (tiny
-#                built-in base, ds_configs/zero2.json): SIGUSR1 to the ranks midway, the same
-#                command again, then a check that the steps continue to the requested one
+#                built-in base, ds_configs/zero2.json): midway, OUT_DIR/train/STOP and SIGUSR1
+#                to the ranks (as the templates' trap does), the same command again, then a check
+#                that the steps continue to the requested one
 # N is the number of visible GPUs (CUDA_VISIBLE_DEVICES, else nvidia-smi), or NODE_GPUS when set.
 # A dry run on a machine without GPUs plans for NODE_GPUS, default 8. Parts that need more GPUs
 # than there are are skipped and listed in the summary. Each stage has its own time limit.
 #
 # Variables: IGA_PYTHON (default python3), NODE_GPUS, STEP_METHODS (default erm,iga_fused),
 # STEP_STEPS (10), STEP_LIMIT (600 s per benchmark size), EQUIV_LIMIT (900 s), TRAIN_STEPS (300),
-# TRAIN_STOP_AT (TRAIN_STEPS / 2: the step after which SIGUSR1 is sent), TRAIN_LIMIT (900 s per
+# TRAIN_STOP_AT (TRAIN_STEPS / 2: the step after which the stop is asked), TRAIN_LIMIT (900 s per
 # training run), TRAIN_GROUPS (300 synthetic isomer groups).
 # Exit status: 0 when every stage that ran exited 0, else 1.
 set -uo pipefail
@@ -156,7 +157,7 @@ if want equivalence; then
   fi
 fi
 
-# -- 3. the template's launch line under torchrun: SIGUSR1 midway, then resume ------------------
+# -- 3. the template's launch line under torchrun: a stop midway, then resume -------------------
 if want resume; then
   # whole isomer groups per step: 8 when N divides it (the same global batch on 1, 2, 4, 8 GPUs)
   if ((8 % n == 0)); then groups_per_step=8; else groups_per_step=$((2 * n)); fi
@@ -173,10 +174,10 @@ if want resume; then
   # the built-in tiny base is pretrained once and cached; the ranks then only read it
   ((ok)) && { stage train_base 900 "$py" -m iga_ds.cli pretrain-tiny || ok=0; }
   if ((ok)); then
-    echo "=== train_run1 (limit ${limit} s): SIGUSR1 to the ranks once metrics.jsonl reaches step $stop_at"
+    echo "=== train_run1 (limit ${limit} s): stop file and SIGUSR1 once metrics.jsonl reaches step $stop_at"
     show timeout "$limit" "${train[@]}" "&"
     echo "# when $train_out/metrics.jsonl has $stop_at lines:" \
-      "kill -USR1 <every rank: the children of the torchrun process>"
+      ": > $train_out/STOP; kill -USR1 <every rank: the children of the torchrun process>"
     if ((!dry_run)); then
       rm -rf "$train_out"
       timeout "$limit" "${train[@]}" >"$out/train_run1.log" 2>&1 &
@@ -194,7 +195,10 @@ if want resume; then
             echo "metrics at step $lines but no rank process found under pid $job"
             break
           fi
-          echo "metrics at step $lines: SIGUSR1 to the ranks, pids ${ranks[*]}"
+          # as the templates' trap: the stop file, then the signal; the trainer's "stopping (...)"
+          # line says which of the two reached the ranks
+          echo "metrics at step $lines: $train_out/STOP, then SIGUSR1 to the ranks, pids ${ranks[*]}"
+          : >"$train_out/STOP"
           kill -USR1 "${ranks[@]}" && signalled=1
           # what each signalled process is, and whether it catches, blocks or still holds SIGUSR1
           # (bit 10 of the masks: 0x200): a rank that ignores the signal shows up here
@@ -211,6 +215,7 @@ if want resume; then
       wait "$job"
       rc=$?
       tail -n 20 "$out/train_run1.log"
+      grep -m 1 "stopping (" "$out/train_run1.log" || echo "no rank reported stopping"
       if ((!signalled)); then
         echo "the first run ended before step $stop_at: no signal was sent"
         rc=1

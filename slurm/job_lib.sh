@@ -5,8 +5,10 @@
 # checkpoint-then-requeue protocol:
 #   1. Slurm sends SIGUSR1 to the batch shell some minutes before the time limit
 #      (#SBATCH --signal=B:USR1@SECONDS);
-#   2. the trap forwards it to the running srun, which forwards it to every rank; the trainer
-#      saves a checkpoint and exits 0;
+#   2. the trap forwards it to the running srun, which forwards it to every rank, and writes
+#      IGA_OUTPUT_DIR/STOP, the trainer's stop request that needs no signal (it still reaches a
+#      rank whose handler was replaced or whose signal got lost); the trainer saves a checkpoint
+#      and exits 0;
 #   3. the batch script then runs `scontrol requeue`, and the requeued job (same job id, same
 #      output_dir) resumes from that checkpoint through `resume=auto`.
 # Preemption (SIGTERM to every process, then SIGKILL after the grace time) needs nothing here:
@@ -52,6 +54,9 @@ iga_requeue_requested=0
 iga_on_usr1() {
     iga_requeue_requested=1
     iga_log "SIGUSR1: asking the ranks to checkpoint, then requeueing"
+    if [[ -n ${IGA_OUTPUT_DIR:-} ]]; then
+        : > "$IGA_OUTPUT_DIR/STOP" || iga_log "could not write $IGA_OUTPUT_DIR/STOP; relying on the signal"
+    fi
     if [[ -n $iga_step_pid ]]; then
         kill -USR1 "$iga_step_pid" 2>/dev/null || true
     fi
@@ -88,6 +93,8 @@ iga_run_step() {
 # After the training step: requeue when the time-limit signal came, within IGA_MAX_REQUEUES.
 iga_maybe_requeue() {
     local restarts=${SLURM_RESTART_COUNT:-0}
+    # training is over, and with it any stop it was asked for: the next run must not see it
+    if [[ -n ${IGA_OUTPUT_DIR:-} ]]; then rm -f "$IGA_OUTPUT_DIR/STOP"; fi
     if ((iga_requeue_requested == 0)); then
         return 0
     fi

@@ -291,8 +291,10 @@ def _current_user() -> str:
 
 
 # A stand-in that follows the trainer's contract (key=value overrides, output_dir, resume=auto,
-# SIGUSR1/SIGTERM -> checkpoint and exit 0) in a few lines, so the Slurm signal, requeue and resume
-# plumbing is tested on its own; the real trainer is tested the same way when it exists.
+# SIGUSR1/SIGTERM or output_dir/STOP -> checkpoint and exit 0) in a few lines, so the Slurm signal,
+# requeue and resume plumbing is tested on its own; the real trainer is tested the same way.
+# ignore_usr1=1 makes it a rank whose SIGUSR1 handler is gone (the stop file must reach it);
+# watch_stop_file=0 one that sees only signals (the signal must reach it).
 CONTRACT_TRAINER = r'''
 import json, os, signal, sys, time
 from iga_ds.launch.ranks import resolve_dist_env
@@ -305,19 +307,24 @@ env = resolve_dist_env()
 os.makedirs(out, exist_ok=True)
 ckpt = os.path.join(out, f"checkpoint-rank{env.rank}.json")
 stop = []
-signal.signal(signal.SIGUSR1, lambda *_: stop.append("USR1"))
-signal.signal(signal.SIGTERM, lambda *_: stop.append("TERM"))
+if args.get("ignore_usr1") == "1":
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+else:
+    signal.signal(signal.SIGUSR1, lambda *_: stop.append("SIGUSR1"))
+signal.signal(signal.SIGTERM, lambda *_: stop.append("SIGTERM"))
 step = 0
 if args.get("resume") == "auto" and os.path.exists(ckpt):
     step = json.load(open(ckpt))["step"]
     print(f"rank {env.rank}: resumed at step {step}", flush=True)
 print(f"rank {env.rank}/{env.world_size} via {env.source}: starting at step {step}", flush=True)
 while step < max_steps:
+    if not stop and args.get("watch_stop_file") != "0" and os.path.exists(os.path.join(out, "STOP")):
+        stop.append("stop file")
     if stop:
         tmp = ckpt + ".tmp"
         json.dump({"step": step}, open(tmp, "w"))
         os.replace(tmp, ckpt)
-        print(f"rank {env.rank}: SIG{stop[0]} -> checkpoint at step {step}, exiting", flush=True)
+        print(f"rank {env.rank}: {stop[0]} -> checkpoint at step {step}, exiting", flush=True)
         sys.exit(0)
     time.sleep(step_seconds)
     step += 1

@@ -65,7 +65,9 @@ def test_requeue_resumes_without_loss_or_duplication(local_slurm, tmp_path):
     trainer = tmp_path / "contract_trainer.py"
     trainer.write_text(CONTRACT_TRAINER)
     out = tmp_path / "out"
-    job = submit(local_slurm, tmp_path, "max_steps=30", "step_seconds=0.5", IGA_TRAIN_SCRIPT=str(trainer))
+    # signals only: this test is about their way from Slurm to the ranks
+    job = submit(local_slurm, tmp_path, "max_steps=30", "step_seconds=0.5", "watch_stop_file=0",
+                 IGA_TRAIN_SCRIPT=str(trainer))
     state = signal_then_wait_for_completion(
         local_slurm, job, lambda: len(lines(out / "steps-rank1.log")) >= 3, timeout=240)
     batch_log = (tmp_path / f"iga-cpu-{job}.out").read_text()
@@ -81,6 +83,25 @@ def test_requeue_resumes_without_loss_or_duplication(local_slurm, tmp_path):
         assert len(resumed) == 1 and 1 <= resumed[0] < 30, log
         assert log.count(f"selfcheck rank {rank}/2") == 2  # selfcheck ran first in both runs
     assert (out / "adapter" / "adapter_config.json").is_file()
+
+
+def test_stop_file_reaches_ranks_that_ignore_the_signal(local_slurm, tmp_path):
+    """A rank whose SIGUSR1 handler is gone still stops: the trap writes output_dir/STOP, the job
+    requeues and resumes, every step runs once, and the file is gone afterwards."""
+    trainer = tmp_path / "contract_trainer.py"
+    trainer.write_text(CONTRACT_TRAINER)
+    out = tmp_path / "out"
+    job = submit(local_slurm, tmp_path, "max_steps=20", "step_seconds=0.5", "ignore_usr1=1",
+                 IGA_TRAIN_SCRIPT=str(trainer))
+    state = signal_then_wait_for_completion(
+        local_slurm, job, lambda: len(lines(out / "steps-rank1.log")) >= 3, timeout=240)
+    batch_log = (tmp_path / f"iga-cpu-{job}.out").read_text()
+    assert state == "COMPLETED", batch_log
+    for rank in (0, 1):
+        assert lines(out / f"steps-rank{rank}.log") == [str(s) for s in range(1, 21)]
+        log = (tmp_path / "logs" / f"iga-cpu-{job}.rank{rank}.out").read_text()
+        assert "stop file -> checkpoint at step" in log and "SIGUSR1 ->" not in log, log
+    assert not (out / "STOP").exists()
 
 
 def test_no_requeue_without_signal_and_max_requeues_respected(local_slurm, tmp_path):

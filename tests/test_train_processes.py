@@ -1,4 +1,5 @@
-"""Real processes: `iga-ds train` stopped by SIGTERM, and a 2-rank run resumed on 1 rank."""
+"""Real processes: `iga-ds train` stopped by SIGTERM, 2 ranks stopped by the stop file, and a
+2-rank run resumed on 1 rank."""
 from __future__ import annotations
 
 import json
@@ -83,6 +84,46 @@ def test_sigterm_saves_exits_zero_and_resumes(setup):
     assert _steps(out) == list(range(1, stopped_at + 3))
 
 
+def _two_ranks(cfg: Path, **popen):
+    port = str(_free_port())
+    return [
+        subprocess.Popen(
+            [sys.executable, str(REPO / "launch/train.py"), "--config", str(cfg)],
+            env=_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=port),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen,
+        )
+        for r in range(2)
+    ]
+
+
+@pytest.mark.timeout(240)
+def test_stop_file_stops_both_ranks_at_one_step_and_resume_completes(setup):
+    tmp, data, base = setup
+    over = {"data.groups_per_step": 2, "data.groups_per_micro_batch": 1}
+    cfg = _write_config(tmp, data, base, "stopfile", **over, **{"schedule.max_steps": 100000})
+    out = tmp / "stopfile"
+    procs = _two_ranks(cfg)
+    deadline = time.time() + 150
+    while len(_steps(out)) < 2 and time.time() < deadline and all(p.poll() is None for p in procs):
+        time.sleep(0.2)
+    (out / "STOP").write_text("")  # no signal to anyone
+    logs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+    stopped_at = _steps(out)[-1]
+    assert "stopping (stop file STOP)" in logs[0], logs[0][-2000:]
+    ckpt = out / "checkpoints" / f"step_{stopped_at:08d}"
+    assert (out / "checkpoints" / "latest").read_text().strip() == ckpt.name
+    assert len(list(ckpt.glob("*optim_states.pt"))) == 2  # both ranks saved the same step
+    assert not (out / "STOP").exists()
+    res = subprocess.run(
+        [str(REPO / ".venv/bin/iga-ds"), "train", "--config", str(cfg), f"schedule.max_steps={stopped_at + 2}"],
+        env=_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert _steps(out) == list(range(1, stopped_at + 3))
+
+
 @pytest.mark.timeout(240)
 def test_two_ranks_then_resume_on_one_matches_single_rank_run(setup):
     import torch
@@ -94,16 +135,7 @@ def test_two_ranks_then_resume_on_one_matches_single_rank_run(setup):
     tmp, data, base = setup
     over = {"schedule.max_steps": 4, "data.groups_per_step": 2, "data.groups_per_micro_batch": 1}
     cfg2 = _write_config(tmp, data, base, "ws", **over, **{"checkpoint.stop_at_step": 2})
-    port = str(_free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(REPO / "launch/train.py"), "--config", str(cfg2)],
-            env=_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=port),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for r in range(2)
-    ]
+    procs = _two_ranks(cfg2)
     logs = [p.communicate(timeout=200)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
     ckpt = tmp / "ws" / "checkpoints" / "step_00000002"

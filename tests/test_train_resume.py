@@ -69,6 +69,42 @@ def test_signal_then_resume_matches_uninterrupted_run(setup):
     assert _metric_steps(tmp / "cut") == list(range(1, steps + 1))
 
 
+def test_stop_file_stops_like_a_signal_and_is_removed(setup):
+    """`touch OUTPUT_DIR/STOP`: checkpoint at the next step boundary, the file removed; a stale
+    file from an earlier run is removed before training instead of stopping the new run."""
+    tmp, data, base = setup
+    out = tmp / "stopfile"
+    out.mkdir()
+    (out / "STOP").write_text("")  # left by an earlier run
+
+    def request_stop(step, record):
+        assert step != 1 or not (out / "STOP").exists()  # the stale file was gone before step 1
+        if step == 2:
+            (out / "STOP").write_text("")
+
+    first = _train(tmp, data, base, out, on_step_end=request_stop, **{"schedule.max_steps": 4})
+    assert first.status == "stopped" and first.step == 2
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    assert not (out / "STOP").exists()
+    second = _train(tmp, data, base, out, **{"schedule.max_steps": 4})
+    assert second.status == "completed" and second.step == 4
+    assert _metric_steps(out) == [1, 2, 3, 4]
+
+
+def test_stop_request_reason_names_what_asked(tmp_path):
+    from iga_ds.train.checkpoint import StopSignal
+
+    stop = StopSignal(tmp_path / "STOP")
+    assert not stop.requested() and stop.reason is None
+    (tmp_path / "STOP").write_text("")
+    assert stop.requested() and stop.reason == "stop file STOP"
+    stop.consume()
+    assert not (tmp_path / "STOP").exists()
+    stop.received = signal.SIGTERM
+    assert stop.requested() and stop.reason == "SIGTERM"
+    assert not StopSignal(None).requested()  # no file watched, no signal
+
+
 def test_checkpoints_are_pruned_and_exclude_frozen_weights(setup):
     tmp, data, base = setup
     out = tmp / "pruned"

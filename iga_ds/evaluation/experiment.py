@@ -710,7 +710,7 @@ def run_cell(grid: Grid, cell: Cell, out: Path, prepared: PreparedData, progress
     measured = launcher is None and reset_peak_memory(cuda)  # a launched run's memory is not ours to see
     trained = _train_with_launcher(launcher, run, cell_dir) if launcher else _train_in_process(cfg, progress)
     if not trained.completed:
-        raise UserError(f"cell {cell.name}: training stopped at step {trained.step} (a stop signal) before "
+        raise UserError(f"cell {cell.name}: training stopped at step {trained.step} (a stop request) before "
                         "the end; rerun the same command to run this cell again", exit_code=1)
     peak = peak_memory_gb(cuda) if measured else None
     _free_memory()

@@ -16,7 +16,11 @@ partitions with ``safe_set_full_optimizer_state``.
 
 SIGUSR1 and SIGTERM only raise a flag; the trainer checks it at the next step boundary (all
 ranks agree through one all-reduce), saves, and exits 0, so Slurm can requeue the job
-(``#SBATCH --signal=B:USR1@120`` and ``--requeue``).
+(``#SBATCH --signal=B:USR1@120`` and ``--requeue``). A file named ``STOP`` in the output
+folder asks the same without a signal (``touch OUTPUT_DIR/STOP``): it reaches ranks whose
+signal handler was replaced or whose signal got lost on the way, and the Slurm templates'
+USR1 trap writes it beside forwarding the signal. The run removes the file once its
+checkpoint is saved, and removes a file left over from an earlier run before it starts.
 """
 from __future__ import annotations
 
@@ -195,13 +199,19 @@ def load_checkpoint(engine, path: Path, rank: int) -> dict[str, Any]:
 # -- stop signals ----------------------------------------------------------------------------
 
 
+STOP_FILE = "STOP"  # in the output folder: a stop request that needs no signal
+
+
 class StopSignal:
-    """Remembers SIGUSR1/SIGTERM; ``requested()`` is collective so all ranks stop together."""
+    """Remembers SIGUSR1/SIGTERM and watches ``stop_file``; ``requested()`` is collective so all
+    ranks stop together, and ``reason`` says which request it was."""
 
     SIGNALS = tuple(s for s in (getattr(signal, "SIGUSR1", None), signal.SIGTERM) if s is not None)
 
-    def __init__(self):
+    def __init__(self, stop_file: str | Path | None = None):
         self.received: int | None = None
+        self.stop_file = Path(stop_file) if stop_file is not None else None
+        self.reason: str | None = None
         self._previous: dict[int, Any] = {}
 
     def install(self) -> "StopSignal":
@@ -220,13 +230,38 @@ class StopSignal:
             signal.signal(sig, handler)
         self._previous.clear()
 
+    def discard_stale(self) -> bool:
+        """Remove a stop file that predates this run (one rank, before any rank can look);
+        True when there was one."""
+        if self.stop_file is None or not self.stop_file.is_file():
+            return False
+        self.stop_file.unlink(missing_ok=True)
+        return True
+
+    def consume(self) -> None:
+        """Remove the stop file once the stop it asked for is done (one rank, after the
+        collective check: every rank has read it by then)."""
+        if self.stop_file is not None:
+            self.stop_file.unlink(missing_ok=True)
+
     def requested(self, device=None) -> bool:
         import torch
         import torch.distributed as dist
 
-        flag = self.received is not None
+        # [signal seen, stop file seen]: a rank whose signal never arrived, or that cannot
+        # see the file, still stops with the others
+        seen = torch.tensor([float(self.received is not None),
+                             float(self.stop_file is not None and self.stop_file.is_file())])
         if dist.is_initialized() and dist.get_world_size() > 1:
-            t = torch.tensor([1.0 if flag else 0.0], device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flag = bool(t.item() > 0)
-        return flag
+            seen = seen.to(device)
+            dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+            seen = seen.cpu()
+        by_signal, by_file = (bool(x > 0) for x in seen.tolist())
+        if by_signal or by_file:
+            names = []
+            if by_signal:
+                names.append(signal.Signals(self.received).name if self.received is not None else "a signal")
+            if by_file:
+                names.append(f"stop file {self.stop_file.name}")
+            self.reason = " and ".join(names)
+        return by_signal or by_file

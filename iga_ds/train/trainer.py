@@ -39,7 +39,7 @@ class DistEnv:
 
 @dataclass
 class TrainResult:
-    status: str  # "completed" or "stopped" (a signal asked to stop; a checkpoint was saved)
+    status: str  # "completed" or "stopped" (a signal or the stop file asked to stop; a checkpoint was saved)
     step: int
     total_steps: int
     output_dir: Path
@@ -239,7 +239,7 @@ class Trainer:
         from iga_ds.train.batching import (GroupSampler, check_batch_layout, collate, complete_groups, read_records,
                                            unknown_words)
         from iga_ds.train.batching import sequence_losses
-        from iga_ds.train.checkpoint import StopSignal, load_checkpoint, resolve_resume, save_checkpoint
+        from iga_ds.train.checkpoint import STOP_FILE, StopSignal, load_checkpoint, resolve_resume, save_checkpoint
         from iga_ds.train.model import add_lora, load_base_model, load_tokenizer
         from iga_ds.train.optim import GroupStepAdamW, lr_lambda
 
@@ -296,8 +296,13 @@ class Trainer:
             client = load_checkpoint(engine, resume_from, dist.rank)
             start_step = int(client.get("step", 0))
             self._print(f"resumed from {resume_from} at step {start_step}")
+        stop = StopSignal(out / STOP_FILE)
         if dist.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
+            # before step 1, whose collectives no other rank passes without this one: no rank
+            # can read a request meant for an earlier run
+            if stop.discard_stale():
+                self._print(f"removed {out / STOP_FILE}, a stop request left by an earlier run")
             self._write_resolved_config(out, ds_dict, iga, base_dir, dist, total_steps, n_trainable, n_total)
             truncate_metrics(out / "metrics.jsonl", start_step)
         self._print(
@@ -307,7 +312,7 @@ class Trainer:
 
         writer = self._tensorboard(out, start_step) if dist.rank == 0 else None
         metrics_file = (out / "metrics.jsonl").open("a", encoding="utf-8") if dist.rank == 0 else None
-        stop = StopSignal().install()
+        stop.install()
         from tqdm.auto import tqdm
 
         bar = tqdm(
@@ -376,9 +381,12 @@ class Trainer:
                     save_checkpoint(
                         engine, ckpt_dir, step, client_state(step), dist.rank, cfg.checkpoint.keep_last, save_adapter
                     )
+                if stopping and stop.reason is not None and dist.rank == 0:
+                    stop.consume()  # done: the next run must not stop on it
                 if stopping and step < total_steps:
                     status = "stopped"
-                    self._print(f"stopping: checkpoint saved at step {step}; rerun with resume: auto to continue")
+                    why = stop.reason or "checkpoint.stop_at_step"
+                    self._print(f"stopping ({why}): checkpoint saved at step {step}; rerun with resume: auto to continue")
                     break
         finally:
             stop.uninstall()
