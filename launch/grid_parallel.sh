@@ -5,9 +5,9 @@
 #
 # Each cell is exactly what the sequential command runs for it
 # (`iga-ds experiment --grid GRID --out OUT --only CELL`), so results do not depend on how many
-# run at once. The first unfinished cell runs alone (it prepares the data and builds the tiny
-# base on a cache miss); the rest run JOBS at a time, one CPU thread each, round-robin over the
-# visible GPUs (CPU only when there are none). Logs: OUT/logs/CELL.log. Rerun the same line to
+# run at once. First `--prepare` makes what the cells share (the data; each built-in tiny base,
+# pretrained on a GPU when there is one); then the cells run JOBS at a time, one CPU thread
+# each, round-robin over the visible GPUs (CPU only when there are none). Logs: OUT/logs/CELL.log. Rerun the same line to
 # resume after a kill: finished cells are skipped, killed ones rerun. NO_REPORT=1 skips the
 # report; IGA_DS_CLI overrides the command (default: iga-ds).
 set -euo pipefail
@@ -27,16 +27,18 @@ mkdir -p "$out/logs"
 mapfile -t todo < <(pending)
 echo "grid_parallel: ${#todo[@]} cells to run, $jobs at a time"
 if ((${#todo[@]} > 0)); then
-  "${cli[@]}" experiment --grid "$grid" --out "$out" --only "${todo[0]}" --no-report --no-progress \
-    > "$out/logs/${todo[0]}.log" 2>&1 || { tail -n 20 "$out/logs/${todo[0]}.log" >&2; exit 1; }
-  echo "grid_parallel: ${todo[0]} done"
+  # every core for it: pretraining a base on the CPU is one process's work
+  env -u OMP_NUM_THREADS -u MKL_NUM_THREADS "${cli[@]}" experiment --grid "$grid" --out "$out" --prepare \
+    --no-progress > "$out/logs/prepare.log" 2>&1 \
+    || { tail -n 20 "$out/logs/prepare.log" >&2; exit 1; }
+  echo "grid_parallel: data and bases ready"
 fi
 ngpu=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
 export grid out ngpu
 export IGA_DS_CLI_WORDS="${cli[*]}"
 status=0
 # shellcheck disable=SC2016  # the script is expanded by the bash that xargs starts
-pending | awk '{print NR - 1, $1}' | xargs -P "$jobs" -L 1 bash -c '
+pending | awk '{print NR - 1, $1}' | xargs -r -P "$jobs" -L 1 bash -c '
   i=$0 cell=$1
   read -r -a cli <<< "$IGA_DS_CLI_WORDS"
   if ((ngpu > 0)); then export CUDA_VISIBLE_DEVICES=$((i % ngpu)); fi

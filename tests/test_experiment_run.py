@@ -126,3 +126,80 @@ def test_launcher_trains_a_cell_on_two_processes(tmp_path, monkeypatch, capsys):
     assert info["num_devices"] == 2 and info["steps"] == 2 and info["peak_mem_gb"] is None
     assert (out / "iga-s0" / "run.yaml").is_file() and (out / "iga-s0" / "eval" / "synthetic.json").is_file()
     assert "[1/1] iga-s0: done in" in capsys.readouterr().out
+
+
+def _builtin_tiny_grid(path: Path, tiny: dict) -> Path:
+    """Two cells on the built-in tiny base: `iga` on the grid's shape, `longer_base` on a shape
+    pretrained one step further (so the grid needs two bases)."""
+    shape = json.dumps({**tiny, "corpus_groups": 10})
+    path.write_text(textwrap.dedent(f"""\
+        train:
+          model: {{name_or_path: "builtin:tiny", tiny: {shape}}}
+          lora: {{r: 2, alpha: 4}}
+          data: {{groups_per_step: 2, groups_per_micro_batch: 2, max_length: 192}}
+          schedule: {{max_steps: 2}}
+          logging: {{tensorboard: false, progress: false}}
+        data:
+          synthetic: {{groups: 30, seed: 2, shortcut: 0.9, id_groups: 1, ood_groups: 1}}
+        eval: {{max_new_tokens: 8, batch_size: 8, dtype: float32, lcs: false}}
+        seeds: [0]
+        methods:
+          iga: {{}}
+        ablations:
+          longer_base: {{method: iga, train: {{model: {{tiny: {{steps: {tiny["steps"] + 1}}}}}}}}}
+        """))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_prepare_makes_the_data_and_every_base_once_and_trains_nothing(tmp_path, monkeypatch, capsys):
+    from iga_ds.cli import main
+    from tiny_models import SHRUNK_TINY_BASE
+
+    monkeypatch.setenv("IGA_DS_CACHE", str(tmp_path / "cache"))
+    grid = _builtin_tiny_grid(tmp_path / "grid.yaml", SHRUNK_TINY_BASE)
+    out = tmp_path / "out"
+    args = ["experiment", "--grid", str(grid), "--out", str(out), "--prepare", "--no-progress"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert first.count("pretraining from scratch") == 2 and first.count("tiny base ready:") == 2
+    assert (out / "data" / "prepared.json").is_file()
+    assert len([p for p in (tmp_path / "cache" / "tiny-base").iterdir() if p.is_dir()]) == 2
+    assert not any(out.glob("*/cell.json")) and not (out / "iga-s0").exists()
+    assert main(args) == 0  # everything cached: nothing is built again
+    again = capsys.readouterr().out
+    assert "pretraining from scratch" not in again and again.count("tiny base ready:") == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_grid_parallel_prepares_then_runs_cells_side_by_side_and_reports(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tiny_models import SHRUNK_TINY_BASE
+
+    repo = Path(__file__).resolve().parents[1]
+    grid = _builtin_tiny_grid(tmp_path / "grid.yaml", SHRUNK_TINY_BASE)
+    out = tmp_path / "out"
+    env = dict(os.environ, IGA_DS_CACHE=str(tmp_path / "cache"), IGA_DS_CLI=f"{sys.executable} -m iga_ds",
+               DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(["bash", str(repo / "launch/grid_parallel.sh"), str(grid), str(out), "2"], cwd=repo,
+                          env=env, capture_output=True, text=True, timeout=380)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "grid_parallel: 2 cells to run, 2 at a time" in proc.stdout
+    assert "data and bases ready" in proc.stdout
+    prepare_log = (out / "logs" / "prepare.log").read_text()
+    assert prepare_log.count("pretraining from scratch") == 2
+    for cell in ("iga-s0", "longer_base-s0"):
+        assert json.loads((out / cell / "cell.json").read_text())["steps"] == 2
+    # the cells found the bases `--prepare` built: a cell whose base key differed would have
+    # pretrained (silently) a third one
+    assert len([p for p in (tmp_path / "cache" / "tiny-base").iterdir() if p.is_dir()]) == 2
+    assert (out / "report.md").is_file()
+    # rerun: nothing left to do
+    again = subprocess.run(["bash", str(repo / "launch/grid_parallel.sh"), str(grid), str(out), "2"], cwd=repo,
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "0 cells to run" in again.stdout, again.stdout + again.stderr

@@ -87,6 +87,9 @@ def register(subparsers: Any) -> None:
     exp.add_argument("--only", action="append", default=[], metavar="PATTERN",
                      help="run only cells whose name matches this glob, e.g. 'iga-*' or '*-s0' (repeatable)")
     exp.add_argument("--dry-run", action="store_true", help="list the cells and their state; run nothing")
+    exp.add_argument("--prepare", action="store_true",
+                     help="only prepare what the cells share (the data, the built-in tiny bases), then exit: "
+                     "the first step of running cells in parallel processes")
     exp.add_argument("--launcher", metavar="COMMAND",
                      help="train each cell through this launcher on several devices, e.g. 'deepspeed --num_gpus 8' "
                      "or 'torchrun --nproc_per_node 4' (default: in this process, one device)")
@@ -215,6 +218,11 @@ def run_experiment(args: argparse.Namespace) -> int:
             v = cell.variant
             print(f"{cell.name:<28} {cell_status(grid, cell, Path(args.out)):<8} {v.kind:<9} method {v.method}")
         print(f"{len(cells)} cells")
+        return 0
+    if args.prepare:
+        from iga_ds.evaluation.experiment import prepare_grid
+
+        prepare_grid(grid, args.out, progress=not args.no_progress)
         return 0
     run_grid(grid, args.out, only=args.only, progress=not args.no_progress, report=not args.no_report,
              launcher=args.launcher)

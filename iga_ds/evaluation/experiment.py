@@ -508,6 +508,29 @@ def prepare_data(grid: Grid, out: Path, log: Callable[[str], None] = print) -> P
                         str(folder / "fit_neutral.jsonl"))
 
 
+def prepare_grid(grid: Grid, out: str | Path, progress: bool = True,
+                 log: Callable[[str], None] = print) -> PreparedData:
+    """The work the cells share, done once: the data, and every built-in tiny base a cell trains
+    on (pretrained and cached). Parallel runners call this first, so that no cell pretrains a
+    base while the others race it for the same cache folder."""
+    from iga_ds.train.config import BUILTIN_TINY, config_from_dict
+    from iga_ds.train.model import TinyBaseConfig
+    from iga_ds.train.pretrain import default_tiny_base
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    prepared = prepare_data(grid, out, log)
+    shapes: dict[str, dict[str, Any]] = {}
+    for cell in grid.cells():
+        cfg = config_from_dict(cell_run_dict(grid, cell, out / cell.name, prepared.train, out))
+        if cfg.model.name_or_path == BUILTIN_TINY:
+            shapes.setdefault(json.dumps(cfg.model.tiny or {}, sort_keys=True), cfg.model.tiny or {})
+    for tiny in shapes.values():
+        folder = default_tiny_base(TinyBaseConfig(**tiny) if tiny else None, progress=progress, log=log)
+        log(f"tiny base ready: {folder}")
+    return prepared
+
+
 def cell_data(grid: Grid, cell: Cell, prepared: PreparedData, cell_dir: Path) -> tuple[str, list[dict], list[dict]]:
     """(training file, ID records, OOD records) of a cell after its data transforms."""
     from iga_ds.data.splits import random_pairing, split_by_instance
