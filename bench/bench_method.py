@@ -14,12 +14,17 @@ Variants, all on the same random factors and per-domain gradients:
   reference the fast path must match;
 - ``batched_torch`` / ``batched_triton`` / ``batched_triton_tf32x3``:
   :func:`iga_ds.lora.fused.batched_iga` with the PyTorch tile pass / the Triton kernel in
-  true float32 / the Triton kernel with three-pass TF32 products (CUDA with Triton only).
+  true float32 / the Triton kernel with three-pass TF32 products (CUDA with Triton only);
+- ``single_pass_*``: the same with ``svd="single_pass"`` (both sketches taken in the tile pass,
+  the masked matrices never stored, no power iterations), checked against the per-module
+  reference of that algorithm.
 
 Timing: CUDA events (``perf_counter`` on CPU), warm-up runs, then the median of ``--reps``.
 Accuracy: relative error of ``s * gB_new @ gA_new`` of each batched variant against the
-float32 per-module reference (same Gaussian sketches), and of both against float64 on a few
-modules, so the tolerance reached can be read against float32's own rounding.
+float32 per-module reference of its algorithm (same Gaussian sketches), and of both against
+float64 on a few modules, so the tolerance reached can be read against float32's own rounding.
+Quality of the two algorithms: on the same few modules in float64, the error of each rank-r
+result against the masked matrix, over the error of its exact rank-r truncation (1 is optimal).
 """
 from __future__ import annotations
 
@@ -99,10 +104,11 @@ def build_variants(modules, args, device):
     def per_module():
         return [(u.gA, u.gB) for u in method.combine(modules, step)]
 
-    def batched(use_triton, precision="ieee"):
+    def batched(use_triton, precision="ieee", svd="randomized"):
         def run():
             gens = [module_generator(0, step, m.index, device) for m in modules]
-            out = batched_iga(modules, generators=gens, use_triton=use_triton, triton_precision=precision, **params)
+            out = batched_iga(modules, generators=gens, use_triton=use_triton, triton_precision=precision, svd=svd,
+                              **params)
             return [(a, b) for a, b, _ in out]
         return run
 
@@ -111,11 +117,47 @@ def build_variants(modules, args, device):
         variants = {"naive": lambda: naive(modules, **params), **variants}
     from iga_ds.lora import triton_kernels
 
-    if device.type == "cuda" and triton_kernels.available():
+    triton_ok = device.type == "cuda" and triton_kernels.available()
+    if triton_ok:
         variants["batched_triton"] = batched(True)
         variants["batched_triton_tf32x3"] = batched(True, "tf32x3")
         variants["batched_triton_tf32"] = batched(True, "tf32")
+    variants["single_pass_torch"] = batched(False, svd="single_pass")
+    if triton_ok:
+        variants["single_pass_triton"] = batched(True, svd="single_pass")
+        variants["single_pass_triton_tf32x3"] = batched(True, "tf32x3", svd="single_pass")
+        variants["single_pass_triton_tf32"] = batched(True, "tf32", svd="single_pass")
     return variants
+
+
+def single_pass_reference(modules, args):
+    """The per-module reference of ``svd="single_pass"`` (what the single_pass_* variants must match)."""
+    params = dict(tau=args.tau, normalize=args.normalize, oversample=args.oversample, power_iters=args.power_iters)
+    method = get_method("iga", seed=0, implementation="reference", factors="split", svd="single_pass", **params)
+    return [(u.gA, u.gB) for u in method.combine(modules, 1)]
+
+
+def approximation_quality(modules, args, count: int) -> dict:
+    """float64, first ``count`` modules: ||M - result|| / ||M - M_r|| for each algorithm, where M
+    is the masked matrix and M_r its exact rank-r truncation (1.0 is the best possible)."""
+    from iga_ds.methods.iga import iga_update, mean_and_variance
+
+    out: dict = {"modules": count}
+    for name in ("randomized", "single_pass"):
+        out[name] = []
+    for m in modules[:count]:
+        A, B, gA, gB = (t.double() for t in (m.A, m.B, m.gA, m.gB))
+        mean, var = mean_and_variance(A, B, gA, gB, m.scaling)
+        masked = mean * torch.exp(-args.tau * normalize_variance(var, mean, args.normalize))
+        S = torch.linalg.svdvals(masked)
+        optimal = float(S[args.rank:].pow(2).sum().sqrt())
+        for name in ("randomized", "single_pass"):
+            gen = module_generator(0, 1, m.index, masked.device)
+            a, b, _ = iga_update(A, B, gA, gB, scaling=m.scaling, tau=args.tau, normalize=args.normalize, svd=name,
+                                 oversample=args.oversample, power_iters=args.power_iters, generator=gen)
+            err = float((masked - m.scaling * b @ a).norm())
+            out[name].append(err / optimal if optimal > 0 else 1.0)
+    return out
 
 
 def time_it(fn, device, warmup: int, reps: int) -> list[float]:
@@ -243,11 +285,12 @@ def main(argv=None) -> int:
     print(f"{len(modules)} LoRA modules, r={args.rank}, N={args.domains}, tau={args.tau}, "
           f"normalize={args.normalize}, device {environment(device)['card']}", flush=True)
 
-    reference = variants["per_module"]()
+    references = {"randomized": variants["per_module"](), "single_pass": single_pass_reference(modules, args)}
     rows = {}
     for name, fn in variants.items():
         times = time_it(fn, device, args.warmup, args.reps)
-        errs = product_errors(fn(), reference, modules)
+        errs = product_errors(fn(), references["single_pass" if name.startswith("single_pass") else "randomized"],
+                              modules)
         rows[name] = {
             "median_ms": statistics.median(times),
             "p10_ms": sorted(times)[len(times) // 10],
@@ -258,8 +301,9 @@ def main(argv=None) -> int:
         }
         print(f"  {name}: {rows[name]['median_ms']:.2f} ms", flush=True)
     check64 = float64_check(modules, args, device, min(args.f64_modules, len(modules))) if args.f64_modules else None
+    quality = approximation_quality(modules, args, min(args.f64_modules, len(modules))) if args.f64_modules else None
 
-    batched = [k for k in rows if k.startswith("batched")]
+    batched = [k for k in rows if k.startswith(("batched", "single_pass"))]
     tolerance = {k: args.tol_tf32 if k.endswith("_tf32") else args.tol for k in batched}
     reached = max(rows[k]["max_rel_err_vs_f32_reference"] for k in batched if not k.endswith("_tf32"))
     missed = [k for k in batched if rows[k]["max_rel_err_vs_f32_reference"] > tolerance[k]]
@@ -267,21 +311,25 @@ def main(argv=None) -> int:
     base = rows.get("naive", rows["per_module"])["median_ms"]
     print()
     print(f"card: {env['card']} | torch {env['torch']} | CUDA {env['cuda']} | triton {env['triton']}")
-    print(f"{'variant':<16}{'median ms':>11}{'p10':>9}{'p90':>9}{'peak MiB':>10}{'speed-up':>10}{'max rel err':>13}")
+    print(f"{'variant':<26}{'median ms':>11}{'p10':>9}{'p90':>9}{'peak MiB':>10}{'speed-up':>10}{'max rel err':>13}")
     for name, row in rows.items():
         mib = "-" if row["peak_extra_mib"] is None else f"{row['peak_extra_mib']:.0f}"
         note = "  (other sketch)" if name == "naive" else ""
-        print(f"{name:<16}{row['median_ms']:>11.2f}{row['p10_ms']:>9.2f}{row['p90_ms']:>9.2f}{mib:>10}"
+        print(f"{name:<26}{row['median_ms']:>11.2f}{row['p10_ms']:>9.2f}{row['p90_ms']:>9.2f}{mib:>10}"
               f"{base / row['median_ms']:>9.1f}x{row['max_rel_err_vs_f32_reference']:>13.1e}{note}")
     if check64:
         print(f"against float64 on {check64['modules']} modules: per_module f32 {check64['per_module_f32_vs_f64_max']:.1e}, "
               f"batched_torch f32 {check64['batched_torch_f32_vs_f64_max']:.1e}")
+    if quality:
+        print(f"rank-{args.rank} error over the optimal one, float64, {quality['modules']} modules: " + ", ".join(
+            f"{name} {min(quality[name]):.4f}-{max(quality[name]):.4f}" for name in ("randomized", "single_pass")))
     ok = not missed
     print(f"float32 batched vs float32 reference: max relative error {reached:.1e} (tolerance {args.tol:g}); "
           f"TF32 tolerance {args.tol_tf32:g}: " + ("all within" if ok else "EXCEEDED by " + ", ".join(missed)))
     report = {"env": env, "settings": {k: v for k, v in vars(args).items() if k != "out"},
               "modules": len(modules), "shapes": sorted({(d_in, d_out) for _, d_in, d_out in shapes}),
-              "variants": rows, "float64_check": check64, "tolerance": args.tol, "tolerance_tf32": args.tol_tf32,
+              "variants": rows, "float64_check": check64, "approximation_quality": quality,
+              "tolerance": args.tol, "tolerance_tf32": args.tol_tf32,
               "max_rel_err": reached, "within_tolerance": ok, "missed_tolerance": missed}
     from iga_ds.utils_io import atomic_write_json
 

@@ -36,7 +36,8 @@ def generators(modules, base=100):
 
 
 def reference(m, base=100, **kw):
-    return iga_update(m.A, m.B, m.gA, m.gB, scaling=m.scaling, svd="randomized",
+    kw.setdefault("svd", "randomized")
+    return iga_update(m.A, m.B, m.gA, m.gB, scaling=m.scaling,
                       generator=torch.Generator().manual_seed(base + m.index), **kw)
 
 
@@ -48,14 +49,14 @@ def rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
-def assert_matches_reference(modules, results, dtype, **kw):
+def assert_matches_reference(modules, results, dtype, loosen=1.0, **kw):
     for m, (gA, gB, stats) in zip(modules, results):
         gA_ref, gB_ref, stats_ref = reference(m, **kw)
         assert gA.shape == m.A.shape and gB.shape == m.B.shape and gA.dtype == m.A.dtype
-        assert rel(product(gA, gB, m.scaling), product(gA_ref, gB_ref, m.scaling)) < TOL[dtype], m.name
+        assert rel(product(gA, gB, m.scaling), product(gA_ref, gB_ref, m.scaling)) < loosen * TOL[dtype], m.name
         # the factors themselves (what AdamW sees), not only their product: signs must agree
-        assert rel(gA.double(), gA_ref.double()) < FACTOR_TOL[dtype], m.name
-        assert rel(gB.double(), gB_ref.double()) < FACTOR_TOL[dtype], m.name
+        assert rel(gA.double(), gA_ref.double()) < loosen * FACTOR_TOL[dtype], m.name
+        assert rel(gB.double(), gB_ref.double()) < loosen * FACTOR_TOL[dtype], m.name
         for key in ("mask_mean", "mask_min", "gir", "energy_kept"):
             assert stats[key] == pytest.approx(stats_ref[key], rel=STAT_TOL[dtype], abs=1e-300), key
         # the reference averages the indicator in float32: compare with its rounding
@@ -72,6 +73,44 @@ def test_matches_iga_update(dtype, normalize, tau, shape):
     assert_matches_reference(mods, out, dtype, tau=tau, normalize=normalize)
     # the mask acts in these settings, so the comparison is not of an unmasked mean
     assert all(s["mask_mean"] < 0.99 for _, _, s in out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("normalize,tau", [("mean", 0.5), ("snr", 0.5)])
+@pytest.mark.parametrize("shape", [(4, 48, 40), (2, 33, 17), (8, 24, 64)])
+def test_single_pass_matches_iga_update(dtype, normalize, tau, shape):
+    """Both sketches taken in the tile pass, the masked matrix never stored, small row tiles:
+    the reference's single_pass_svd on the whole masked matrix gives the same factors."""
+    r, d_in, d_out = shape
+    mods = [make_module(i, r=r, d_in=d_in, d_out=d_out, dtype=dtype) for i in range(3)]
+    out = batched_iga(mods, tau=tau, normalize=normalize, generators=generators(mods), svd="single_pass",
+                      tile_elements=3 * 7 * d_in)
+    # float32: the reference solves its least squares in float32 (the fused path in float64);
+    # observed worst 2.5e-5 on the factors
+    assert_matches_reference(mods, out, dtype, loosen=2.5 if dtype == torch.float32 else 1.0,
+                             tau=tau, normalize=normalize, svd="single_pass")
+    randomized = batched_iga(mods, tau=tau, normalize=normalize, generators=generators(mods))
+    # not the randomized path under another name: same sketch omega, a different answer
+    assert any(rel(product(a[0], a[1], 1.0), product(b[0], b[1], 1.0)) > 1e-3 for a, b in zip(out, randomized))
+
+
+def test_single_pass_stores_no_masked_matrix(monkeypatch):
+    from iga_ds.lora import fused
+
+    mods = [make_module(i, r=4, d_in=48, d_out=40) for i in range(2)]
+    allocated = []
+    real_empty = torch.empty
+
+    def spy(*shape, **kw):
+        allocated.append(tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape)
+        return real_empty(*shape, **kw)
+
+    monkeypatch.setattr(fused.torch, "empty", spy)
+    batched_iga(mods, generators=generators(mods), svd="single_pass")
+    assert (2, 40, 48) not in allocated  # M x out x in: the stored masked matrices
+    allocated.clear()
+    batched_iga(mods, generators=generators(mods))
+    assert (2, 40, 48) in allocated  # the randomized path does store them (the spy sees it)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -144,12 +183,13 @@ def test_low_precision_inputs_come_back_in_their_dtype():
     assert torch.isfinite(gA32.float()).all()
 
 
-@pytest.mark.parametrize("factors", ["chain_rule", "split"])
+@pytest.mark.parametrize("factors,svd", [("chain_rule", "randomized"), ("split", "randomized"),
+                                         ("chain_rule", "single_pass")])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_fused_method_equals_registered_iga(factors, dtype):
+def test_fused_method_equals_registered_iga(factors, svd, dtype):
     # the fused path maps factors on the whole stack; the reference maps module by module
     mods = [make_module(i, dtype=dtype, scaling=1.0 + 0.5 * i) for i in range(4)]
-    params = dict(tau=0.5, normalize="snr", seed=3, factors=factors)
+    params = dict(tau=0.5, normalize="snr", seed=3, factors=factors, svd=svd)
     ref = get_method("iga", implementation="reference", **params).combine(mods, step=5)
     got = get_method("iga", implementation="fused", **params).combine(mods, step=5)
     for a, b, m in zip(got, ref, mods):
@@ -169,6 +209,8 @@ def test_bad_input_is_refused():
         batched_iga([m], rank=9, generators=generators([m]))
     with pytest.raises(ValueError, match="factors"):
         batched_iga([m], factors="transpose", generators=generators([m]))
+    with pytest.raises(ValueError, match="fused forms"):
+        batched_iga([m], svd="exact", generators=generators([m]))
     bad = ModuleGrads("bad", 0, m.A, m.B, m.gA[:, :, :-1], m.gB, 2.0)
     with pytest.raises(ValueError, match="bad: shapes disagree"):
         batched_iga([bad], generators=generators([bad]))
@@ -217,7 +259,7 @@ def test_cuda_peak_memory_is_one_matrix_per_module_not_n():
 
 
 def _triton_tile_pass_matches_torch() -> None:
-    """Run under TRITON_INTERPRET=1 (CPU): the kernel's tile pass against the PyTorch one."""
+    """Run under TRITON_INTERPRET=1 (CPU): the kernels' tile passes against the PyTorch one."""
     from iga_ds.lora import fused, triton_kernels
 
     cases = [("none", 1e8, "ieee", (4, 48, 40)), ("mean", 0.5, "ieee", (2, 33, 17)),
@@ -235,6 +277,17 @@ def _triton_tile_pass_matches_torch() -> None:
         for key in ref[2]:
             torch.testing.assert_close(got[2][key], ref[2][key], rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(got[3], ref[3], rtol=1e-5, atol=0)
+        # the sketching kernel (single pass): both sketches, summed over per-tile slots; a tiny
+        # partial_bytes sends the modules through one at a time
+        psi = torch.randn(2, 21, d_out, generator=torch.Generator().manual_seed(1))
+        ref = fused._tile_pass_torch(*factors, omega, tile_elements=1 << 20, psi=psi, **kw)
+        for partial_bytes in (1 << 30, 1):
+            got = triton_kernels.tile_pass_triton(*factors, omega, psi=psi, block_m=32, block_n=32,
+                                                  precision=precision, partial_bytes=partial_bytes, **kw)
+            assert rel(got[0], ref[0]) < 1e-6 and rel(got[1], ref[1]) < 1e-6, (normalize, r, "sketch")
+            for key in ref[2]:
+                torch.testing.assert_close(got[2][key], ref[2][key], rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(got[3], ref[3], rtol=1e-5, atol=0)
 
 
 @pytest.mark.slow
@@ -260,8 +313,12 @@ def test_bench_method_small_runs_on_cpu(tmp_path):
                            "--warmup", "0", "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert set(report["variants"]) >= {"naive", "per_module", "batched_torch"}
+    assert set(report["variants"]) >= {"naive", "per_module", "batched_torch", "single_pass_torch"}
     assert report["within_tolerance"] and report["max_rel_err"] < 1e-4
+    # each algorithm's rank-r error over the optimal one: never below 1 (that would be a bug)
+    quality = report["approximation_quality"]
+    assert quality["modules"] == 4 and all(len(quality[k]) == 4 for k in ("randomized", "single_pass"))
+    assert all(x >= 1 - 1e-9 for k in ("randomized", "single_pass") for x in quality[k])
     assert "batched_torch" in proc.stdout and "tolerance" in proc.stdout
 
 

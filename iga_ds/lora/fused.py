@@ -15,6 +15,9 @@ projection), computed differently:
   Tropp, SIAM Review 2011, Alg. 4.4) is taken inside the tile pass; omega is drawn from each
   module's own generator exactly as :func:`iga_ds.lora.rsvd.randomized_svd` draws it, so
   both paths agree up to float rounding.
+- With ``svd="single_pass"`` (:func:`iga_ds.lora.rsvd.single_pass_svd`) the tile pass also
+  takes the co-range sketch ``W = psi @ masked`` and the masked matrix is not stored at all:
+  no pass over it after the tile pass, and no out x in matrix per module in memory.
 
 On CUDA, the tile pass can run as one Triton kernel (:mod:`iga_ds.lora.triton_kernels`)
 when Triton is installed; everywhere else it is plain PyTorch, and this file is the
@@ -144,12 +147,18 @@ def _masked_tile(G, var, normalize, tau, mean_var, mean_sq, dtype):
 
 
 def _tile_pass_torch(left_mean, right_mean, left_dev, right_dev, omega, *, tau, normalize, mean_var,
-                     mean_sq, tile_elements):
-    """Masked matrices, first sketch and mask statistics, one row tile at a time."""
+                     mean_sq, tile_elements, psi=None):
+    """Masked matrices, first sketch and mask statistics, one row tile at a time.
+
+    With ``psi`` (M x l x out) the co-range sketch ``psi @ masked`` is accumulated tile by tile
+    and returned in place of the masked matrices, which are then never stored."""
     M, N, d_out, _ = left_dev.shape
     d_in = right_mean.shape[-1]
     dtype, device = right_mean.dtype, right_mean.device
-    masked = torch.empty(M, d_out, d_in, dtype=dtype, device=device)
+    if psi is None:
+        masked = torch.empty(M, d_out, d_in, dtype=dtype, device=device)
+    else:
+        co_sketch = torch.zeros(M, psi.shape[1], d_in, dtype=dtype, device=device)
     sketch = torch.empty(M, d_out, omega.shape[-1], dtype=dtype, device=device)
     acc = torch.zeros(4, M, dtype=torch.float64, device=device)  # mask sum, count below 0.5, sum of V, sum of g^2
     mask_min = torch.full((M,), math.inf, dtype=torch.float64, device=device)
@@ -167,9 +176,11 @@ def _tile_pass_torch(left_mean, right_mean, left_dev, right_dev, omega, *, tau, 
         acc[1] += (mask < 0.5).sum(dim=(1, 2)).double()
         acc[2] += var.sum(dim=(1, 2), dtype=torch.float64)
         mask_min = torch.minimum(mask_min, mask.amin(dim=(1, 2)).double())
-        tile = torch.mul(G, mask, out=masked[:, sl])
+        tile = torch.mul(G, mask, out=masked[:, sl] if psi is None else None)
         acc[3] += tile.pow(2).sum(dim=(1, 2), dtype=torch.float64)
         torch.bmm(tile, omega, out=sketch[:, sl])
+        if psi is not None:
+            co_sketch.baddbmm_(psi[:, :, sl], tile)
     numel = d_out * d_in
     stats = {
         "mask_mean": acc[0] / numel,
@@ -177,7 +188,7 @@ def _tile_pass_torch(left_mean, right_mean, left_dev, right_dev, omega, *, tau, 
         "mask_min": mask_min,
         "gir": acc[2],
     }
-    return masked, sketch, stats, acc[3]
+    return (masked if psi is None else co_sketch), sketch, stats, acc[3]
 
 
 def _canonical_signs(U: torch.Tensor, Vh: torch.Tensor):
@@ -249,24 +260,46 @@ def _finish_svd(masked, sketch, rank: int, power_iters: int, tf32: bool = False)
     return U, S, Vh
 
 
-def _draw_omega(generators, d_in: int, width: int, dtype, device) -> torch.Tensor:
-    """One Gaussian sketch per module, drawn as randomized_svd draws it (same generator, same call)."""
-    return torch.stack([
-        torch.randn(d_in, width, dtype=dtype, device=device, generator=g) for g in generators
-    ])
+def _finish_single_pass(sketch, co_sketch, psi, rank: int):
+    """Tropp et al. 2017 from both sketches: Q = orth(Y), X = (psi Q)^+ W, SVD of the small X.
+
+    psi Q (l x k, l = 2k + 1, Gaussian times orthonormal) is well conditioned, so the least
+    squares solve goes through its normal equations, in float64."""
+    Q = _orthonormalize(sketch)
+    P = psi.double() @ Q.double()  # M x l x k
+    gram = P.mT @ P
+    L, _ = torch.linalg.cholesky_ex(gram)
+    X = torch.cholesky_solve(P.mT @ co_sketch.double(), L)  # M x k x in
+    Ub, S, Vh = _small_svd(X, rank)
+    U = Q @ Ub.to(Q.dtype)
+    U, Vh = _canonical_signs(U, Vh.to(sketch.dtype))
+    return U, S.to(sketch.dtype), Vh
+
+
+def _draw_sketches(generators, d_in: int, width: int, dtype, device, d_out: int | None = None,
+                   co_width: int = 0):
+    """Gaussian test matrices per module, drawn as the reference draws them (same generator,
+    same calls, same order): omega (in x width), then psi (co_width x out) when co_width > 0."""
+    omegas, psis = [], []
+    for g in generators:
+        omegas.append(torch.randn(d_in, width, dtype=dtype, device=device, generator=g))
+        if co_width:
+            psis.append(torch.randn(co_width, d_out, dtype=dtype, device=device, generator=g))
+    return torch.stack(omegas), (torch.stack(psis) if co_width else None)
 
 
 def _run_stack(st: _Stack, *, tau, normalize, rank, oversample, power_iters, tile_elements, use_triton,
-               triton_precision):
+               triton_precision, svd):
     M, N, r, d_in = st.gA.shape
     d_out = st.B.shape[1]
     k = r if rank is None else int(rank)
     width = min(k + oversample, d_out, d_in)
+    co_width = min(2 * width + 1, d_out) if svd == "single_pass" else 0
     dtype, device = st.A.dtype, st.A.device
     left_mean, right_mean, left_dev, right_dev = _factors(st)
     mean_var, mean_sq = _mask_scale(left_mean, right_mean, left_dev, right_dev, d_out * d_in)
-    omega = _draw_omega(st.generators, d_in, width, dtype, device)
-    kwargs = dict(tau=tau, normalize=normalize, mean_var=mean_var, mean_sq=mean_sq)
+    omega, psi = _draw_sketches(st.generators, d_in, width, dtype, device, d_out, co_width)
+    kwargs = dict(tau=tau, normalize=normalize, mean_var=mean_var, mean_sq=mean_sq, psi=psi)
     if use_triton:
         from iga_ds.lora.triton_kernels import tile_pass_triton
 
@@ -275,7 +308,10 @@ def _run_stack(st: _Stack, *, tau, normalize, rank, oversample, power_iters, til
     else:
         masked, sketch, stats, energy_total = _tile_pass_torch(
             left_mean, right_mean, left_dev, right_dev, omega, tile_elements=tile_elements, **kwargs)
-    U, S, Vh = _finish_svd(masked, sketch, k, power_iters, tf32=use_triton and triton_precision == "tf32")
+    if psi is None:
+        U, S, Vh = _finish_svd(masked, sketch, k, power_iters, tf32=use_triton and triton_precision == "tf32")
+    else:  # `masked` holds the co-range sketch here
+        U, S, Vh = _finish_single_pass(sketch, masked, psi, k)
     del masked, sketch
     kept = S.double().pow(2).sum(dim=-1)
     stats["energy_kept"] = torch.where(energy_total > 0, kept / torch.where(energy_total > 0, energy_total, 1), 1.0)
@@ -303,12 +339,14 @@ def batched_iga(
     use_triton: bool | None = None,
     triton_precision: str = "ieee",
     factors: str = "split",
+    svd: str = "randomized",
 ) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, float]]]:
     """IGA (continuous mask, randomized SVD) for every module, in the order given.
 
     Returns one ``(gA_new, gB_new, stats)`` per module, as
-    :func:`iga_ds.methods.iga.iga_update` with ``svd="randomized"`` and the module's generator
-    would. Peak memory per module is one out x in matrix plus row-tile temporaries, not N.
+    :func:`iga_ds.methods.iga.iga_update` with the same ``svd`` and the module's generator
+    would. Peak memory per module is one out x in matrix plus row-tile temporaries, not N
+    (``single_pass``: the temporaries only).
     ``batch_bytes`` caps how many modules of one shape are stacked at once; ``tile_elements``
     caps a row tile's temporaries. ``use_triton``: None picks the Triton tile pass for float32
     CUDA tensors when Triton imports, False forces PyTorch; ``triton_precision`` is the
@@ -317,9 +355,13 @@ def batched_iga(
     computed in float32 and returned in their own dtype. ``factors``: ``split`` returns the
     SVD split as ``iga_update`` does; ``chain_rule`` maps it through
     :func:`iga_ds.methods.iga.chain_rule_factors` on the whole stack (one batched product
-    instead of one per module).
+    instead of one per module). ``svd``: ``randomized`` (power iterations over the stored masked
+    matrices) or ``single_pass`` (both sketches in the tile pass, nothing stored; as
+    :func:`iga_ds.lora.rsvd.single_pass_svd`).
     """
     _check(modules, generators, rank, normalize, tau)
+    if svd not in ("randomized", "single_pass"):
+        raise ValueError(f"svd must be 'randomized' or 'single_pass' (the fused forms), got {svd!r}")
     if factors not in FACTOR_MAPS:
         raise ValueError(f"factors must be one of {FACTOR_MAPS}, got {factors!r}")
     results: list = [None] * len(modules)
@@ -329,7 +371,7 @@ def batched_iga(
         gA_new, gB_new, stats = _run_stack(
             st, tau=float(tau), normalize=normalize, rank=rank, oversample=int(oversample),
             power_iters=int(power_iters), tile_elements=int(tile_elements), use_triton=triton_ok,
-            triton_precision=triton_precision,
+            triton_precision=triton_precision, svd=svd,
         )
         if factors == "chain_rule":
             gA_new, gB_new = chain_rule_factors(st.A, st.B, gA_new, gB_new, st.scaling.view(-1, 1, 1))

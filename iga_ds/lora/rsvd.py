@@ -1,4 +1,5 @@
-"""Truncated SVD, exact or randomized (Halko, Martinsson and Tropp, SIAM Review 2011).
+"""Truncated SVD: exact, randomized (Halko, Martinsson and Tropp, SIAM Review 2011), or
+single-pass (Tropp, Yurtsever, Udell and Cevher, SIAM J. Matrix Anal. Appl. 2017).
 
 Singular vectors are defined up to sign; both paths flip each pair (u_i, v_i) so that the
 largest-magnitude entry of u_i is positive, which makes factor gradients reproducible.
@@ -53,6 +54,40 @@ def randomized_svd(
     return U.to(M.dtype), S[:rank].to(M.dtype), Vh.to(M.dtype)
 
 
+def single_pass_svd(
+    M: torch.Tensor,
+    rank: int,
+    *,
+    oversample: int = 10,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank-`rank` SVD from one pass over M (Tropp et al. 2017, Algorithms 1, 3 and 7).
+
+    A range sketch Y = M Omega (width k = rank + oversample) and a co-range sketch
+    W = Psi M (l = 2k + 1 rows) are both taken in the same pass; then Q = orth(Y),
+    X = (Psi Q)^+ W and M ~ Q X, truncated through the SVD of the small X. Exact when
+    rank(M) <= k. No power iterations: the fused path never has to store M (it sketches
+    each tile as it is formed), at the price of a looser approximation when the spectrum
+    decays slowly. Omega is drawn first, then Psi, from ``generator``.
+    """
+    work = M.float() if M.dtype in _LOW_PRECISION else M
+    m, n = work.shape
+    width = min(rank + oversample, m, n)
+    co_width = min(2 * width + 1, m)
+    omega = torch.randn(n, width, dtype=work.dtype, device=work.device, generator=generator)
+    psi = torch.randn(co_width, m, dtype=work.dtype, device=work.device, generator=generator)
+    Y, W = work @ omega, psi @ work
+    Q, _ = torch.linalg.qr(Y)
+    X = torch.linalg.lstsq(psi @ Q, W).solution  # width x n
+    Ub, S, Vh = torch.linalg.svd(X, full_matrices=False)
+    U = Q @ Ub[:, :rank]
+    U, Vh = _canonical_signs(U, Vh[:rank])
+    return U.to(M.dtype), S[:rank].to(M.dtype), Vh.to(M.dtype)
+
+
+SVD_METHODS = ("randomized", "single_pass", "exact")
+
+
 def truncated_svd(
     M: torch.Tensor,
     rank: int,
@@ -66,4 +101,6 @@ def truncated_svd(
         return exact_svd(M, rank)
     if method == "randomized":
         return randomized_svd(M, rank, oversample=oversample, power_iters=power_iters, generator=generator)
-    raise ValueError(f"svd must be 'randomized' or 'exact', got {method!r}")
+    if method == "single_pass":
+        return single_pass_svd(M, rank, oversample=oversample, generator=generator)
+    raise ValueError(f"svd must be one of {SVD_METHODS}, got {method!r}")

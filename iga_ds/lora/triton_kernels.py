@@ -1,9 +1,11 @@
-"""One Triton kernel for the IGA tile pass on CUDA: reconstruct, mean, variance, mask, in registers.
+"""Triton kernels for the IGA tile pass on CUDA: reconstruct, mean, variance, mask, in registers.
 
 Each program owns a BM x BN tile of one module's out x in matrix. From the rank-2r factors it
 forms the tile of Gbar and, for every domain n, the tile of the deviation D[n]; it squares and
 sums them into V, applies exp(-tau V'), writes only ``Gbar * mask`` and per-tile partial sums
-for the mask statistics. The N full-rank gradients never exist in device memory. The PyTorch
+for the mask statistics. The N full-rank gradients never exist in device memory. The
+sketching kernel (``svd="single_pass"``) writes not even that: only each tile's share of the
+two sketches of the single-pass SVD. The PyTorch
 tile pass in :mod:`iga_ds.lora.fused` is the reference this kernel is tested against.
 
 Import-guarded: without Triton, :func:`available` is False and nothing here is compiled.
@@ -39,17 +41,10 @@ if triton is not None:
         return tl.load(ptr + rows[:, None] * row_stride + cols[None, :], mask=mask, other=0.0)
 
     @triton.jit
-    def _iga_tile_kernel(
-        left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, out_ptr, part_ptr, min_ptr,
-        d_out, d_in, k2, tau,
-        N: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):
-        pid_r = tl.program_id(0)
-        pid_c = tl.program_id(1)
-        mod = tl.program_id(2).to(tl.int64)
-        rows = pid_r * BM + tl.arange(0, BM)
-        cols = pid_c * BN + tl.arange(0, BN)
+    def _masked_tile(left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, mod, rows, cols,
+                     d_out, d_in, k2, tau, N: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr):
+        """One BM x BN tile of Gbar * exp(-tau V'), its mask and V, from the rank-2r factors."""
         ks = tl.arange(0, KP)  # 2r padded to a power of two >= 16 (tl.dot's minimum); pads load as 0
         lhs = _load_factor(left_mean + mod * d_out * k2, rows, ks, d_out, k2, k2)
         rhs = _load_factor(right_mean + mod * k2 * d_in, ks, cols, k2, d_in, d_in)
@@ -69,9 +64,12 @@ if triton is not None:
         else:
             vn = var / (gbar * gbar + tl.load(eps_ptr + mod))
         mask = tl.exp(-tau * vn)
-        masked = gbar * mask
         valid = (rows[:, None] < d_out) & (cols[None, :] < d_in)
-        tl.store(out_ptr + mod * d_out * d_in + rows[:, None] * d_in + cols[None, :], masked, mask=valid)
+        masked = tl.where(valid, gbar * mask, 0.0)
+        return masked, mask, var, valid
+
+    @triton.jit
+    def _store_tile_stats(part_ptr, min_ptr, mod, masked, mask, var, valid, pid_r, pid_c):
         # per-tile partial sums, reduced in float64 on the host side of the kernel: deterministic
         tile = pid_r * tl.num_programs(1) + pid_c
         n_tiles = tl.num_programs(0) * tl.num_programs(1)
@@ -79,13 +77,74 @@ if triton is not None:
         tl.store(base + 0, tl.sum(tl.sum(tl.where(valid, mask, 0.0), axis=1), axis=0))
         tl.store(base + 1, tl.sum(tl.sum(tl.where(valid & (mask < 0.5), 1.0, 0.0), axis=1), axis=0))
         tl.store(base + 2, tl.sum(tl.sum(tl.where(valid, var, 0.0), axis=1), axis=0))
-        tl.store(base + 3, tl.sum(tl.sum(tl.where(valid, masked * masked, 0.0), axis=1), axis=0))
+        tl.store(base + 3, tl.sum(tl.sum(masked * masked, axis=1), axis=0))
         tl.store(min_ptr + mod * n_tiles + tile, tl.min(tl.min(tl.where(valid, mask, float("inf")), axis=1), axis=0))
+
+    @triton.jit
+    def _iga_tile_kernel(
+        left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, out_ptr, part_ptr, min_ptr,
+        d_out, d_in, k2, tau,
+        N: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """Writes Gbar * mask tile by tile (the randomized SVD reads it afterwards)."""
+        pid_r = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        mod = tl.program_id(2).to(tl.int64)
+        rows = pid_r * BM + tl.arange(0, BM)
+        cols = pid_c * BN + tl.arange(0, BN)
+        masked, mask, var, valid = _masked_tile(
+            left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, mod, rows, cols, d_out, d_in, k2, tau,
+            N, NORM, KP, BM, BN, PRECISION)
+        tl.store(out_ptr + mod * d_out * d_in + rows[:, None] * d_in + cols[None, :], masked, mask=valid)
+        _store_tile_stats(part_ptr, min_ptr, mod, masked, mask, var, valid, pid_r, pid_c)
+
+    @triton.jit
+    def _iga_sketch_kernel(
+        left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, omega_ptr, psi_ptr, y_part, w_part,
+        part_ptr, min_ptr, d_out, d_in, k2, width, co_width, tau,
+        N: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+        WP: tl.constexpr, LP: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """Single pass: both sketches of the tile, nothing of the masked matrix stored.
+
+        The tile's share of Y = masked @ omega goes to slot pid_c of ``y_part`` (modules x
+        column tiles x out x width) and its share of W = psi @ masked to slot pid_r of
+        ``w_part`` (modules x row tiles x co_width x in); the host sums the slots, so the result
+        does not depend on the order programs run in (no atomics).
+        """
+        pid_r = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        mod = tl.program_id(2).to(tl.int64)
+        rows = pid_r * BM + tl.arange(0, BM)
+        cols = pid_c * BN + tl.arange(0, BN)
+        masked, mask, var, valid = _masked_tile(
+            left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, mod, rows, cols, d_out, d_in, k2, tau,
+            N, NORM, KP, BM, BN, PRECISION)
+        ws = tl.arange(0, WP)  # width padded to a power of two >= 16; pads load as 0
+        omega = _load_factor(omega_ptr + mod * d_in * width, cols, ws, d_in, width, width)
+        y = tl.dot(masked, omega, input_precision=PRECISION)  # BM x WP
+        n_col_tiles = tl.num_programs(1)
+        y_base = y_part + (mod * n_col_tiles + pid_c) * d_out * width
+        tl.store(y_base + rows[:, None] * width + ws[None, :], y,
+                 mask=(rows[:, None] < d_out) & (ws[None, :] < width))
+        ls = tl.arange(0, LP)
+        psi = _load_factor(psi_ptr + mod * co_width * d_out, ls, rows, co_width, d_out, d_out)
+        w = tl.dot(psi, masked, input_precision=PRECISION)  # LP x BN
+        n_row_tiles = tl.num_programs(0)
+        w_base = w_part + (mod * n_row_tiles + pid_r) * co_width * d_in
+        tl.store(w_base + ls[:, None] * d_in + cols[None, :], w,
+                 mask=(ls[:, None] < co_width) & (cols[None, :] < d_in))
+        _store_tile_stats(part_ptr, min_ptr, mod, masked, mask, var, valid, pid_r, pid_c)
 
 
 def tile_pass_triton(left_mean, right_mean, left_dev, right_dev, omega, *, tau, normalize, mean_var, mean_sq,
-                     block_m: int = 64, block_n: int = 64, precision: str = "ieee", num_warps: int = 4):
-    """Same contract as ``iga_ds.lora.fused._tile_pass_torch``: masked, first sketch, stats, sum of masked^2."""
+                     psi=None, block_m: int = 64, block_n: int = 64, precision: str = "ieee", num_warps: int = 4,
+                     partial_bytes: int = 1 << 30):
+    """Same contract as ``iga_ds.lora.fused._tile_pass_torch``: (masked, or with ``psi`` the
+    co-range sketch psi @ masked), first sketch, stats, sum of masked^2. With ``psi`` the
+    modules go through the sketching kernel in chunks whose per-tile partial sketches stay
+    under ``partial_bytes``."""
     from iga_ds.methods.iga import SNR_EPS
 
     if triton is None:
@@ -101,17 +160,37 @@ def tile_pass_triton(left_mean, right_mean, left_dev, right_dev, omega, *, tau, 
     left_dev, right_dev = left_dev.contiguous(), right_dev.contiguous()
     scale = mean_var.float().contiguous()
     eps = (SNR_EPS * mean_sq + torch.finfo(torch.float32).tiny).float().contiguous()
-    masked = torch.empty(M, d_out, d_in, dtype=torch.float32, device=left_mean.device)
-    grid = (triton.cdiv(d_out, block_m), triton.cdiv(d_in, block_n), M)
-    n_tiles = grid[0] * grid[1]
-    parts = torch.empty(M, n_tiles, 4, dtype=torch.float32, device=left_mean.device)
-    mins = torch.empty(M, n_tiles, dtype=torch.float32, device=left_mean.device)
-    _iga_tile_kernel[grid](
-        left_mean, right_mean, left_dev, right_dev, scale, eps, masked, parts, mins,
-        d_out, d_in, k2, float(tau),
-        N=N, NORM=_NORM_CODE[normalize], KP=kp, BM=block_m, BN=block_n, PRECISION=precision,
-        num_warps=num_warps,
-    )
+    device = left_mean.device
+    rows_t, cols_t = triton.cdiv(d_out, block_m), triton.cdiv(d_in, block_n)
+    n_tiles = rows_t * cols_t
+    parts = torch.empty(M, n_tiles, 4, dtype=torch.float32, device=device)
+    mins = torch.empty(M, n_tiles, dtype=torch.float32, device=device)
+    consts = dict(N=N, NORM=_NORM_CODE[normalize], KP=kp, BM=block_m, BN=block_n, PRECISION=precision,
+                  num_warps=num_warps)
+    if psi is None:
+        masked = torch.empty(M, d_out, d_in, dtype=torch.float32, device=device)
+        _iga_tile_kernel[(rows_t, cols_t, M)](
+            left_mean, right_mean, left_dev, right_dev, scale, eps, masked, parts, mins,
+            d_out, d_in, k2, float(tau), **consts)
+        first, sketch = masked, torch.bmm(masked, omega)
+    else:
+        width, co_width = omega.shape[-1], psi.shape[1]
+        omega, psi = omega.float().contiguous(), psi.float().contiguous()
+        sketch = torch.empty(M, d_out, width, dtype=torch.float32, device=device)
+        first = torch.empty(M, co_width, d_in, dtype=torch.float32, device=device)
+        per_module = 4 * (cols_t * d_out * width + rows_t * co_width * d_in)
+        chunk = max(1, partial_bytes // per_module)
+        for lo in range(0, M, chunk):
+            hi = min(M, lo + chunk)
+            y_part = torch.empty(hi - lo, cols_t, d_out, width, dtype=torch.float32, device=device)
+            w_part = torch.empty(hi - lo, rows_t, co_width, d_in, dtype=torch.float32, device=device)
+            _iga_sketch_kernel[(rows_t, cols_t, hi - lo)](
+                left_mean[lo:hi], right_mean[lo:hi], left_dev[lo:hi], right_dev[lo:hi], scale[lo:hi], eps[lo:hi],
+                omega[lo:hi], psi[lo:hi], y_part, w_part, parts[lo:hi], mins[lo:hi],
+                d_out, d_in, k2, width, co_width, float(tau),
+                WP=max(16, triton.next_power_of_2(width)), LP=max(16, triton.next_power_of_2(co_width)), **consts)
+            torch.sum(y_part, dim=1, out=sketch[lo:hi])
+            torch.sum(w_part, dim=1, out=first[lo:hi])
     sums = parts.double().sum(dim=1)  # M x 4
     numel = d_out * d_in
     stats = {
@@ -120,5 +199,4 @@ def tile_pass_triton(left_mean, right_mean, left_dev, right_dev, omega, *, tau, 
         "mask_min": mins.double().amin(dim=1),
         "gir": sums[:, 2],
     }
-    sketch = torch.bmm(masked, omega)
-    return masked, sketch, stats, sums[:, 3]
+    return first, sketch, stats, sums[:, 3]

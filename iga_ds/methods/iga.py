@@ -11,7 +11,7 @@ from typing import Literal
 import torch
 
 from iga_ds.lora.reconstruct import mean_and_variance
-from iga_ds.lora.rsvd import truncated_svd
+from iga_ds.lora.rsvd import SVD_METHODS, truncated_svd
 from iga_ds.methods import register
 from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, module_generator
 
@@ -117,7 +117,7 @@ def iga_update(
     tau: float = 0.5,
     rank: int | None = None,
     normalize: Normalize = "mean",
-    svd: Literal["randomized", "exact"] = "randomized",
+    svd: Literal["randomized", "single_pass", "exact"] = "randomized",
     oversample: int = 10,
     power_iters: int = 2,
     generator: torch.Generator | None = None,
@@ -183,8 +183,8 @@ class _MaskedProjectionMethod(GradientMethod):
         self.factors = factors
         if normalize not in NORMALIZATIONS:
             raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
-        if svd not in ("randomized", "exact"):
-            raise ValueError(f"svd must be 'randomized' or 'exact', got {svd!r}")
+        if svd not in SVD_METHODS:
+            raise ValueError(f"svd must be one of {SVD_METHODS}, got {svd!r}")
         if tau < 0:
             raise ValueError(f"tau must be >= 0, got {tau}")
         self.tau, self.normalize, self.rank = float(tau), normalize, rank
@@ -192,7 +192,7 @@ class _MaskedProjectionMethod(GradientMethod):
 
     def combine_module(self, module: ModuleGrads, step: int) -> ModuleUpdate:
         gen = None
-        if self.svd == "randomized" and self.projection == "svd":
+        if self.svd != "exact" and self.projection == "svd":  # sketched: seeded per step and module
             gen = module_generator(self.seed, step, module.index, module.gA.device)
         gA, gB, stats = _iga_core(
             module.A, module.B, module.gA, module.gB, scaling=module.scaling, tau=self.tau, rank=self.rank,
@@ -220,6 +220,10 @@ class IGA(_MaskedProjectionMethod):
     ``precision``: ``tf32`` lets the fused CUDA path use TF32 tensor cores for the
     reconstruction and the power iterations (faster, about 1e-3 relative error; see
     docs/PERFORMANCE.md); ``ieee`` keeps float32 throughout.
+    ``svd``: ``randomized`` (default; HMT with ``power_iters`` power iterations), ``exact``
+    (full SVD, reference path only) or ``single_pass`` (Tropp et al. 2017: both sketches in
+    one pass, no power iterations; on the fused path the masked matrices are never stored,
+    at a larger rank-r error unless ``oversample`` is raised; docs/PERFORMANCE.md).
     """
 
     name = "iga"
@@ -234,13 +238,14 @@ class IGA(_MaskedProjectionMethod):
         self.precision = precision
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-        if implementation == "fused" and svd != "randomized":
-            raise ValueError("implementation 'fused' needs svd='randomized' (the exact SVD has no fused form)")
+        if implementation == "fused" and svd == "exact":
+            raise ValueError("implementation 'fused' needs a sketched svd, 'randomized' or 'single_pass' "
+                             "(the exact SVD has no fused form)")
         self.implementation = implementation
 
     def _fused(self, modules) -> bool:
         if self.implementation == "auto":
-            return self.svd == "randomized" and bool(modules) and modules[0].gA.device.type == "cuda"
+            return self.svd != "exact" and bool(modules) and modules[0].gA.device.type == "cuda"
         return self.implementation == "fused"
 
     def combine(self, modules, step):
@@ -252,5 +257,5 @@ class IGA(_MaskedProjectionMethod):
         # the factor map runs batched inside (this class always projects by SVD)
         out = batched_iga(modules, tau=self.tau, normalize=self.normalize, rank=self.rank,
                           oversample=self.oversample, power_iters=self.power_iters, generators=gens,
-                          triton_precision=self.precision, factors=self.factors)
+                          triton_precision=self.precision, factors=self.factors, svd=self.svd)
         return [ModuleUpdate(gA, gB, stats) for gA, gB, stats in out]
