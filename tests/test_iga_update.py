@@ -117,12 +117,16 @@ def test_single_pass_is_exact_for_low_rank_and_near_optimal_otherwise():
     assert 1.0 <= min(errors) and sum(errors) / len(errors) < bound, errors
 
 
-def test_single_pass_in_iga_update_close_to_exact():
-    A, B, gA, gB = make_module(r=4, d_in=40, d_out=36, seed=5)
+def _truncation(module, tau, svd):
+    """s gB_new @ gA_new of iga_update on ``module`` (scaling 1), a fixed sketch seed."""
+    A, B, gA, gB = module
+    gen = torch.Generator().manual_seed(11)
+    return product(*iga_update(A, B, gA, gB, scaling=1.0, tau=tau, svd=svd, generator=gen)[:2], 1.0)
 
-    def run(tau, svd):
-        gen = torch.Generator().manual_seed(11)
-        return product(*iga_update(A, B, gA, gB, scaling=1.0, tau=tau, svd=svd, generator=gen)[:2], 1.0)
+
+def test_single_pass_in_iga_update_close_to_exact():
+    A, B, gA, gB = module = make_module(r=4, d_in=40, d_out=36, seed=5)
+    run = lambda tau, svd: _truncation(module, tau, svd)  # noqa: E731
 
     exact, approx = run(0.0, "exact"), run(0.0, "single_pass")
     assert (approx - exact).norm() / exact.norm() < 1e-10  # rank <= 2r = 8 < width 14: exact
@@ -138,10 +142,8 @@ def test_single_pass_in_iga_update_close_to_exact():
 
 
 def test_randomized_in_iga_update_close_to_exact():
-    A, B, gA, gB = make_module(r=4, d_in=40, d_out=36, seed=5)
-    def run(tau, svd):
-        gen = torch.Generator().manual_seed(11)
-        return product(*iga_update(A, B, gA, gB, scaling=1.0, tau=tau, svd=svd, generator=gen)[:2], 1.0)
+    module = make_module(r=4, d_in=40, d_out=36, seed=5)
+    run = lambda tau, svd: _truncation(module, tau, svd)  # noqa: E731
 
     # unmasked mean of rank-r reconstructions has rank <= 2r = 8: a sketch of width 14 is exact
     exact, approx = run(0.0, "exact"), run(0.0, "randomized")

@@ -69,6 +69,21 @@ if triton is not None:
         return masked, mask, var, valid
 
     @triton.jit
+    def _program_tile(left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, d_out, d_in, k2, tau,
+                      N: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      PRECISION: tl.constexpr):
+        """This program's tile: grid (row tiles, column tiles, modules)."""
+        pid_r = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        mod = tl.program_id(2).to(tl.int64)
+        rows = pid_r * BM + tl.arange(0, BM)
+        cols = pid_c * BN + tl.arange(0, BN)
+        masked, mask, var, valid = _masked_tile(
+            left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, mod, rows, cols, d_out, d_in, k2, tau,
+            N, NORM, KP, BM, BN, PRECISION)
+        return pid_r, pid_c, mod, rows, cols, masked, mask, var, valid
+
+    @triton.jit
     def _store_tile_stats(part_ptr, min_ptr, mod, masked, mask, var, valid, pid_r, pid_c):
         # per-tile partial sums, reduced in float64 on the host side of the kernel: deterministic
         tile = pid_r * tl.num_programs(1) + pid_c
@@ -88,13 +103,8 @@ if triton is not None:
         PRECISION: tl.constexpr,
     ):
         """Writes Gbar * mask tile by tile (the randomized SVD reads it afterwards)."""
-        pid_r = tl.program_id(0)
-        pid_c = tl.program_id(1)
-        mod = tl.program_id(2).to(tl.int64)
-        rows = pid_r * BM + tl.arange(0, BM)
-        cols = pid_c * BN + tl.arange(0, BN)
-        masked, mask, var, valid = _masked_tile(
-            left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, mod, rows, cols, d_out, d_in, k2, tau,
+        pid_r, pid_c, mod, rows, cols, masked, mask, var, valid = _program_tile(
+            left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, d_out, d_in, k2, tau,
             N, NORM, KP, BM, BN, PRECISION)
         tl.store(out_ptr + mod * d_out * d_in + rows[:, None] * d_in + cols[None, :], masked, mask=valid)
         _store_tile_stats(part_ptr, min_ptr, mod, masked, mask, var, valid, pid_r, pid_c)
@@ -113,13 +123,8 @@ if triton is not None:
         ``w_part`` (modules x row tiles x co_width x in); the host sums the slots, so the result
         does not depend on the order programs run in (no atomics).
         """
-        pid_r = tl.program_id(0)
-        pid_c = tl.program_id(1)
-        mod = tl.program_id(2).to(tl.int64)
-        rows = pid_r * BM + tl.arange(0, BM)
-        cols = pid_c * BN + tl.arange(0, BN)
-        masked, mask, var, valid = _masked_tile(
-            left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, mod, rows, cols, d_out, d_in, k2, tau,
+        pid_r, pid_c, mod, rows, cols, masked, mask, var, valid = _program_tile(
+            left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, d_out, d_in, k2, tau,
             N, NORM, KP, BM, BN, PRECISION)
         ws = tl.arange(0, WP)  # width padded to a power of two >= 16; pads load as 0
         omega = _load_factor(omega_ptr + mod * d_in * width, cols, ws, d_in, width, width)
