@@ -207,7 +207,8 @@ def _print_summary(result: dict[str, Any], out: str) -> None:
 
 
 def run_experiment(args: argparse.Namespace) -> int:
-    from iga_ds.evaluation.experiment import cell_status, load_grid, run_grid
+    from iga_ds.evaluation.experiment import cell_status, run_grid
+    from iga_ds.evaluation.grid import load_grid
 
     grid = load_grid(args.grid)
     if args.dry_run:
