@@ -95,10 +95,19 @@ def naive(modules, *, tau, normalize, oversample, power_iters):
     return out
 
 
+def method_params(args) -> dict:
+    return dict(tau=args.tau, normalize=args.normalize, oversample=args.oversample, power_iters=args.power_iters)
+
+
+def reference_method(args, svd: str = "randomized"):
+    """The registered ``iga`` module by module, returning the split factors as batched_iga
+    does (the chain-rule map is applied after it)."""
+    return get_method("iga", seed=0, implementation="reference", factors="split", svd=svd, **method_params(args))
+
+
 def build_variants(modules, args, device):
-    params = dict(tau=args.tau, normalize=args.normalize, oversample=args.oversample, power_iters=args.power_iters)
-    # the split factors, as batched_iga returns them (the chain-rule map is applied after it)
-    method = get_method("iga", seed=0, implementation="reference", factors="split", **params)
+    params = method_params(args)
+    method = reference_method(args)
     step = 1
 
     def per_module():
@@ -132,9 +141,7 @@ def build_variants(modules, args, device):
 
 def single_pass_reference(modules, args):
     """The per-module reference of ``svd="single_pass"`` (what the single_pass_* variants must match)."""
-    params = dict(tau=args.tau, normalize=args.normalize, oversample=args.oversample, power_iters=args.power_iters)
-    method = get_method("iga", seed=0, implementation="reference", factors="split", svd="single_pass", **params)
-    return [(u.gA, u.gB) for u in method.combine(modules, 1)]
+    return [(u.gA, u.gB) for u in reference_method(args, "single_pass").combine(modules, 1)]
 
 
 def approximation_quality(modules, args, count: int) -> dict:
@@ -206,9 +213,8 @@ def float64_check(modules, args, device, count: int) -> dict:
     """Errors of the float32 paths against float64 on the first ``count`` modules (same sketches)."""
     sub = modules[:count]
     wide = [ModuleGrads(m.name, m.index, m.A.double(), m.B.double(), m.gA.double(), m.gB.double(), m.scaling) for m in sub]
-    params = dict(tau=args.tau, normalize=args.normalize, oversample=args.oversample, power_iters=args.power_iters)
-    # the split factors, as batched_iga returns them (the chain-rule map is applied after it)
-    method = get_method("iga", seed=0, implementation="reference", factors="split", **params)
+    params = method_params(args)
+    method = reference_method(args)
     ref64 = [(u.gA, u.gB) for u in method.combine(wide, 1)]
     ref32 = [(u.gA, u.gB) for u in method.combine(sub, 1)]
     gens = [module_generator(0, 1, m.index, device) for m in sub]

@@ -7,8 +7,9 @@
 # (`iga-ds experiment --grid GRID --out OUT --only CELL`), so results do not depend on how many
 # run at once. First `--prepare` makes what the cells share (the data; each built-in tiny base,
 # pretrained on a GPU when there is one); then the cells run JOBS at a time, one CPU thread
-# each, round-robin over the visible GPUs (CPU only when there are none). Logs: OUT/logs/CELL.log. Rerun the same line to
-# resume after a kill: finished cells are skipped, killed ones rerun. NO_REPORT=1 skips the
+# each, round-robin over the visible GPUs (CPU only when there are none). Logs:
+# OUT/logs/CELL.log. Rerun the same line to resume after a kill: finished cells are skipped,
+# killed ones rerun. NO_REPORT=1 skips the
 # report; IGA_DS_CLI overrides the command (default: iga-ds).
 set -euo pipefail
 usage="usage: grid_parallel.sh GRID OUT [JOBS]"

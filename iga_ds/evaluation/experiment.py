@@ -31,9 +31,9 @@ from typing import Any, Callable, Sequence
 import yaml
 
 from iga_ds.errors import ConfigError, UserError
-# load_grid and deep_merge are re-exported: reading a grid is part of this module's interface
-from iga_ds.evaluation.grid import (MARKER, POOLED_DOMAIN, Cell, Grid, _base_domains,  # noqa: F401
-                                    cell_run_dict, deep_merge, load_grid)
+# load_grid is re-exported: reading a grid is part of this module's interface
+from iga_ds.evaluation.grid import load_grid  # noqa: F401
+from iga_ds.evaluation.grid import MARKER, POOLED_DOMAIN, Cell, Grid, _base_domains, cell_run_dict
 from iga_ds.utils_io import atomic_write_json, atomic_write_text
 
 def _read_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -111,7 +111,7 @@ def prepare_grid(grid: Grid, out: str | Path, progress: bool = True,
     out.mkdir(parents=True, exist_ok=True)
     prepared = prepare_data(grid, out, log)
     shapes: dict[str, dict[str, Any]] = {}
-    for cell in grid.cells():
+    for cell in (Cell(v, grid.seeds[0]) for v in grid.variants):  # the seed does not change the base
         cfg = config_from_dict(cell_run_dict(grid, cell, out / cell.name, prepared.train, out))
         if cfg.model.name_or_path == BUILTIN_TINY:
             shapes.setdefault(json.dumps(cfg.model.tiny or {}, sort_keys=True), cfg.model.tiny or {})

@@ -33,6 +33,7 @@ from typing import Sequence
 import torch
 
 from iga_ds.methods.base import ModuleGrads
+from iga_ds.lora.rsvd import single_pass_widths
 from iga_ds.methods.iga import FACTOR_MAPS, NORMALIZATIONS, SNR_EPS, chain_rule_factors
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -293,8 +294,9 @@ def _run_stack(st: _Stack, *, tau, normalize, rank, oversample, power_iters, til
     M, N, r, d_in = st.gA.shape
     d_out = st.B.shape[1]
     k = r if rank is None else int(rank)
-    width = min(k + oversample, d_out, d_in)
-    co_width = min(2 * width + 1, d_out) if svd == "single_pass" else 0
+    width, co_width = single_pass_widths(k, oversample, d_out, d_in)
+    if svd != "single_pass":
+        co_width = 0
     dtype, device = st.A.dtype, st.A.device
     left_mean, right_mean, left_dev, right_dev = _factors(st)
     mean_var, mean_sq = _mask_scale(left_mean, right_mean, left_dev, right_dev, d_out * d_in)

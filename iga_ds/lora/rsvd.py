@@ -54,6 +54,12 @@ def randomized_svd(
     return U.to(M.dtype), S[:rank].to(M.dtype), Vh.to(M.dtype)
 
 
+def single_pass_widths(rank: int, oversample: int, m: int, n: int) -> tuple[int, int]:
+    """(range width k, co-range width l) of the single-pass sketches of an m x n matrix."""
+    width = min(rank + oversample, m, n)
+    return width, min(2 * width + 1, m)
+
+
 def single_pass_svd(
     M: torch.Tensor,
     rank: int,
@@ -72,8 +78,7 @@ def single_pass_svd(
     """
     work = M.float() if M.dtype in _LOW_PRECISION else M
     m, n = work.shape
-    width = min(rank + oversample, m, n)
-    co_width = min(2 * width + 1, m)
+    width, co_width = single_pass_widths(rank, oversample, m, n)
     omega = torch.randn(n, width, dtype=work.dtype, device=work.device, generator=generator)
     psi = torch.randn(co_width, m, dtype=work.dtype, device=work.device, generator=generator)
     Y, W = work @ omega, psi @ work

@@ -233,10 +233,9 @@ class StopSignal:
     def discard_stale(self) -> bool:
         """Remove a stop file that predates this run (one rank, before any rank can look);
         True when there was one."""
-        if self.stop_file is None or not self.stop_file.is_file():
-            return False
-        self.stop_file.unlink(missing_ok=True)
-        return True
+        stale = self.stop_file is not None and self.stop_file.is_file()
+        self.consume()
+        return stale
 
     def consume(self) -> None:
         """Remove the stop file once the stop it asked for is done (one rank, after the

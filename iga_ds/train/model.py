@@ -274,7 +274,7 @@ def ensure_tiny_base(
 ) -> Path:
     """Return the folder of the tiny base pretrained on ``texts``; build it on a cache miss.
     ``extra_words`` join the vocabulary even where the corpus lacks them. ``device``: where to
-    pretrain (default: the GPU if there is one); it enters the cache key unless it is the CPU.
+    pretrain (default: the GPU if there is one); it is part of the cache key.
 
     The folder is a normal Hugging Face model directory (``config.json``,
     ``model.safetensors``, ``tokenizer.json``) plus ``pretrain.json`` (settings, corpus hash,
