@@ -51,7 +51,8 @@ def _write_results(root: Path) -> dict:
                 truth[(method, seed, bench)] = (id_acc, ood_acc, lcs)
             truth[(method, seed, "wall")] = wall
             (cell / "metrics.jsonl").write_text(
-                "".join(json.dumps({"step": s, "loss": 1 / (s + 1), "mask_mean": 1 - 0.01 * s}) + "\n" for s in range(5))
+                "".join(json.dumps({"step": s, "loss": (1 + 0.1 * seed) / (s + 1), "mask_mean": 1 - 0.01 * s}) + "\n"
+                        for s in range(20))
             )
     return truth
 
@@ -82,12 +83,17 @@ def test_report_tables_and_figures(tmp_path):
     gaps = [statistics.mean([truth[("erm", s, b)][0] - truth[("erm", s, b)][1] for b in BENCHES]) for s in SEEDS]
     assert erm[6].replace("**", "") == f"{statistics.mean(gaps):.2f} ± {statistics.stdev(gaps):.2f}"
     assert report.index("| ERM-SFT |") < report.index("| Pareto-GS |") < report.index("| IGA |")
+    # training loss over the last 10% of 20 logged steps (2 steps), per seed, then over seeds
+    final = [statistics.mean((1 + 0.1 * s) / (k + 1) for k in (18, 19)) for s in SEEDS]
+    want_loss = f"{statistics.mean(final):.3f} ± {statistics.stdev(final):.3f}"
+    assert iga[7] == want_loss  # not bolded: a lower training loss is not better
 
     # Table 3: the ablation row and its change from full IGA
     abl = _row(report, "binary mask (AND-style)", "## Ablations")
     full = statistics.mean([truth[("iga", s, "logiqa2")][1] for s in SEEDS])
     mine = statistics.mean([truth[("iga_binary", s, "logiqa2")][1] for s in SEEDS])
     assert abl[2] == f"{mine - full:+.1f}"
+    assert abl[7] == want_loss
     assert _row(report, "Full IGA", "## Ablations")[2] == "—"
     assert "| ERM-SFT (reference) |" in report
 
@@ -106,6 +112,7 @@ def test_report_tables_and_figures(tmp_path):
     iga2 = statistics.mean(truth[("iga", s, "synthetic")][2][2] for s in SEEDS)
     erm2 = statistics.mean(truth[("erm", s, "synthetic")][2][2] for s in SEEDS)
     assert ratio[2] == f"{iga2 / erm2:.2f}"
+    assert "| Method | Layer 1 | Layer 2 |" in report  # no hidden state 0 computed, no embeddings label
 
     for name in ("ood_accuracy", "lcs_layers", "mask_stats", "ood_vs_time"):
         png = tmp_path / "figures" / f"{name}.png"
@@ -121,7 +128,7 @@ def test_single_seed_and_missing_values(tmp_path):
                                                 "ood_accuracy": None, "delta_gap": None}))
     report = build_report(load_results(tmp_path))
     row = _row(report, "IGA", "## Main results")
-    assert row[1:] == ["50.0", "–", "–", "–"]  # one seed: no ± ; no OOD split, no LCS: dashes
+    assert row[1:] == ["50.0", "–", "–", "–", "–"]  # one seed: no ± ; no OOD split, LCS or log: dashes
     assert "No ablation runs." in report
 
 

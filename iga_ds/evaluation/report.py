@@ -69,6 +69,12 @@ def cell_metric_mean(cell: Cell, key: str, tail: float = 1.0) -> float | None:
     return sum(vals) / len(vals)
 
 
+def cell_final_loss(cell: Cell) -> float | None:
+    """Mean training loss over the last 10% of logged steps: how far a row fit its training data
+    (a row that resists a shortcut by fitting less shows here)."""
+    return cell_metric_mean(cell, "loss", 0.1)
+
+
 def cell_cue_follow(cell: Cell, bench: str) -> float | None:
     """Share (%) of the evaluation's wrong-cue OOD items answered as the cue signals."""
     return cell.evals.get(bench, {}).get("ood_cue_follow")
@@ -157,9 +163,10 @@ def main_table(cells: Sequence[Cell]) -> str:
         if _has_cue(cells, bench):
             header.append(f"{bench} OOD follows wrong cue ↓")
             columns.append(_column(rows, lambda c, b=bench: cell_cue_follow(c, b), False, 1))
-    header += ["LCS (×1e-2) ↓", "Avg Δ-gap ↓"]
+    header += ["LCS (×1e-2) ↓", "Avg Δ-gap ↓", "Train loss, last 10%"]
     columns.append(_column(rows, cell_default_lcs, False, 2))
     columns.append(_column(rows, cell_avg_delta_gap, False, 2))
+    columns.append(_column(rows, cell_final_loss, None, 3))
     body = [[label] + [col[label] for col in columns] for label in order]
     return _markdown(header, body)
 
@@ -198,9 +205,10 @@ def ablation_table(main_cells: Sequence[Cell], ablation_cells: Sequence[Cell]) -
         if _has_cue(cells_all, bench):
             header.append(f"{bench} OOD follows wrong cue ↓")
             columns.append(_column(rows, lambda c, b=bench: cell_cue_follow(c, b), False, 1))
-    header += ["LCS (×1e-2) ↓", "Avg Δ vs IGA"]
+    header += ["LCS (×1e-2) ↓", "Avg Δ vs IGA", "Train loss, last 10%"]
     columns.append(_column(rows, cell_default_lcs, False, 2))
     columns.append({lab: (f"{sum(d) / len(d):+.2f}" if (d := deltas.get(lab)) else DASH) for lab in rows})
+    columns.append(_column(rows, cell_final_loss, None, 3))
     body = [[label] + [col[label] for col in columns] for label in rows]
     return _markdown(header, body)
 
@@ -247,7 +255,9 @@ def lcs_layer_table(cells: Sequence[Cell]) -> str | None:
             erm = Stat([cell_lcs(c).get(layer) for c in rows["ERM-SFT"]]).mean
             ratio.append(f"{iga / erm:.2f}" if iga is not None and erm else DASH)
         body.append(["IGA / ERM ratio"] + ratio)
-    return _markdown(["Method"] + [f"Layer {layer}" for layer in layers], body)
+    # hidden state 0 is the embedding output, which LoRA on attention never changes
+    names = [f"Layer {layer}" + (" (embeddings)" if layer == 0 else "") for layer in layers]
+    return _markdown(["Method"] + names, body)
 
 
 MASK_COLUMNS = (  # (training-log key, header, scale, tail fraction)
