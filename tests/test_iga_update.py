@@ -121,7 +121,8 @@ def _truncation(module, tau, svd):
     """s gB_new @ gA_new of iga_update on ``module`` (scaling 1), a fixed sketch seed."""
     A, B, gA, gB = module
     gen = torch.Generator().manual_seed(11)
-    return product(*iga_update(A, B, gA, gB, scaling=1.0, tau=tau, svd=svd, generator=gen)[:2], 1.0)
+    return product(*iga_update(A, B, gA, gB, scaling=1.0, tau=tau, normalize="mean", svd=svd,
+                                   generator=gen)[:2], 1.0)
 
 
 def test_single_pass_in_iga_update_close_to_exact():

@@ -4,7 +4,7 @@ Example block (every field optional but ``method``)::
 
     "iga": {
       "method": "iga",                  // a name from iga_ds.methods.available_methods()
-      "params": {"tau": 0.5, "normalize": "mean"},   // keyword arguments of that method
+      "params": {"tau": 0.5, "normalize": "snr"},    // keyword arguments of that method
       "domains": ["math", "medical", "legal", "science"],
       "seed": 0,                        // seeds the per-module random sketches
       "skip_nonfinite": true,           // skip the step on NaN/Inf instead of corrupting weights

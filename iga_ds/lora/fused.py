@@ -331,7 +331,7 @@ def batched_iga(
     modules: Sequence[ModuleGrads],
     *,
     tau: float = 0.5,
-    normalize: str = "mean",
+    normalize: str = "snr",
     rank: int | None = None,
     oversample: int = 10,
     power_iters: int = 2,

@@ -116,7 +116,7 @@ def iga_update(
     scaling: float,
     tau: float = 0.5,
     rank: int | None = None,
-    normalize: Normalize = "mean",
+    normalize: Normalize = "snr",
     svd: Literal["randomized", "single_pass", "exact"] = "randomized",
     oversample: int = 10,
     power_iters: int = 2,
@@ -169,7 +169,7 @@ class _MaskedProjectionMethod(GradientMethod):
     def __init__(
         self,
         tau: float = 0.5,
-        normalize: Normalize = "mean",
+        normalize: Normalize = "snr",
         rank: int | None = None,
         svd: str = "randomized",
         oversample: int = 10,
@@ -229,7 +229,7 @@ class IGA(_MaskedProjectionMethod):
     name = "iga"
     paper = "Invariant Gradient Alignment (IGA) for logical isomers (this package's paper)"
 
-    def __init__(self, tau: float = 0.5, normalize: Normalize = "mean", rank: int | None = None,
+    def __init__(self, tau: float = 0.5, normalize: Normalize = "snr", rank: int | None = None,
                  svd: str = "randomized", oversample: int = 10, power_iters: int = 2, seed: int = 0,
                  implementation: str = "auto", precision: str = "ieee", factors: str = "chain_rule"):
         super().__init__(tau, normalize, rank, svd, oversample, power_iters, seed, factors)
