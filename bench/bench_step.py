@@ -401,8 +401,9 @@ def summarize(results: list[dict], env: dict, args) -> dict:
             r["extra_ms"] = r["step_ms"] - erm["step_ms"]
             # the capture adds work inside forward/backward, which no clock in the hook isolates
             r["capture_ms_derived"] = r["extra_ms"] - r["method_ms"] - r["comm_ms"]
-    settings = {k: getattr(args, k) for k in ("micro", "seq", "gas", "rank", "alpha", "dtype", "tau", "normalize",
-                                              "warmup", "steps", "layers", "hidden", "config", "grad_ckpt")}
+    settings = {k: getattr(args, k, None) for k in ("micro", "seq", "gas", "rank", "alpha", "dtype", "tau", "normalize",
+                                                    "warmup", "steps", "rounds", "layers", "hidden", "config",
+                                                    "grad_ckpt")}
     return {"env": env, "settings": settings, "results": results}
 
 
@@ -429,6 +430,10 @@ def print_table(report: dict) -> None:
     print("* derived: IGA step - ERM step - method - communication. Targets on one H100: "
           "step x <= 1.03, peak x <= 1.03, method <= 20 ms.")
     for r in report["results"]:
+        if "rounds" in r:
+            print(f"{r['method']}: median step per round {', '.join(f'{t:.1f}' for t in r['rounds'])} ms "
+                  "(rounds alternate the order of the methods)")
+    for r in report["results"]:
         if "ratio_step_interval90" in r:
             lo, hi = r["ratio_step_interval90"]
             print(f"{r['method']}/erm step ratio {r['ratio_step']:.3f}: 90% bootstrap interval {lo:.3f}-{hi:.3f} "
@@ -436,28 +441,80 @@ def print_table(report: dict) -> None:
 
 
 def drive(args, argv: list[str]) -> int:
-    """Run each method in its own torch.distributed launch of --gpus processes, then merge."""
-    parts = []
+    """Run each method in its own torch.distributed launch of --gpus processes, then merge.
+
+    With --rounds R the methods run R times, in reverse order every other round (erm, iga,
+    iga, erm, ...), so that a machine that drifts over minutes weighs on every method alike;
+    each method's steps are pooled over the rounds and the per-round medians are kept.
+    """
+    rounds: list[list[dict]] = []
+    worker_argv = strip_driver_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        for method in args.methods:
-            part = os.path.join(tmp, f"{method}.json")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
-                   os.path.abspath(__file__), *strip_driver_args(argv), "--methods", method, "--out", part,
-                   "--as-worker"]
-            print("+", " ".join(cmd), flush=True)
-            rc = subprocess.call(cmd)
-            if rc != 0:
-                print(f"method {method} failed (exit {rc})", file=sys.stderr)
-                return rc
-            parts.append(json.load(open(part)))
-    results = [r for p in parts for r in p["results"]]
-    report = summarize(results, parts[0]["env"], args)
+        for index in range(args.rounds):
+            order = args.methods if index % 2 == 0 else args.methods[::-1]
+            parts = []
+            for method in order:
+                part = os.path.join(tmp, f"{method}-{index}.json")
+                # profiled steps come after the timed ones; one round of them is enough
+                extra = worker_argv if index == 0 else strip_profile_args(worker_argv)
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
+                       os.path.abspath(__file__), *extra, "--methods", method, "--out", part, "--as-worker"]
+                print(f"+ [round {index + 1}/{args.rounds}]", " ".join(cmd), flush=True)
+                rc = subprocess.call(cmd)
+                if rc != 0:
+                    print(f"method {method} failed (exit {rc})", file=sys.stderr)
+                    return rc
+                parts.append(json.load(open(part)))
+            rounds.append([r for p in parts for r in p["results"]])
+            env = parts[0]["env"]
+    report = summarize(pool_rounds(rounds, args.methods), env, args)
     from iga_ds.utils_io import atomic_write_json
 
     atomic_write_json(args.out, report)
     print_table(report)
     print(f"wrote {args.out}")
     return 0
+
+
+def pool_rounds(rounds: list[list[dict]], methods: list[str]) -> list[dict]:
+    """One result per method from several rounds: steps pooled (median over all of them), the
+    hook's phase times as the median of the rounds' medians, the largest peak, and
+    ``rounds``: each round's median step, in the order the rounds ran."""
+    if len(rounds) == 1:
+        return rounds[0]
+    pooled = []
+    for method in methods:
+        runs = [r for results in rounds for r in results if r["method"] == method]
+        steps = [t for r in runs for t in r["step_ms_all"]]
+        step_ms = statistics.median(steps)
+        tokens = runs[0]["tokens_per_s"] * runs[0]["step_ms"] / 1e3  # tokens per optimizer step
+        world = runs[0]["tokens_per_s"] / runs[0]["tokens_per_s_per_gpu"]
+        peaks = [r["peak_gib"] for r in runs if r["peak_gib"] is not None]
+        merged = dict(runs[0])
+        merged.update(
+            step_ms=step_ms, step_ms_all=steps, tokens_per_s=tokens / (step_ms / 1e3),
+            tokens_per_s_per_gpu=tokens / (step_ms / 1e3) / world, peak_gib=max(peaks) if peaks else None,
+            method_ms=statistics.median(r["method_ms"] for r in runs),
+            comm_ms=statistics.median(r["comm_ms"] for r in runs),
+            rounds=[r["step_ms"] for r in runs],
+        )
+        pooled.append(merged)
+    return pooled
+
+
+def strip_profile_args(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name == "--profile":
+            skip = "=" not in arg
+            continue
+        if name != "--profile-trace":
+            out.append(arg)
+    return out
 
 
 def strip_driver_args(argv: list[str]) -> list[str]:
@@ -468,7 +525,7 @@ def strip_driver_args(argv: list[str]) -> list[str]:
             skip = False
             continue
         name = arg.split("=", 1)[0]
-        if name in ("--methods", "--out", "--gpus"):
+        if name in ("--methods", "--out", "--gpus", "--rounds"):
             skip = "=" not in arg
             continue
         out.append(arg)
@@ -495,6 +552,8 @@ def parse_args(argv=None):
                    help="iga_fused: float32 throughout, or TF32 tensor cores in the tile pass and power iterations")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the methods this many times, reversing their order every other round; steps pooled")
     p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing (non-reentrant)")
     p.add_argument("--out", default="bench_step.json")
     p.add_argument("--profile", metavar="DIR",
@@ -507,6 +566,8 @@ def parse_args(argv=None):
     bad = [m for m in args.methods if m not in METHODS]
     if bad:
         p.error(f"--methods: unknown {bad[0]!r}; expected some of {', '.join(METHODS)}")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     if args.profile_trace and not args.profile:
         p.error("--profile-trace needs --profile DIR")
     if args.micro % len(DOMAINS):
@@ -518,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     under_launcher = args.as_worker or any(v in os.environ for v in LAUNCHER_VARS) or args.local_rank is not None
-    if under_launcher or (args.gpus == 1 and len(args.methods) == 1):
+    if under_launcher or (args.gpus == 1 and len(args.methods) == 1 and args.rounds == 1):
         return worker(args)
     return drive(args, argv)
 

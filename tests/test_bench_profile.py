@@ -5,6 +5,7 @@ import importlib.util
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -34,6 +35,32 @@ def test_driver_passes_the_profile_options_to_the_workers():
     assert bench.parse_args([]).profile is None
     with pytest.raises(SystemExit):
         bench.parse_args(["--profile-trace"])
+
+
+def test_rounds_pool_the_steps_and_profile_only_once():
+    bench = load_bench_step()
+    argv = ["--gpus", "2", "--rounds", "3", "--profile=prof", "--profile-trace", "--steps", "5"]
+    assert bench.strip_driver_args(argv) == ["--profile=prof", "--profile-trace", "--steps", "5"]
+    assert bench.strip_profile_args(bench.strip_driver_args(argv)) == ["--steps", "5"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--rounds", "0"])
+
+    def result(method, steps, method_ms, peak):  # what a worker reports; 4096 tokens per step, 2 GPUs
+        step = statistics.median(steps)
+        return {"method": method, "step_ms": step, "step_ms_all": steps, "tokens_per_s": 4096 / (step / 1e3),
+                "tokens_per_s_per_gpu": 2048 / (step / 1e3), "peak_gib": peak, "method_ms": method_ms,
+                "comm_ms": 1.0, "trainable_params": 7}
+
+    rounds = [[result("erm", [100.0, 104.0], 0.0, 20.0), result("iga", [120.0, 126.0], 9.0, 21.0)],
+              [result("iga", [130.0, 131.0], 11.0, 21.5), result("erm", [110.0, 112.0], 0.0, 20.0)],
+              [result("erm", [101.0, 103.0], 0.0, 19.0), result("iga", [121.0, 125.0], 10.0, 21.0)]]
+    erm, iga = bench.pool_rounds(rounds, ["erm", "iga"])
+    assert iga["step_ms_all"] == [120.0, 126.0, 130.0, 131.0, 121.0, 125.0]
+    assert iga["step_ms"] == statistics.median(iga["step_ms_all"]) == 125.5
+    assert iga["tokens_per_s"] == pytest.approx(4096 / 0.1255) and iga["tokens_per_s_per_gpu"] == pytest.approx(2048 / 0.1255)
+    assert iga["rounds"] == [123.0, 130.5, 123.0] and erm["rounds"] == [102.0, 111.0, 102.0]
+    assert iga["method_ms"] == 10.0 and iga["peak_gib"] == 21.5 and erm["peak_gib"] == 20.0
+    assert bench.pool_rounds(rounds[:1], ["erm", "iga"]) == rounds[0]
 
 
 def test_profile_summary_of_a_cpu_profile():

@@ -328,7 +328,7 @@ def test_bench_step_smoke_runs_on_cpu(tmp_path):
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     cmd = [sys.executable, os.path.join(BENCH, "bench_step.py"), "--methods", "erm,iga_fused", "--dtype", "fp32",
            "--layers", "1", "--hidden", "64", "--vocab", "128", "--seq", "16", "--steps", "2", "--warmup", "1",
-           "--out", str(out)]
+           "--rounds", "2", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -337,3 +337,8 @@ def test_bench_step_smoke_runs_on_cpu(tmp_path):
     assert iga["method_ms"] > 0 and erm["method_ms"] == 0
     assert iga["ratio_step"] == pytest.approx(iga["step_ms"] / erm["step_ms"])
     assert report["env"]["world_size"] == 1 and "step x" in proc.stdout
+    # two rounds, the second in reverse order: 2 timed steps each, pooled
+    assert len(iga["step_ms_all"]) == 4 and len(iga["rounds"]) == 2 and report["settings"]["rounds"] == 2
+    assert "[round 2/2]" in proc.stdout and "median step per round" in proc.stdout
+    launches = [line for line in proc.stdout.splitlines() if line.startswith("+ [round")]
+    assert [line.split("--methods ")[1].split()[0] for line in launches] == ["erm", "iga_fused", "iga_fused", "erm"]
