@@ -16,7 +16,8 @@
 # than there are are skipped and listed in the summary. Each stage has its own time limit.
 #
 # Variables: IGA_PYTHON (default python3), NODE_GPUS, STEP_METHODS (default erm,iga_fused),
-# STEP_STEPS (10), STEP_LIMIT (600 s per benchmark size), EQUIV_LIMIT (900 s), TRAIN_STEPS (300),
+# STEP_STEPS (10), STEP_ROUNDS (2: erm, iga, iga, erm), STEP_LIMIT (900 s per benchmark size),
+# EQUIV_LIMIT (900 s), TRAIN_STEPS (300),
 # TRAIN_STOP_AT (TRAIN_STEPS / 2: the step after which the stop is asked), TRAIN_LIMIT (900 s per
 # training run), TRAIN_GROUPS (300 synthetic isomer groups).
 # Exit status: 0 when every stage that ran exited 0, else 1.
@@ -47,6 +48,7 @@ cd "$repo" || exit 2
 py=${IGA_PYTHON:-python3}
 methods=${STEP_METHODS:-erm,iga_fused}
 steps=${STEP_STEPS:-10}
+rounds=${STEP_ROUNDS:-2}
 train_steps=${TRAIN_STEPS:-300}
 stop_at=${TRAIN_STOP_AT:-$((train_steps / 2))}
 
@@ -142,8 +144,8 @@ if want bench; then
       skip "bench_step_${g}gpu" "needs $g GPUs, $n visible"
       continue
     fi
-    stage "bench_step_${g}gpu" "${STEP_LIMIT:-600}" "$py" bench/bench_step.py --gpus "$g" --methods "$methods" \
-      --steps "$steps" --out "$out/bench_step_${g}gpu.json"
+    stage "bench_step_${g}gpu" "${STEP_LIMIT:-900}" "$py" bench/bench_step.py --gpus "$g" --methods "$methods" \
+      --steps "$steps" --rounds "$rounds" --out "$out/bench_step_${g}gpu.json"
   done
 fi
 

@@ -49,7 +49,8 @@ def test_dry_run_without_gpus_plans_all_three_parts_for_eight(tmp_path):
     # 1. the step benchmark on 1, 2, 4, 8 GPUs, ERM and IGA, each its own JSON
     for g in (1, 2, 4, 8):
         [bench] = [c for c in commands if f"bench/bench_step.py --gpus {g} " in c]
-        assert "--methods erm,iga_fused" in bench and bench.endswith(f"--out {out}/bench_step_{g}gpu.json")
+        assert "--methods erm,iga_fused" in bench and "--rounds 2" in bench
+        assert bench.endswith(f"--out {out}/bench_step_{g}gpu.json")
     # 2. the equivalence test at world size 8, its JSON in OUT
     [equiv] = [c for c in commands if "tests/test_ds_hook_gpu.py" in c]
     assert f"IGA_DS_RESULTS={out}" in equiv and "IGA_DS_GPU_WORLD=8" in equiv and "-m gpu" in equiv
