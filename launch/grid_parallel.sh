@@ -20,12 +20,21 @@ jobs=${3:-4}
 read -r -a cli <<< "${IGA_DS_CLI:-iga-ds}"
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
-pending() {  # unfinished cells, in grid order
-  "${cli[@]}" experiment --grid "$grid" --out "$out" --dry-run | awk 'NF >= 4 && $2 != "done" {print $1}'
+pending() {  # unfinished cells, in grid order; fails when the listing does
+  local listing
+  listing=$("${cli[@]}" experiment --grid "$grid" --out "$out" --dry-run) || return 1
+  awk 'NF >= 4 && $2 != "done" {print $1}' <<< "$listing"
+}
+# a listing that fails must not read as a finished grid (a missing command lists no cells)
+list_pending() {
+  pending || { echo "grid_parallel: could not list the cells with '${cli[*]} experiment --dry-run'" \
+    "(set IGA_DS_CLI to the command, e.g. 'python -m iga_ds')" >&2; exit 2; }
 }
 
+listing=$(list_pending)
+todo=()
+[[ -z $listing ]] || mapfile -t todo <<< "$listing"
 mkdir -p "$out/logs"
-mapfile -t todo < <(pending)
 echo "grid_parallel: ${#todo[@]} cells to run, $jobs at a time"
 if ((${#todo[@]} > 0)); then
   # every core for it: pretraining a base on the CPU is one process's work
@@ -39,7 +48,7 @@ export grid out ngpu
 export IGA_DS_CLI_WORDS="${cli[*]}"
 status=0
 # shellcheck disable=SC2016  # the script is expanded by the bash that xargs starts
-pending | awk '{print NR - 1, $1}' | xargs -r -P "$jobs" -L 1 bash -c '
+printf '%s\n' "${todo[@]}" | awk 'NF {print NR - 1, $1}' | xargs -r -P "$jobs" -L 1 bash -c '
   i=$0 cell=$1
   read -r -a cli <<< "$IGA_DS_CLI_WORDS"
   if ((ngpu > 0)); then export CUDA_VISIBLE_DEVICES=$((i % ngpu)); fi
@@ -50,7 +59,8 @@ pending | awk '{print NR - 1, $1}' | xargs -r -P "$jobs" -L 1 bash -c '
     echo "grid_parallel: $cell FAILED (see $out/logs/$cell.log)" >&2
     exit 1
   fi' || status=$?
-left=$(pending | wc -l)
+left_cells=$(list_pending)
+left=$(grep -c . <<< "$left_cells" || true)
 if ((status != 0 || left > 0)); then
   echo "grid_parallel: $left cells unfinished; rerun the same command to resume" >&2
   exit 1

@@ -172,6 +172,21 @@ def test_prepare_makes_the_data_and_every_base_once_and_trains_nothing(tmp_path,
     assert "pretraining from scratch" not in again and again.count("tiny base ready:") == 2
 
 
+def test_grid_parallel_stops_when_it_cannot_list_the_cells(tmp_path):
+    import os
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    grid = _builtin_tiny_grid(tmp_path / "grid.yaml", {"steps": 1})
+    env = dict(os.environ, IGA_DS_CLI=str(tmp_path / "no-such-command"))
+    proc = subprocess.run(["bash", str(repo / "launch/grid_parallel.sh"), str(grid), str(tmp_path / "out"), "2"],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=60)
+    # before: "0 cells to run" and exit 0, as if the grid were finished
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "could not list the cells" in proc.stderr and "IGA_DS_CLI" in proc.stderr
+    assert "cells to run" not in proc.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_grid_parallel_prepares_then_runs_cells_side_by_side_and_reports(tmp_path):
