@@ -502,34 +502,29 @@ def pool_rounds(rounds: list[list[dict]], methods: list[str]) -> list[dict]:
     return pooled
 
 
-def strip_profile_args(argv: list[str]) -> list[str]:
+def strip_options(argv: list[str], with_value: tuple[str, ...], flags: tuple[str, ...] = ()) -> list[str]:
+    """``argv`` without the options ``with_value`` (``--x V`` or ``--x=V``) and ``flags``."""
     out, skip = [], False
     for arg in argv:
         if skip:
             skip = False
             continue
         name = arg.split("=", 1)[0]
-        if name == "--profile":
+        if name in with_value:
             skip = "=" not in arg
             continue
-        if name != "--profile-trace":
+        if name not in flags:
             out.append(arg)
     return out
 
 
 def strip_driver_args(argv: list[str]) -> list[str]:
     """The command line without the options the driver sets itself."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        name = arg.split("=", 1)[0]
-        if name in ("--methods", "--out", "--gpus", "--rounds"):
-            skip = "=" not in arg
-            continue
-        out.append(arg)
-    return out
+    return strip_options(argv, ("--methods", "--out", "--gpus", "--rounds"))
+
+
+def strip_profile_args(argv: list[str]) -> list[str]:
+    return strip_options(argv, ("--profile",), ("--profile-trace",))
 
 
 def parse_args(argv=None):
