@@ -75,6 +75,21 @@ def register(subparsers: Any) -> None:
     rep.add_argument("--discussion", help="Markdown file appended after the tables (interpretation)")
     rep.set_defaults(func=run_report)
 
+    pk = subparsers.add_parser(
+        "pack",
+        help="a results folder as one .tar.xz, or parts of a given size, without weights and data",
+        description="Archive DIR for copying elsewhere: cells' results, logs and evaluations; leaves out "
+        "adapter/ and checkpoints/ folders and the grid's data/ unless asked. With --part-size the "
+        "archive is cut into OUT.part000, OUT.part001, ...; `cat OUT.part* > OUT` joins them, "
+        "`tar xJf OUT` unpacks.",
+    )
+    pk.add_argument("dir", help="results folder (e.g. the --out of `iga-ds experiment`)")
+    pk.add_argument("--out", required=True, help="archive to write, e.g. replication.tar.xz")
+    pk.add_argument("--part-size", metavar="SIZE", help="cut into parts of at most SIZE (15M, 512K, 2G)")
+    pk.add_argument("--with-weights", action="store_true", help="keep adapter/ and checkpoints/ folders")
+    pk.add_argument("--with-data", action="store_true", help="keep the grid's generated data/ folder")
+    pk.set_defaults(func=run_pack)
+
     exp = subparsers.add_parser(
         "experiment",
         help="train and evaluate a grid of methods x seeds x ablations, then write the report",
@@ -96,6 +111,21 @@ def register(subparsers: Any) -> None:
     exp.add_argument("--no-report", action="store_true", help="do not write DIR/report.md at the end")
     exp.add_argument("--no-progress", action="store_true", help="no progress bars (the per-cell lines stay)")
     exp.set_defaults(func=run_experiment)
+
+
+def run_pack(args: argparse.Namespace) -> int:
+    from iga_ds.evaluation.pack import pack, parse_size
+
+    part_size = parse_size(args.part_size) if args.part_size else None
+    written = pack(args.dir, args.out, with_weights=args.with_weights, with_data=args.with_data,
+                   part_size=part_size)
+    total = sum(p.stat().st_size for p in written)
+    size = f"{total / 2**20:.1f} MiB" if total >= 2**20 else f"{total / 2**10:.1f} KiB"
+    print(f"packed {args.dir} into {len(written)} file(s), {size}: "
+          + ", ".join(str(p) for p in written))
+    if part_size is not None:
+        print(f"join with: cat {args.out}.part* > {args.out}")
+    return 0
 
 
 def _load_items(args: argparse.Namespace) -> tuple[list, dict[str, Any], list[dict] | None]:
