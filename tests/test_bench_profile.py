@@ -47,9 +47,11 @@ def test_rounds_pool_the_steps_and_profile_only_once():
 
     def result(method, steps, method_ms, peak):  # what a worker reports; 4096 tokens per step, 2 GPUs
         step = statistics.median(steps)
+        fwd_bwd = [0.75 * t for t in steps]
         return {"method": method, "step_ms": step, "step_ms_all": steps, "tokens_per_s": 4096 / (step / 1e3),
                 "tokens_per_s_per_gpu": 2048 / (step / 1e3), "peak_gib": peak, "method_ms": method_ms,
-                "comm_ms": 1.0, "trainable_params": 7}
+                "comm_ms": 1.0, "trainable_params": 7, "fwd_bwd_ms": statistics.median(fwd_bwd),
+                "fwd_bwd_ms_all": fwd_bwd, "boundary_ms": 0.25 * step, "boundary_ms_all": [0.25 * t for t in steps]}
 
     rounds = [[result("erm", [100.0, 104.0], 0.0, 20.0), result("iga", [120.0, 126.0], 9.0, 21.0)],
               [result("iga", [130.0, 131.0], 11.0, 21.5), result("erm", [110.0, 112.0], 0.0, 20.0)],
@@ -60,6 +62,15 @@ def test_rounds_pool_the_steps_and_profile_only_once():
     assert iga["tokens_per_s"] == pytest.approx(4096 / 0.1255) and iga["tokens_per_s_per_gpu"] == pytest.approx(2048 / 0.1255)
     assert iga["rounds"] == [123.0, 130.5, 123.0] and erm["rounds"] == [102.0, 111.0, 102.0]
     assert iga["method_ms"] == 10.0 and iga["peak_gib"] == 21.5 and erm["peak_gib"] == 20.0
+    assert iga["fwd_bwd_ms_all"] == [0.75 * t for t in iga["step_ms_all"]]
+    assert iga["fwd_bwd_ms"] == pytest.approx(0.75 * 125.5) and iga["boundary_ms"] == pytest.approx(0.25 * 125.5)
+    # the phases against ERM's: capture from forward+backward, the rest of the boundary
+    args = SimpleNamespace(micro=4, seq=8, gas=1, rank=2, alpha=4.0, dtype="fp32", tau=0.5, normalize="mean",
+                           warmup=1, steps=2, rounds=3, layers=1, hidden=8, config=None, grad_ckpt=False)
+    report = bench.summarize([erm, iga], {}, args)
+    iga_row = report["results"][1]
+    assert iga_row["capture_ms"] == pytest.approx(iga["fwd_bwd_ms"] - erm["fwd_bwd_ms"])
+    assert iga_row["boundary_other_ms"] == pytest.approx(iga["boundary_ms"] - erm["boundary_ms"] - 10.0 - 1.0)
     assert bench.pool_rounds(rounds[:1], ["erm", "iga"]) == rounds[0]
 
 

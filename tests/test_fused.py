@@ -337,6 +337,12 @@ def test_bench_step_smoke_runs_on_cpu(tmp_path):
     assert iga["method_ms"] > 0 and erm["method_ms"] == 0
     assert iga["ratio_step"] == pytest.approx(iga["step_ms"] / erm["step_ms"])
     assert report["env"]["world_size"] == 1 and "step x" in proc.stdout
+    # each step split at the synchronization before the boundary: the phases add up to the step
+    for row in (erm, iga):
+        for total, a, b in zip(row["step_ms_all"], row["fwd_bwd_ms_all"], row["boundary_ms_all"]):
+            assert a > 0 and b > 0 and a + b == pytest.approx(total, rel=1e-9)
+    assert iga["capture_ms"] == pytest.approx(iga["fwd_bwd_ms"] - erm["fwd_bwd_ms"])
+    assert "capture ms" in proc.stdout and "boundary ms" in proc.stdout
     # two rounds, the second in reverse order: 2 timed steps each, pooled
     assert len(iga["step_ms_all"]) == 4 and len(iga["rounds"]) == 2 and report["settings"]["rounds"] == 2
     assert "[round 2/2]" in proc.stdout and "median step per round" in proc.stdout
