@@ -65,6 +65,11 @@ def scaling_rows(reports: dict[int, dict]) -> list[dict]:
                 "ratio_step": None,
                 "ratio_tokens_per_s": None,
                 "ratio_peak": None,
+                # IGA's extra time by phase (bench_step.py: capture and the rest of the boundary
+                # are differences against ERM's phases; absent in reports without the phases)
+                "method_ms": r.get("method_ms") if r["method"] != "erm" else None,
+                "capture_ms": r.get("capture_ms"),
+                "other_ms": r.get("boundary_other_ms"),
             }
             if erm is not None and r["method"] != "erm":
                 row["ratio_step"] = r.get("ratio_step", _ratio(r["step_ms"], erm["step_ms"]))
@@ -92,11 +97,13 @@ def bench_section(reports: dict[int, dict]) -> list[str]:
         + (f", hidden {s['hidden']}" if s.get("hidden") else "")
         + f"; LoRA r {s.get('rank')}, ZeRO-2, {s.get('dtype')}; micro-batch {s.get('micro')} x {s.get('seq')} tokens, "
         f"accumulation {s.get('gas')} per GPU; median of {s.get('steps')} steps after {s.get('warmup')}.",
-        "Scaling efficiency: tokens/s per GPU on N GPUs / on 1 GPU, same method. IGA/ERM: same N.",
+        "Scaling efficiency: tokens/s per GPU on N GPUs / on 1 GPU, same method. IGA/ERM: same N. "
+        "Capture: IGA's forward+backward phase - ERM's; other: IGA's boundary phase - ERM's - method - "
+        "communication.",
         "",
         "| GPUs | method | step ms | tokens/s | tokens/s/GPU | peak GiB | scaling eff. | step IGA/ERM "
-        "| tokens/s IGA/ERM | peak IGA/ERM |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| tokens/s IGA/ERM | peak IGA/ERM | method ms | capture ms | other ms |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in scaling_rows(reports):
         lines.append(
@@ -104,7 +111,8 @@ def bench_section(reports: dict[int, dict]) -> list[str]:
             f"| {_cell(row['tokens_per_s'], ',.0f')} "
             f"| {_cell(row['tokens_per_s_per_gpu'], ',.0f')} | {_cell(row['peak_gib'], '.2f')} "
             f"| {_cell(row['efficiency'], '.3f')} | {_cell(row['ratio_step'], '.3f')} "
-            f"| {_cell(row['ratio_tokens_per_s'], '.3f')} | {_cell(row['ratio_peak'], '.3f')} |"
+            f"| {_cell(row['ratio_tokens_per_s'], '.3f')} | {_cell(row['ratio_peak'], '.3f')} "
+            f"| {_cell(row['method_ms'], '.1f')} | {_cell(row['capture_ms'], '.1f')} | {_cell(row['other_ms'], '.1f')} |"
         )
     return lines + [""]
 

@@ -111,14 +111,18 @@ SETTINGS = dict(micro=4, seq=512, gas=4, rank=16, alpha=32.0, dtype="bf16", tau=
                 steps=10, layers=None, hidden=None, config=None, grad_ckpt=False)
 
 
-def bench_report(world: int, step_ms: dict[str, float], peak: dict[str, float]) -> dict:
-    """A report as bench_step.py writes it (its own summarize() builds the ratios)."""
+def bench_report(world: int, step_ms: dict[str, float], peak: dict[str, float],
+                 fwd_bwd_ms: dict[str, float] | None = None) -> dict:
+    """A report as bench_step.py writes it (its own summarize() builds the ratios); with
+    ``fwd_bwd_ms``, the step's phases too (the boundary is the rest of the step)."""
     bench = load("bench_step")
     tokens = SETTINGS["micro"] * SETTINGS["seq"] * SETTINGS["gas"] * world
     results = [{"method": m, "step_ms": ms, "step_ms_all": [ms] * SETTINGS["steps"],
                 "tokens_per_s": tokens / (ms / 1e3), "tokens_per_s_per_gpu": tokens / (ms / 1e3) / world,
                 "peak_gib": peak[m], "method_ms": 0.0 if m == "erm" else 12.0, "comm_ms": 0.0 if m == "erm" else 3.0,
-                "trainable_params": 16_777_216} for m, ms in step_ms.items()]
+                "trainable_params": 16_777_216,
+                **({"fwd_bwd_ms": fwd_bwd_ms[m], "boundary_ms": ms - fwd_bwd_ms[m]} if fwd_bwd_ms else {})}
+               for m, ms in step_ms.items()]
     env = {"card": "NVIDIA H100 80GB HBM3", "world_size": world, "torch": "2.x", "cuda": "12.x", "deepspeed": "0.x",
            "transformers": "4.x", "peft": "0.x", "triton": "3.x", "python": "3.x"}
     return bench.summarize(results, env, SimpleNamespace(**SETTINGS))
@@ -133,7 +137,8 @@ def test_summary_scaling_efficiency_and_ratios(tmp_path):
     one = {"erm": 800.0, "iga_fused": 820.0}
     two = {"erm": 880.0, "iga_fused": 910.0}
     (tmp_path / "bench_step_1gpu.json").write_text(json.dumps(bench_report(1, one, {"erm": 20.0, "iga_fused": 20.5})))
-    (tmp_path / "bench_step_2gpu.json").write_text(json.dumps(bench_report(2, two, {"erm": 18.0, "iga_fused": 18.4})))
+    (tmp_path / "bench_step_2gpu.json").write_text(json.dumps(
+        bench_report(2, two, {"erm": 18.0, "iga_fused": 18.4}, fwd_bwd_ms={"erm": 700.0, "iga_fused": 740.0})))
     res = subprocess.run([sys.executable, str(SUMMARY), str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     text = (tmp_path / "summary.md").read_text()
@@ -149,8 +154,11 @@ def test_summary_scaling_efficiency_and_ratios(tmp_path):
         assert table_row(text, 2, method)[4] == f"{per_gpu_2:,.0f}"
         assert table_row(text, 2, method)[2] == f"{two[method]:.1f}"
     row = table_row(text, 2, "iga_fused")
-    assert row[7:] == [f"{910 / 880:.3f}", f"{880 / 910:.3f}", f"{18.4 / 18.0:.3f}"]
-    assert table_row(text, 2, "erm")[7:] == ["-", "-", "-"]
+    # ratios, then the method (12 ms), the capture (740 - 700) and the rest of the boundary
+    # ((910 - 740) - (880 - 700) - 12 - 3)
+    assert row[7:] == [f"{910 / 880:.3f}", f"{880 / 910:.3f}", f"{18.4 / 18.0:.3f}", "12.0", "40.0", "-25.0"]
+    assert table_row(text, 2, "erm")[7:] == ["-"] * 6
+    assert table_row(text, 1, "iga_fused")[11:] == ["-", "-"]  # a report without phases
     # the parts that did not run are named as such
     assert "No gpu_equivalence.json" in text and "Not run." in text
 
