@@ -8,10 +8,23 @@ from pathlib import Path
 from typing import Any
 
 
+def temp_file_beside(path: Path) -> tuple[int, str]:
+    """(fd, name) of a new temporary file in ``path``'s folder, to be renamed onto ``path``.
+
+    mkstemp creates it 0600; it gets the permissions a new file gets under the umask instead,
+    so that what is renamed into place (results, reports, archives) is readable as usual.
+    """
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    return fd, tmp
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = temp_file_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

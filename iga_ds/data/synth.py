@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import random
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -27,7 +26,7 @@ from iga_ds.data.domains import DEFAULT_DOMAINS, DOMAINS, Domain, get_domain
 from iga_ds.data.patterns import BOOLEAN_ANSWERS, INTEGER_ANSWERS, PATTERNS, SAMPLERS, SLOT_KIND
 from iga_ds.data.render import abstract_statements, render_cot, render_problem, slot_words
 from iga_ds.errors import UserError
-from iga_ds.utils_io import atomic_write_json
+from iga_ds.utils_io import atomic_write_json, temp_file_beside
 
 FORMAT_VERSION = 1
 TEST_FRAC = 0.2
@@ -176,7 +175,7 @@ class _HashingWriter:
 
     def __init__(self, path: Path):
         self.path = path
-        fd, self.tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, self.tmp = temp_file_beside(path)
         self.f = os.fdopen(fd, "wb")
         self.sha = hashlib.sha256()
         self.records = 0

@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 import re
 import tarfile
-import tempfile
 from pathlib import Path
 
 from iga_ds.errors import UserError
+from iga_ds.utils_io import atomic_write_bytes, temp_file_beside
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30}
@@ -52,17 +52,6 @@ def _members(root: Path, with_weights: bool, with_data: bool) -> list[Path]:
     return kept
 
 
-def _temp_beside(path: Path) -> Path:
-    """An empty file next to ``path``, with the permissions a new file gets (mkstemp's are 0600:
-    an archive is made to be shared)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    return Path(tmp)
-
-
 def pack(root: str | Path, out: str | Path, *, with_weights: bool = False, with_data: bool = False,
          part_size: int | None = None) -> list[Path]:
     """Write ``out`` (a ``.tar.xz``) or, with ``part_size``, ``out.part000``, ``out.part001``, ...
@@ -78,7 +67,9 @@ def pack(root: str | Path, out: str | Path, *, with_weights: bool = False, with_
     files = _members(root, with_weights, with_data)
     if not files:
         raise UserError(f"{root}: nothing to pack (empty, or only weights and data)")
-    tmp = _temp_beside(out)
+    fd, name = temp_file_beside(out)
+    os.close(fd)
+    tmp = Path(name)
     try:
         with tarfile.open(tmp, "w:xz") as tar:
             for rel in files:
@@ -111,8 +102,6 @@ def _split(archive: Path, out: Path, part_size: int) -> list[Path]:
     with open(archive, "rb") as src:
         while chunk := src.read(part_size):
             part = out.with_name(f"{out.name}.part{len(written):03d}")
-            tmp = _temp_beside(part)
-            tmp.write_bytes(chunk)
-            os.replace(tmp, part)
+            atomic_write_bytes(part, chunk)
             written.append(part)
     return written
