@@ -20,18 +20,17 @@ jobs=${3:-4}
 read -r -a cli <<< "${IGA_DS_CLI:-iga-ds}"
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
-pending() {  # unfinished cells, in grid order; fails when the listing does
+pending() {  # unfinished cells, in grid order
   local listing
-  listing=$("${cli[@]}" experiment --grid "$grid" --out "$out" --dry-run) || return 1
+  # a listing that fails must not read as a finished grid (a missing command lists no cells);
+  # called as $(pending), the exit ends the script through set -e
+  listing=$("${cli[@]}" experiment --grid "$grid" --out "$out" --dry-run) \
+    || { echo "grid_parallel: could not list the cells with '${cli[*]} experiment --dry-run'" \
+           "(set IGA_DS_CLI to the command, e.g. 'python -m iga_ds')" >&2; exit 2; }
   awk 'NF >= 4 && $2 != "done" {print $1}' <<< "$listing"
 }
-# a listing that fails must not read as a finished grid (a missing command lists no cells)
-list_pending() {
-  pending || { echo "grid_parallel: could not list the cells with '${cli[*]} experiment --dry-run'" \
-    "(set IGA_DS_CLI to the command, e.g. 'python -m iga_ds')" >&2; exit 2; }
-}
 
-listing=$(list_pending)
+listing=$(pending)
 todo=()
 [[ -z $listing ]] || mapfile -t todo <<< "$listing"
 mkdir -p "$out/logs"
@@ -59,7 +58,7 @@ printf '%s\n' "${todo[@]}" | awk 'NF {print NR - 1, $1}' | xargs -r -P "$jobs" -
     echo "grid_parallel: $cell FAILED (see $out/logs/$cell.log)" >&2
     exit 1
   fi' || status=$?
-left_cells=$(list_pending)
+left_cells=$(pending)
 left=$(grep -c . <<< "$left_cells" || true)
 if ((status != 0 || left > 0)); then
   echo "grid_parallel: $left cells unfinished; rerun the same command to resume" >&2
