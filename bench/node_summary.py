@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 
 BENCH_NAME = re.compile(r"bench_step_(\d+)gpu\.json$")
-STOPPED = re.compile(r"stopping: checkpoint saved at step (\d+)")
+# the trainer says why it stopped: "stopping (signal SIGUSR1): checkpoint saved at step 150; ..."
+STOPPED = re.compile(r"stopping(?: \([^)]*\))?: checkpoint saved at step (\d+)")
 RESUMED = re.compile(r"resumed from .* at step (\d+)")
 STARTED = re.compile(r"(\d+) steps, world size (\d+)")
 
@@ -194,7 +195,7 @@ def check_train(out: Path, train_steps: int | None = None) -> dict:
     result["stopped_at"] = int(stopped[-1]) if stopped else None
     result["resumed_at"] = int(resumed[-1]) if resumed else None
     if result["stopped_at"] is None:
-        problems.append("the first run did not report a checkpoint on the signal ('stopping: checkpoint saved at step')")
+        problems.append("the first run did not report a checkpoint on the signal ('stopping (...): checkpoint saved at step')")
     if result["resumed_at"] is None:
         problems.append("the second run did not report a resume ('resumed from ... at step')")
     elif result["stopped_at"] is not None and result["resumed_at"] != result["stopped_at"]:

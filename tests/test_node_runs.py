@@ -197,7 +197,8 @@ def write_training(out: Path, steps: list[int], stopped: int | None, resumed: in
     (out / "train" / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in steps))
     start = f"training LoRA r=8: 1 trainable of 2 parameters; method iga; 240 groups, {total} steps, world size 2\n"
     (out / "train_run1.log").write_text(
-        start + (f"stopping: checkpoint saved at step {stopped}; rerun with resume: auto to continue\n" if stopped else ""))
+        start + (f"stopping (signal SIGUSR1): checkpoint saved at step {stopped}; rerun with resume: auto to "
+                 "continue\n" if stopped else ""))
     (out / "train_run2.log").write_text(
         (f"resumed from {out}/train/checkpoints/step_{resumed:08d} at step {resumed}\n" if resumed else "") + start)
 

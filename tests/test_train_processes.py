@@ -112,6 +112,11 @@ def test_stop_file_stops_both_ranks_at_one_step_and_resume_completes(setup):
     assert [p.returncode for p in procs] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
     stopped_at = _steps(out)[-1]
     assert "stopping (stop file STOP)" in logs[0], logs[0][-2000:]
+    # the one-node check (bench/node_runs.sh) reads this line to find the step the run stopped at
+    sys.path.insert(0, str(REPO / "bench"))
+    import node_summary
+
+    assert [int(m) for m in node_summary.STOPPED.findall(logs[0])] == [stopped_at]
     ckpt = out / "checkpoints" / f"step_{stopped_at:08d}"
     assert (out / "checkpoints" / "latest").read_text().strip() == ckpt.name
     assert len(list(ckpt.glob("*optim_states.pt"))) == 2  # both ranks saved the same step
