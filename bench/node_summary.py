@@ -239,8 +239,8 @@ def stages_section(out: Path) -> list[str]:
     stages = _table_file(out / "stages.tsv")
     if stages:
         lines += ["| stage | exit |", "|---|---:|"] + [f"| {name} | {rc} |" for name, rc in stages]
-        lines.append("")
-        lines.append("Exit 124: the stage ran past its time limit.")
+        if any(rc.strip() == "124" for _, rc in stages):
+            lines += ["", "Exit 124: the stage ran past its time limit."]
     else:
         lines.append("No stages.tsv.")
     skipped = _table_file(out / "skipped.txt")

@@ -233,6 +233,10 @@ def test_summary_lists_stages_and_skips(tmp_path):
     (tmp_path / "skipped.txt").write_text("bench_step_4gpu\tneeds 4 GPUs, 2 visible\n")
     text = load("node_summary").render(tmp_path)
     assert "| equivalence | 124 |" in text and "- bench_step_4gpu: needs 4 GPUs, 2 visible" in text
+    assert "ran past its time limit" in text
+    # the time-limit note only when a stage hit its limit
+    (tmp_path / "stages.tsv").write_text("gpus\t0\ntrain_check\t1\n")
+    assert "ran past its time limit" not in load("node_summary").render(tmp_path)
 
 
 def test_step_ratio_interval_covers_the_true_ratio_and_narrows_with_steps():
