@@ -136,3 +136,16 @@ def test_one_sequence_per_domain_fast_path_equals_index_add(dtype, monkeypatch):
         torch.testing.assert_close(fA, sA, rtol=1e-6, atol=1e-9)
         torch.testing.assert_close(fB, sB, rtol=1e-6, atol=1e-9)
         assert fA.abs().sum() > 0
+
+
+@pytest.mark.slow
+def test_bench_capture_runs_and_reports_the_extra(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "bench_capture.py")
+    proc = subprocess.run([sys.executable, bench, "--layers", "2", "--rounds", "1", "--iters", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "8 LoRA layers" in proc.stdout and "us per LoRA layer" in proc.stdout, proc.stdout

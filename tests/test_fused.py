@@ -124,6 +124,19 @@ def test_mixed_shapes_tiles_and_batches(dtype):
         assert_matches_reference(mods, out, dtype, tau=0.5, normalize="mean")
 
 
+def test_small_eigendecompositions_share_one_call_per_width(monkeypatch):
+    # linalg.eigh checks its result on the host (a device stall per call): stacks of one
+    # sketch width share one call, whatever the number of stacks
+    calls = []
+    real = torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda a, *args, **kw: calls.append(tuple(a.shape)) or real(a, *args, **kw))
+    shapes = [(4, 48, 40)] * 3 + [(6, 30, 50)] * 2
+    mods = [make_module(i, r=r, d_in=a, d_out=b) for i, (r, a, b) in enumerate(shapes)]
+    out = batched_iga(mods, tau=0.5, normalize="mean", generators=generators(mods), batch_bytes=1)  # one per stack
+    assert sorted(calls) == [(2, 16, 16), (3, 14, 14)]
+    assert_matches_reference(mods, out, torch.float64, tau=0.5, normalize="mean")
+
+
 @pytest.mark.parametrize("rank,power_iters,oversample", [(2, 2, 10), (4, 0, 10), (4, 1, 3), (3, 2, 100)])
 def test_rank_power_iterations_and_sketch_width(rank, power_iters, oversample):
     # oversample 100 makes the sketch as wide as the matrix: width = min(rank + p, out, in)

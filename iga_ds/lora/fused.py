@@ -221,10 +221,30 @@ def _orthonormalize(Y: torch.Tensor) -> torch.Tensor:
     return Q.to(Y.dtype)
 
 
-def _small_svd(small: torch.Tensor, rank: int):
-    """Top-`rank` SVD of short-wide matrices (M x w x n, w small) from the w x w Gram, in float64."""
+def _gram_eigh(smalls: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Eigendecompositions of the w x w Grams of several stacks of short-wide matrices, float64.
+
+    ``torch.linalg.eigh`` checks its result on the host, so each call stalls the device until
+    its queue drains; stacks of equal w share one call, so a method call stalls once, not once
+    per stack."""
+    grams = [small.double() @ small.double().mT for small in smalls]
+    by_width: dict[int, list[int]] = {}
+    for i, gram in enumerate(grams):
+        by_width.setdefault(gram.shape[-1], []).append(i)
+    out: list = [None] * len(grams)
+    for idx in by_width.values():
+        evals, evecs = torch.linalg.eigh(torch.cat([grams[i] for i in idx]))  # ascending
+        sizes = [grams[i].shape[0] for i in idx]
+        for i, values, vectors in zip(idx, evals.split(sizes), evecs.split(sizes)):
+            out[i] = (values, vectors)
+    return out
+
+
+def _small_svd(small: torch.Tensor, rank: int, eig=None):
+    """Top-`rank` SVD of short-wide matrices (M x w x n, w small) from the w x w Gram, in float64.
+    ``eig``: the Gram's eigendecomposition from :func:`_gram_eigh`, when already computed."""
     S64 = small.double()
-    evals, evecs = torch.linalg.eigh(S64 @ S64.mT)  # ascending
+    evals, evecs = eig if eig is not None else _gram_eigh([small])[0]
     evals, evecs = evals.flip(-1)[..., :rank], evecs.flip(-1)[..., :rank]
     S = evals.clamp_min(0).sqrt()
     safe = torch.where(S > 0, S, torch.ones_like(S))
@@ -243,8 +263,9 @@ def _tf32_matmuls(enabled: bool):
         torch.backends.cuda.matmul.allow_tf32 = previous
 
 
-def _finish_svd(masked, sketch, rank: int, power_iters: int, tf32: bool = False):
-    """HMT Alg. 4.4 from the first sketch: orthonormalize, power iterations, small SVD.
+def _project(masked, sketch, power_iters: int, tf32: bool = False):
+    """HMT Alg. 4.4 up to the small matrix: orthonormalize the first sketch, power iterations,
+    then ``small = Q^T M``; the SVD of ``small`` finishes it (:func:`_svd_from_projection`).
 
     With ``tf32`` the power iterations (which only refine the range estimate) use TF32
     tensor cores; the final projection Q^T M stays in float32.
@@ -254,15 +275,12 @@ def _finish_svd(masked, sketch, rank: int, power_iters: int, tf32: bool = False)
         for _ in range(power_iters):
             Z = _orthonormalize(masked.mT @ Q)
             Q = _orthonormalize(masked @ Z)
-    small = Q.mT @ masked  # M x width x in
-    Ub, S, Vh = _small_svd(small, rank)
-    U = Q @ Ub
-    U, Vh = _canonical_signs(U, Vh)
-    return U, S, Vh
+    return Q, Q.mT @ masked  # M x width x in
 
 
-def _finish_single_pass(sketch, co_sketch, psi, rank: int):
-    """Tropp et al. 2017 from both sketches: Q = orth(Y), X = (psi Q)^+ W, SVD of the small X.
+def _project_single_pass(sketch, co_sketch, psi):
+    """Tropp et al. 2017 from both sketches: Q = orth(Y), X = (psi Q)^+ W; the SVD of the
+    small X finishes it.
 
     psi Q (l x k, l = 2k + 1, Gaussian times orthonormal) is well conditioned, so the least
     squares solve goes through its normal equations, in float64."""
@@ -270,11 +288,15 @@ def _finish_single_pass(sketch, co_sketch, psi, rank: int):
     P = psi.double() @ Q.double()  # M x l x k
     gram = P.mT @ P
     L, _ = torch.linalg.cholesky_ex(gram)
-    X = torch.cholesky_solve(P.mT @ co_sketch.double(), L)  # M x k x in
-    Ub, S, Vh = _small_svd(X, rank)
+    return Q, torch.cholesky_solve(P.mT @ co_sketch.double(), L)  # M x k x in
+
+
+def _svd_from_projection(Q, small, rank: int, eig=None):
+    """U S Vh of Q @ small, truncated to ``rank``, in Q's dtype, signs made canonical."""
+    Ub, S, Vh = _small_svd(small, rank, eig)
     U = Q @ Ub.to(Q.dtype)
-    U, Vh = _canonical_signs(U, Vh.to(sketch.dtype))
-    return U, S.to(sketch.dtype), Vh
+    U, Vh = _canonical_signs(U, Vh.to(Q.dtype))
+    return U, S.to(Q.dtype), Vh
 
 
 def _draw_sketches(generators, d_in: int, width: int, dtype, device, d_out: int | None = None,
@@ -289,8 +311,20 @@ def _draw_sketches(generators, d_in: int, width: int, dtype, device, d_out: int 
     return torch.stack(omegas), (torch.stack(psis) if co_width else None)
 
 
-def _run_stack(st: _Stack, *, tau, normalize, rank, oversample, power_iters, tile_elements, use_triton,
-               triton_precision, svd):
+@dataclass
+class _Projected:
+    """A stack after its pass over the masked matrices: all that the small SVD and the factor
+    gradients still need."""
+
+    Q: torch.Tensor  # M x out x width, orthonormal columns
+    small: torch.Tensor  # M x width x in: Q^T masked (single pass: its least-squares estimate)
+    rank: int
+    stats: dict
+    energy_total: torch.Tensor  # M: ||masked||_F^2, float64
+
+
+def _project_stack(st: _Stack, *, tau, normalize, rank, oversample, power_iters, tile_elements, use_triton,
+                   triton_precision, svd) -> _Projected:
     M, N, r, d_in = st.gA.shape
     d_out = st.B.shape[1]
     k = r if rank is None else int(rank)
@@ -311,12 +345,20 @@ def _run_stack(st: _Stack, *, tau, normalize, rank, oversample, power_iters, til
         masked, sketch, stats, energy_total = _tile_pass_torch(
             left_mean, right_mean, left_dev, right_dev, omega, tile_elements=tile_elements, **kwargs)
     if psi is None:
-        U, S, Vh = _finish_svd(masked, sketch, k, power_iters, tf32=use_triton and triton_precision == "tf32")
+        Q, small = _project(masked, sketch, power_iters, tf32=use_triton and triton_precision == "tf32")
     else:  # `masked` holds the co-range sketch here
-        U, S, Vh = _finish_single_pass(sketch, masked, psi, k)
-    del masked, sketch
+        Q, small = _project_single_pass(sketch, masked, psi)
+    return _Projected(Q, small, k, stats, energy_total)
+
+
+def _factor_gradients(st: _Stack, proj: _Projected, eig) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    U, S, Vh = _svd_from_projection(proj.Q, proj.small, proj.rank, eig)
+    M, _, r, d_in = st.gA.shape
+    d_out, k = st.B.shape[1], proj.rank
+    stats = dict(proj.stats)
     kept = S.double().pow(2).sum(dim=-1)
-    stats["energy_kept"] = torch.where(energy_total > 0, kept / torch.where(energy_total > 0, energy_total, 1), 1.0)
+    total = proj.energy_total
+    stats["energy_kept"] = torch.where(total > 0, kept / torch.where(total > 0, total, 1), 1.0)
     # gB = U S^1/2 / sqrt(s), gA = S^1/2 Vh / sqrt(s): s * gB @ gA = U S Vh (factors_from_svd)
     root = S.clamp_min(0).sqrt() / st.scaling.sqrt().view(-1, 1)
     gB_new = U * root.unsqueeze(-2)
@@ -366,23 +408,35 @@ def batched_iga(
         raise ValueError(f"svd must be 'randomized' or 'single_pass' (the fused forms), got {svd!r}")
     if factors not in FACTOR_MAPS:
         raise ValueError(f"factors must be one of {FACTOR_MAPS}, got {factors!r}")
-    results: list = [None] * len(modules)
-    for st in _stacks(modules, generators, batch_bytes):
+    stacks = _stacks(modules, generators, batch_bytes)
+    projected = []
+    for st in stacks:  # the masked matrices of one stack are freed before the next is built
         # the kernel computes in float32; float64 stays on the PyTorch path
         triton_ok = _triton_wanted(use_triton, st.A.device) and st.A.dtype == torch.float32
-        gA_new, gB_new, stats = _run_stack(
+        projected.append(_project_stack(
             st, tau=float(tau), normalize=normalize, rank=rank, oversample=int(oversample),
             power_iters=int(power_iters), tile_elements=int(tile_elements), use_triton=triton_ok,
             triton_precision=triton_precision, svd=svd,
-        )
+        ))
+    eigs = _gram_eigh([proj.small for proj in projected])
+    done, tables = [], []
+    for st, proj, eig in zip(stacks, projected, eigs):
+        gA_new, gB_new, stats = _factor_gradients(st, proj, eig)
         if factors == "chain_rule":
             gA_new, gB_new = chain_rule_factors(st.A, st.B, gA_new, gB_new, st.scaling.view(-1, 1, 1))
-        # one device-to-host copy for all statistics of the stack
         keys = list(stats)
-        table = torch.stack([stats[key].double() for key in keys]).cpu().tolist()
-        for j, pos in enumerate(st.positions):
+        tables.append(torch.stack([stats[key].double() for key in keys]))
+        done.append((st.positions, gA_new, gB_new))
+    # one device-to-host copy for all statistics: a copy per stack would stall the device per stack
+    table = torch.cat(tables, dim=1).cpu().tolist() if tables else []
+    results: list = [None] * len(modules)
+    column = 0
+    for positions, gA_new, gB_new in done:
+        for j, pos in enumerate(positions):
             dtype = modules[pos].gA.dtype
-            results[pos] = (gA_new[j].to(dtype), gB_new[j].to(dtype), {key: table[i][j] for i, key in enumerate(keys)})
+            results[pos] = (gA_new[j].to(dtype), gB_new[j].to(dtype),
+                            {key: table[i][column] for i, key in enumerate(keys)})
+            column += 1
     return results
 
 

@@ -100,14 +100,16 @@ if triton is not None:
         left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, out_ptr, part_ptr, min_ptr,
         d_out, d_in, k2, tau,
         N: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, STATS: tl.constexpr = True,
     ):
-        """Writes Gbar * mask tile by tile (the randomized SVD reads it afterwards)."""
+        """Writes Gbar * mask tile by tile (the randomized SVD reads it afterwards). ``STATS``
+        False skips the statistics (bench/tune_method.py times their cost)."""
         pid_r, pid_c, mod, rows, cols, masked, mask, var, valid = _program_tile(
             left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, d_out, d_in, k2, tau,
             N, NORM, KP, BM, BN, PRECISION)
         tl.store(out_ptr + mod * d_out * d_in + rows[:, None] * d_in + cols[None, :], masked, mask=valid)
-        _store_tile_stats(part_ptr, min_ptr, mod, masked, mask, var, valid, pid_r, pid_c)
+        if STATS:
+            _store_tile_stats(part_ptr, min_ptr, mod, masked, mask, var, valid, pid_r, pid_c)
 
     @triton.jit
     def _iga_sketch_kernel(

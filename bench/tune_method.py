@@ -1,0 +1,217 @@
+"""The fused method's GPU parts one at a time, against the card's measured ceilings.
+
+    python bench/tune_method.py [--out tune_method.json]
+
+On one stack of 16 modules of LLaMA-2-7B shape (4096 x 4096, r 16, N 4, sketch width 26):
+
+- the ceilings: device-to-device copy bandwidth (bytes read + written) and float32 / TF32
+  matrix-product rates, measured here rather than taken from a datasheet;
+- the tile pass for several block shapes and warp counts, ieee and tf32x3, each checked
+  against the default one, and the tile kernel alone with and without its statistics;
+- the power iterations' products ``X @ Z`` and ``X^T @ Q`` (cuBLAS), checked against float64
+  on one module, against the bandwidth ceiling;
+- CholeskyQR2 of the sketches, by triangular solve and by the inverted Cholesky factor;
+- the whole ``batched_iga`` on 128 modules with either form of CholeskyQR2, for several stack
+  sizes (``batch_bytes``), with the peak memory each adds and the device's busy time (summed
+  kernel time) against the wall time.
+
+Medians of CUDA-event timings (``triton.testing.do_bench``). Needs CUDA and Triton.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_method import environment, lora_shapes, make_modules  # noqa: E402
+from iga_ds.lora import fused, triton_kernels  # noqa: E402
+from iga_ds.methods import module_generator  # noqa: E402
+
+LLAMA2_7B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 32, "num_hidden_layers": 32}
+
+
+def bench(fn) -> float:
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
+
+
+def ceilings() -> dict:
+    src = torch.randn(1 << 28, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    copy_ms = bench(lambda: dst.copy_(src))
+    a, b = torch.randn(8192, 8192, device="cuda"), torch.randn(8192, 8192, device="cuda")
+    flops = 2 * 8192 ** 3
+    out = {"copy_GBps": 2 * src.numel() * 4 / copy_ms / 1e6}
+    for name, tf32 in (("fp32_TFLOPs", False), ("tf32_TFLOPs", True)):
+        with fused._tf32_matmuls(tf32):
+            out[name] = flops / bench(lambda: a @ b) / 1e9
+    return out
+
+
+def tile_pass(stack_args, omega) -> list[dict]:
+    factors, kw = stack_args
+    ref_masked, ref_sketch, *_ = triton_kernels.tile_pass_triton(*factors, omega, **kw)
+    rows = []
+    for precision in ("ieee", "tf32x3"):
+        for bm, bn, warps in ((64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 128, 8), (128, 128, 8), (32, 64, 4)):
+            run = functools.partial(triton_kernels.tile_pass_triton, *factors, omega, block_m=bm, block_n=bn,
+                                    num_warps=warps, precision=precision, **kw)
+            try:
+                masked, sketch, *_ = run()
+                rows.append(dict(block_m=bm, block_n=bn, warps=warps, precision=precision, ms=bench(run),
+                                 err_masked=rel(masked, ref_masked), err_sketch=rel(sketch, ref_sketch)))
+            except Exception as exc:  # a block shape may not fit the card's registers or shared memory
+                rows.append(dict(block_m=bm, block_n=bn, warps=warps, precision=precision,
+                                 error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+            print(rows[-1], flush=True)
+    # the statistics' cost: the tile kernel alone, with and without them (default blocks)
+    left_mean, right_mean, left_dev, right_dev = (t.contiguous() for t in factors)
+    M, N, d_out, k2 = left_dev.shape
+    d_in = right_mean.shape[-1]
+    out = torch.empty(M, d_out, d_in, device="cuda")
+    parts = torch.empty(M, (d_out // 64) * (d_in // 64), 4, device="cuda")
+    mins = torch.empty(M, (d_out // 64) * (d_in // 64), device="cuda")
+    scale = kw["mean_var"].float().contiguous()
+    eps = torch.ones(M, device="cuda")
+    for stats in (True, False):
+        def kernel():
+            triton_kernels._iga_tile_kernel[(d_out // 64, d_in // 64, M)](
+                left_mean, right_mean, left_dev, right_dev, scale, eps, out, parts, mins, d_out, d_in, k2, 0.5,
+                N=N, NORM=1, KP=32, BM=64, BN=64, PRECISION="ieee", STATS=stats, num_warps=4)
+        rows.append(dict(kernel_only=True, stats=stats, ms=bench(kernel)))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def products(masked, width: int) -> list[dict]:
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    M, d_out, d_in = masked.shape
+    Z = torch.randn(M, d_in, width, device="cuda", generator=gen)
+    Q = torch.randn(M, d_out, width, device="cuda", generator=gen)
+    want = {False: (masked[0].double() @ Z[0].double()), True: (masked[0].double().mT @ Q[0].double())}
+    rows = []
+    for transpose in (False, True):
+        w = Q if transpose else Z
+        ms = bench(lambda: (masked.mT if transpose else masked) @ w)
+        got = (masked.mT if transpose else masked) @ w
+        rows.append(dict(kind="cublas", transpose=transpose, ms=ms, err=rel(got[0], want[transpose])))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def _orthonormalize_by_inverse(Y):
+    """CholeskyQR2 with Q L^-T as a product with the inverted k x k factor, not a batched
+    triangular solve against the tall Q (a variant, timed here only)."""
+    Q = Y.double()
+    k = Q.shape[-1]
+    eye = torch.eye(k, dtype=Q.dtype, device=Q.device)
+    for _ in range(2):
+        gram = Q.mT @ Q
+        trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(torch.finfo(Q.dtype).tiny)
+        L, _ = torch.linalg.cholesky_ex(gram + (1e-13 * trace / k).view(-1, 1, 1) * eye)
+        Q = Q @ torch.linalg.solve_triangular(L, eye.expand_as(L), upper=False).mT
+    return Q.to(Y.dtype)
+
+
+def gpu_busy_ms(fn) -> float:
+    """Sum of device time of the kernels of one call (overlap between streams is not expected)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+
+
+def whole(modules) -> list[dict]:
+    def run(batch_bytes):
+        gens = [module_generator(0, 1, m.index, torch.device("cuda")) for m in modules]
+        return fused.batched_iga(modules, generators=gens, normalize="mean", batch_bytes=batch_bytes)
+
+    reference = None
+    rows = []
+    saved = fused._orthonormalize
+    variants = [("CholeskyQR2 by triangular solve", fused._orthonormalize),
+                ("CholeskyQR2 by inverse", _orthonormalize_by_inverse)]
+    for label, orthonormalize in variants:
+        for gib in (1, 2, 4):
+            fused._orthonormalize = orthonormalize
+            try:
+                out = run(gib << 30)
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                run(gib << 30)
+                torch.cuda.synchronize()
+                peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+                ms = float(__import__("triton").testing.do_bench(lambda: run(gib << 30), warmup=200, rep=2000,
+                                                                  return_mode="median"))
+                busy = gpu_busy_ms(lambda: run(gib << 30)) if gib == 1 else None
+            finally:
+                fused._orthonormalize = saved
+            products_out = [m.scaling * (b.double() @ a.double()) for (a, b, _), m in zip(out, modules)]
+            if reference is None:
+                reference = products_out
+            err = max(rel(p, q) for p, q in zip(products_out, reference))
+            rows.append(dict(variant=label, batch_gib=gib, ms=ms, gpu_busy_ms=busy, peak_extra_mib=peak,
+                             max_err_vs_first=err))
+            print(rows[-1], flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="tune_method.json")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: tile,products,qr,whole")
+    args = p.parse_args(argv)
+    if not (torch.cuda.is_available() and triton_kernels.available()):
+        print("tune_method.py needs CUDA and Triton", file=sys.stderr)
+        return 2
+    skip = set(filter(None, args.skip.split(",")))
+    result = {"environment": environment(torch.device("cuda")), "ceilings": ceilings()}
+    print(result["ceilings"], flush=True)
+    modules = make_modules(lora_shapes(LLAMA2_7B), rank=16, alpha=32.0, domains=4, device=torch.device("cuda"))
+    st = fused._stacks(modules[:16], [None] * 16, 1 << 31)[0]
+    factors = fused._factors(st)
+    mean_var, mean_sq = fused._mask_scale(*factors, 4096 * 4096)
+    width = 16 + 10
+    omega = torch.randn(16, 4096, width, device="cuda")
+    kw = dict(tau=0.5, normalize="mean", mean_var=mean_var, mean_sq=mean_sq)
+    if "tile" not in skip:
+        result["tile_pass"] = tile_pass((factors, kw), omega)
+    masked, sketch, *_ = triton_kernels.tile_pass_triton(*factors, omega, **kw)
+    if "products" not in skip:
+        result["products"] = products(masked, width)
+    if "qr" not in skip:
+        result["cholesky_qr2_ms"] = bench(lambda: fused._orthonormalize(sketch))
+        result["cholesky_qr2_by_inverse_ms"] = bench(lambda: _orthonormalize_by_inverse(sketch))
+        result["qr_by_inverse_err"] = rel(_orthonormalize_by_inverse(sketch), fused._orthonormalize(sketch))
+        print({key: result[key] for key in ("cholesky_qr2_ms", "cholesky_qr2_by_inverse_ms", "qr_by_inverse_err")},
+              flush=True)
+    del masked, sketch
+    if "whole" not in skip:
+        result["whole"] = whole(modules)
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, args.out)
+    print(json.dumps(result["ceilings"]))
+    for part in ("tile_pass", "products", "whole"):
+        for row in sorted(result.get(part, []), key=lambda r: r.get("ms", 1e9))[:6]:
+            print(part, row)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
