@@ -106,8 +106,9 @@ def main() -> int:
             full = safe_get_full_fp32_param(p)
             state[n] = (full if full is not None else p).detach().float().cpu().clone()
     if rank == 0:
+        owns = hook.capture is not None and hook.capture.owns_gradients
         torch.save({"params": state, "stats": stats, "straddles": straddles,
-                    "skipped": engine.skipped_steps}, out_path)
+                    "skipped": engine.skipped_steps, "owns_gradients": owns}, out_path)
     hook.detach()
     torch.distributed.destroy_process_group()  # a clean exit: no group threads alive at teardown
     return 0

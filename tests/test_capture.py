@@ -24,11 +24,11 @@ def reference_domain_grads(model, modules, ids, attn, labels, domains):
     return out
 
 
-def run_capture(model, modules, ids, attn, labels, domains, micro_splits):
+def run_capture(model, modules, ids, attn, labels, domains, micro_splits, owns=False):
     buffers = [
         (torch.zeros(N, *m.lora_A.weight.shape), torch.zeros(N, *m.lora_B.weight.shape)) for m in modules
     ]
-    cap = DomainGradientCapture(modules, buffers, N)
+    cap = DomainGradientCapture(modules, buffers, N, owns_gradients=owns)
     for rows in micro_splits:
         with cap.micro_batch(domains[rows], loss_scale=1.0 / len(rows)):
             losses = sequence_losses(model(input_ids=ids[rows], attention_mask=attn[rows]).logits, labels[rows])
@@ -37,9 +37,10 @@ def run_capture(model, modules, ids, attn, labels, domains, micro_splits):
     return buffers, cap.counts
 
 
+@pytest.mark.parametrize("owns", [False, True])
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
-def test_capture_equals_autograd_per_domain(dropout, checkpointing):
+def test_capture_equals_autograd_per_domain(dropout, checkpointing, owns):
     model = tiny_peft_llama(seed=1, dropout=dropout)
     model.train()
     if checkpointing:
@@ -52,35 +53,68 @@ def test_capture_equals_autograd_per_domain(dropout, checkpointing):
     ref = reference_domain_grads(model, modules, ids, attn, labels, domains)
     model.zero_grad()
     torch.manual_seed(5)  # same dropout masks
-    buffers, counts = run_capture(model, modules, ids, attn, labels, domains, [torch.arange(6)])
+    buffers, counts = run_capture(model, modules, ids, attn, labels, domains, [torch.arange(6)], owns=owns)
     assert counts.tolist() == [2.0, 2.0, 2.0]
     for d in range(N):
         for i, (bA, bB) in enumerate(buffers):
             torch.testing.assert_close(bA[d].double(), ref[d][2 * i], rtol=1e-4, atol=1e-6)
             torch.testing.assert_close(bB[d].double(), ref[d][2 * i + 1], rtol=1e-4, atol=1e-6)
+    if owns:  # the capture took the factors' gradients over: autograd leaves them unset
+        assert all(m.lora_A.weight.grad is None and m.lora_B.weight.grad is None for m in modules)
+        return
     # the domain sums add up to the plain gradient (times the batch size, the mean's divisor)
     for i, m in enumerate(modules):
         torch.testing.assert_close(buffers[i][0].sum(0), m.lora_A.weight.grad * 6, rtol=1e-4, atol=1e-6)
 
 
-def test_capture_accumulates_over_micro_batches():
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_owning_capture_passes_the_same_gradient_to_other_parameters(checkpointing):
+    """Owning the factors' gradients, the capture passes dL/dx on itself (dy W): every
+    parameter below a LoRA layer must get the gradient it gets without the capture."""
+    grads = []
+    for attach in (False, True):
+        model = tiny_peft_llama(seed=1, dropout=0.0)
+        model.train()
+        if checkpointing:
+            model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        others = [p for n, p in model.named_parameters() if "lora_" not in n and ("norm" in n or "embed" in n)]
+        for p in others:
+            p.requires_grad_(True)
+        modules = find_lora_modules(model)
+        ids, attn, labels, domains = batch(seed=2)
+        if attach:
+            run_capture(model, modules, ids, attn, labels, domains, [torch.arange(6)], owns=True)
+        else:
+            losses = sequence_losses(model(input_ids=ids, attention_mask=attn).logits, labels)
+            losses.mean().backward()
+        grads.append([p.grad.clone() for p in others])
+    assert len(grads[0]) > 2
+    for plain, captured in zip(*grads):
+        assert plain.abs().sum() > 0
+        torch.testing.assert_close(captured, plain, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("owns", [False, True])
+def test_capture_accumulates_over_micro_batches(owns):
     model = tiny_peft_llama(seed=3)
     modules = find_lora_modules(model)
     ids, attn, labels, domains = batch(seed=4)
     ref = reference_domain_grads(model, modules, ids, attn, labels, domains)
-    buffers, counts = run_capture(model, modules, ids, attn, labels, domains, [torch.arange(0, 4), torch.arange(4, 6)])
+    buffers, counts = run_capture(model, modules, ids, attn, labels, domains, [torch.arange(0, 4), torch.arange(4, 6)],
+                                  owns=owns)
     assert counts.tolist() == [2.0, 2.0, 2.0]
     for d in range(N):
         torch.testing.assert_close(buffers[0][0][d].double(), ref[d][0], rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(buffers[-1][1][d].double(), ref[d][-1], rtol=1e-4, atol=1e-6)
 
 
-def test_capture_in_bf16_accumulates_in_fp32():
+@pytest.mark.parametrize("owns", [False, True])
+def test_capture_in_bf16_accumulates_in_fp32(owns):
     model = tiny_peft_llama(seed=6, dtype=torch.bfloat16)
     modules = find_lora_modules(model)
     ids, attn, labels, domains = batch(seed=7)
     ref = reference_domain_grads(model, modules, ids, attn, labels, domains)
-    buffers, _ = run_capture(model, modules, ids, attn, labels, domains, [torch.arange(6)])
+    buffers, _ = run_capture(model, modules, ids, attn, labels, domains, [torch.arange(6)], owns=owns)
     assert buffers[0][0].dtype == torch.float32
     for d in range(N):
         for i, (bA, bB) in enumerate(buffers):
@@ -89,11 +123,12 @@ def test_capture_in_bf16_accumulates_in_fp32():
             assert (bB[d].double() - rb).norm() <= 0.02 * rb.norm() + 1e-4
 
 
-def test_forward_outside_micro_batch_is_a_clear_error_and_eval_is_free():
+@pytest.mark.parametrize("owns", [False, True])
+def test_forward_outside_micro_batch_is_a_clear_error_and_eval_is_free(owns):
     model = tiny_peft_llama(seed=8)
     modules = find_lora_modules(model)
     buffers = [(torch.zeros(N, *m.lora_A.weight.shape), torch.zeros(N, *m.lora_B.weight.shape)) for m in modules]
-    cap = DomainGradientCapture(modules, buffers, N)
+    cap = DomainGradientCapture(modules, buffers, N, owns_gradients=owns)
     ids, attn, _, _ = batch()
     with torch.no_grad():
         model(input_ids=ids, attention_mask=attn)  # evaluation: nothing captured, no error

@@ -44,6 +44,30 @@ def write_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
         param.grad.copy_(value)
 
 
+def lora_gradients_can_be_left_out(engine) -> bool:
+    """Whether the capture may own the LoRA factors' gradients, so that backward gives them none.
+
+    Checked for ZeRO-2's optimizer, which then fills the factors' partitions with zeros at the
+    boundary (the hook writes the method's result over them) but must be told to set up its
+    reduction buckets itself (:func:`prepare_backward`). Elsewhere the factors keep their plain
+    gradients: correct, only slower.
+    """
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    optimizer = engine.optimizer
+    return (engine.zero_optimization_stage() == 2 and isinstance(optimizer, DeepSpeedZeroOptimizer)
+            and hasattr(optimizer, "setup_buckets") and hasattr(optimizer, "ready_for_gradients"))
+
+
+def prepare_backward(optimizer) -> None:
+    """ZeRO-2 sets up its reduction buckets (and counts the micro-step) at the first gradient
+    a backward produces, and its end-of-backward reduction indexes them. With the LoRA factors
+    left out, a backward may produce no gradient at all, so set them up here as that first
+    gradient would; a no-op when they already are."""
+    if not optimizer.ready_for_gradients:
+        optimizer.setup_buckets()
+
+
 def skip_optimizer_step(optimizer) -> None:
     """Discard the accumulated gradients as DeepSpeed's own overflow path does, so that the
     engine counts a skipped step: parameters, optimizer state and LR schedule stay put."""

@@ -25,7 +25,8 @@ from typing import Iterator
 import torch
 
 from iga_ds.ds.comm import Collectives
-from iga_ds.ds.compat import check_engine, skip_optimizer_step, write_full_grad
+from iga_ds.ds.compat import (check_engine, lora_gradients_can_be_left_out, prepare_backward, skip_optimizer_step,
+                              write_full_grad)
 from iga_ds.ds.config import IGAConfig
 from iga_ds.errors import ConfigError
 from iga_ds.lora.capture import DomainGradientCapture
@@ -100,6 +101,7 @@ class IGAEngineHook:
         self._micro_batch_seconds = 0.0
         self.comm = Collectives(timeout_s=config.timeout_s)
         self.capture: DomainGradientCapture | None = None
+        self._owns_gradients = False
         self.modules: list[LoraModule] = []
         if self.method.needs_domain_gradients:
             self._setup_capture()
@@ -128,7 +130,11 @@ class IGAEngineHook:
             gB = self.flat_in[off + nA: off + nA + nB].view(N, m.out_features, m.rank)
             buffers.append((gA, gB))
         self.buffers = buffers
-        self.capture = DomainGradientCapture(self.modules, buffers, N)
+        # the capture owns the factors' gradients where DeepSpeed copes with none from backward:
+        # the method's result replaces them at the boundary, so computing and reducing them
+        # every micro-batch would be wasted
+        self._owns_gradients = lora_gradients_can_be_left_out(self.engine)
+        self.capture = DomainGradientCapture(self.modules, buffers, N, owns_gradients=self._owns_gradients)
         # where each module's statistics sit in the gathered output: read back only those
         S = len(STAT_KEYS)
         self._stat_index = torch.tensor(
@@ -147,6 +153,8 @@ class IGAEngineHook:
         # the loss is a mean over the micro-batch and DeepSpeed divides it by the accumulation steps
         scale = 1.0 / (batch * self.engine.gradient_accumulation_steps())
         start = time.perf_counter()
+        if self._owns_gradients:
+            prepare_backward(self.engine.optimizer)
         with self.capture.micro_batch(domain_ids, scale):
             yield self
         self._micro_batch_seconds += time.perf_counter() - start

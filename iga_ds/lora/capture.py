@@ -3,13 +3,23 @@
 Opacus computes per-sample gradients from each layer's input and output-gradient; here the
 same outer products are summed per domain instead of per sample. For a linear layer
 y = x W^T, dL/dW = sum_t dy_t^T x_t, so the part owed to domain n is the sum over the tokens
-of that domain's sequences: one extra small matmul per domain and layer.
+of that domain's sequences: one small batched matmul per factor and micro-batch.
+
+Two ways to take them, both through forward hooks on lora_A and lora_B:
+
+- alongside autograd (default): lora_B's output is wrapped in an autograd function that is the
+  identity forward and, backward, adds dy^T x per domain for both factors into fp32 buffers;
+  autograd still computes the factors' plain gradients;
+- owning the factors' gradients (``owns_gradients=True``): each factor's output is replaced
+  by the same product computed in an autograd function that holds the factor out of autograd;
+  backward passes the input gradient on (dy W) and adds the per-domain sums, and the factors
+  get no ``.grad``. A method that combines per-domain gradients overwrites the plain gradient
+  at the step boundary anyway, so this saves two products per layer and, under DeepSpeed, the
+  bucket copies and the reduction of the factors' gradients every micro-batch.
 
 In bf16 each sequence's product is rounded to bf16 like autograd's own weight gradient, and
-the sums over sequences and micro-batches are fp32. The hook wraps each lora_A / lora_B
-output in an autograd function that is the identity
-forward and, backward, adds dy^T x per domain into fp32 buffers. The input is kept with
-``save_for_backward``, so non-reentrant activation checkpointing recomputes it like any
+the sums over sequences and micro-batches are fp32. Inputs are kept with
+``save_for_backward``, so non-reentrant activation checkpointing recomputes them like any
 other saved tensor, and dropout is accounted for (lora_A sees the dropped-out input).
 """
 from __future__ import annotations
@@ -54,25 +64,50 @@ class _CaptureFn(torch.autograd.Function):
         x, h, weight_B = ctx.saved_tensors
         micro: _MicroBatch = ctx.micro
         bufA, bufB = ctx.buffers
-        b = micro.batch_size
-        if grad_out.shape[0] != b:
-            raise RuntimeError(
-                f"LoRA output has leading dimension {grad_out.shape[0]}, expected the micro-batch size "
-                f"{b}: the capture needs inputs shaped (batch, ..., features)"
-            )
-        # one batched matmul gives every sequence's weight gradient (small for LoRA: one side
-        # is r), then one index_add sums them per domain in fp32; no activation is copied
-        dy = grad_out.reshape(b, -1, grad_out.shape[-1])
-        dh = dy @ weight_B  # gradient at lora_A's output
-        per_seq_B = torch.bmm(dy.mT, h.reshape(b, -1, h.shape[-1]))
-        per_seq_A = torch.bmm(dh.mT, x.reshape(b, -1, x.shape[-1]))
-        if micro.one_per_domain:  # mixed-dtype add: the bf16 -> fp32 cast happens inside the kernel
-            bufB.add_(per_seq_B, alpha=micro.factor)
-            bufA.add_(per_seq_A, alpha=micro.factor)
-        else:
-            bufB.index_add_(0, micro.domain_ids, per_seq_B.float(), alpha=micro.factor)
-            bufA.index_add_(0, micro.domain_ids, per_seq_A.float(), alpha=micro.factor)
+        _add_per_domain(bufB, grad_out, h, micro)
+        _add_per_domain(bufA, grad_out @ weight_B, x, micro)  # dL/dh = dy B
         return grad_out, None, None, None, None, None, None
+
+
+class _CapturedLinear(torch.autograd.Function):
+    """``x W^T`` with W held out of autograd: backward returns dL/dx = dy W and, instead of
+    dL/dW, adds each domain's sum of dy^T x (per sequence, then per domain) into ``buf``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, anchor, buf, micro):
+        # weight comes detached: were it an input that needs a gradient, autograd would still
+        # visit its accumulator (and DeepSpeed's hook there, which expects a gradient). anchor
+        # needs one and gets none: it makes backward run where nothing else would (the first
+        # layer's input needs no gradient when the embeddings are frozen)
+        ctx.save_for_backward(x, weight)
+        ctx.buf = buf
+        ctx.micro = micro
+        return torch.nn.functional.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        micro: _MicroBatch = ctx.micro
+        _add_per_domain(ctx.buf, grad_out, x, micro)
+        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
+        return grad_x, None, None, None, None
+
+
+def _add_per_domain(buf: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor, micro: "_MicroBatch") -> None:
+    """buf[n] += factor * sum over domain n's sequences of dy^T x."""
+    b = micro.batch_size
+    if grad_out.shape[0] != b:
+        raise RuntimeError(
+            f"LoRA output has leading dimension {grad_out.shape[0]}, expected the micro-batch size "
+            f"{b}: the capture needs inputs shaped (batch, ..., features)"
+        )
+    # one batched matmul gives every sequence's weight gradient (small for LoRA: one side is
+    # r); no activation is copied
+    per_seq = torch.bmm(grad_out.reshape(b, -1, grad_out.shape[-1]).mT, x.reshape(b, -1, x.shape[-1]))
+    if micro.one_per_domain:  # mixed-dtype add: the bf16 -> fp32 cast happens inside the kernel
+        buf.add_(per_seq, alpha=micro.factor)
+    else:
+        buf.index_add_(0, micro.domain_ids, per_seq.float(), alpha=micro.factor)
 
 
 class DomainGradientCapture:
@@ -85,17 +120,44 @@ class DomainGradientCapture:
     divides by the accumulation steps), so the buffers end up holding plain sums.
     """
 
-    def __init__(self, modules: Sequence[LoraModule], buffers: Sequence[tuple[torch.Tensor, torch.Tensor]], num_domains: int):
+    def __init__(self, modules: Sequence[LoraModule], buffers: Sequence[tuple[torch.Tensor, torch.Tensor]], num_domains: int,
+                 owns_gradients: bool = False):
         self.modules = list(modules)
         self.buffers = list(buffers)
         self.num_domains = num_domains
+        self.owns_gradients = owns_gradients
         self._micro: _MicroBatch | None = None
         self.counts = torch.zeros(num_domains, dtype=torch.float64)  # sequences seen per domain
         self._handles = []
+        device = self.buffers[0][0].device if self.buffers else None
+        self._anchor = torch.zeros((), device=device, requires_grad=True)
         for module, (bufA, bufB) in zip(self.modules, self.buffers):
+            if owns_gradients:
+                for layer, buf in ((module.lora_A, bufA), (module.lora_B, bufB)):
+                    if layer.bias is not None:
+                        raise ValueError(f"{module.name}: LoRA factor with a bias; the capture needs bias-free factors")
+                    self._handles.append(layer.register_forward_hook(self._own(module, buf)))
+                continue
             stash: dict[str, torch.Tensor] = {}
             self._handles.append(module.lora_A.register_forward_hook(self._stash_input(stash)))
             self._handles.append(module.lora_B.register_forward_hook(self._capture(stash, module, bufA, bufB)))
+
+    def _own(self, module: LoraModule, buf: torch.Tensor):
+        def hook(layer, inputs, output):
+            if not torch.is_grad_enabled() or not layer.weight.requires_grad:
+                return None  # evaluation forward, or a frozen adapter: nothing to capture
+            self._require_micro_batch(module)
+            # the layer's own output is dropped, and with it autograd's path to the weight
+            return _CapturedLinear.apply(inputs[0], layer.weight.detach(), self._anchor, buf, self._micro)
+
+        return hook
+
+    def _require_micro_batch(self, module: LoraModule) -> None:
+        if self._micro is None:
+            raise RuntimeError(
+                f"{module.name}: forward with gradients outside micro_batch(domain_ids); "
+                "wrap each training forward and backward in hook.micro_batch(...)"
+            )
 
     @staticmethod
     def _stash_input(stash: dict):
@@ -111,11 +173,7 @@ class DomainGradientCapture:
             x = stash.pop("x", None)
             if not torch.is_grad_enabled() or not output.requires_grad:
                 return None  # evaluation forward: nothing to capture
-            if self._micro is None:
-                raise RuntimeError(
-                    f"{module.name}: forward with gradients outside micro_batch(domain_ids); "
-                    "wrap each training forward and backward in hook.micro_batch(...)"
-                )
+            self._require_micro_batch(module)
             if x is None:
                 raise RuntimeError(f"{module.name}: lora_B ran without lora_A before it; unsupported LoRA variant")
             return _CaptureFn.apply(output, x, inputs[0], layer.weight, bufA, bufB, self._micro)
