@@ -10,10 +10,13 @@ On one stack of 16 modules of LLaMA-2-7B shape (4096 x 4096, r 16, N 4, sketch w
   against the default one, and the tile kernel alone with and without its statistics;
 - the power iterations' products ``X @ Z`` and ``X^T @ Q`` (cuBLAS), checked against float64
   on one module, against the bandwidth ceiling;
-- CholeskyQR2 of the sketches, by triangular solve and by the inverted Cholesky factor;
-- the whole ``batched_iga`` on 128 modules with either form of CholeskyQR2, for several stack
-  sizes (``batch_bytes``), with the peak memory each adds and the device's busy time (summed
-  kernel time) against the wall time.
+- CholeskyQR2 of the sketches;
+- the whole ``batched_iga`` on 128 modules for several stack sizes (``batch_bytes``), with the
+  peak memory each adds and the device's busy time (summed kernel time) against the wall time.
+
+Variants measured once and not kept (a row-sweep tile kernel, a Triton kernel for the skinny
+products, CholeskyQR2 through the inverted factor) are in the results and docs/PERFORMANCE.md,
+not here.
 
 Medians of CUDA-event timings (``triton.testing.do_bench``). Needs CUDA and Triton.
 """
@@ -36,10 +39,11 @@ from iga_ds.methods import module_generator  # noqa: E402
 LLAMA2_7B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 32, "num_hidden_layers": 32}
 
 
-def bench(fn) -> float:
+def bench(fn, warmup: int = 25, rep: int = 200) -> float:
+    """Median ms of ``fn`` (warm-up and repetition budgets in ms, as triton's do_bench takes them)."""
     import triton
 
-    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
 def rel(a, b) -> float:
@@ -110,20 +114,6 @@ def products(masked, width: int) -> list[dict]:
     return rows
 
 
-def _orthonormalize_by_inverse(Y):
-    """CholeskyQR2 with Q L^-T as a product with the inverted k x k factor, not a batched
-    triangular solve against the tall Q (a variant, timed here only)."""
-    Q = Y.double()
-    k = Q.shape[-1]
-    eye = torch.eye(k, dtype=Q.dtype, device=Q.device)
-    for _ in range(2):
-        gram = Q.mT @ Q
-        trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(torch.finfo(Q.dtype).tiny)
-        L, _ = torch.linalg.cholesky_ex(gram + (1e-13 * trace / k).view(-1, 1, 1) * eye)
-        Q = Q @ torch.linalg.solve_triangular(L, eye.expand_as(L), upper=False).mT
-    return Q.to(Y.dtype)
-
-
 def gpu_busy_ms(fn) -> float:
     """Sum of device time of the kernels of one call (overlap between streams is not expected)."""
     fn()
@@ -141,32 +131,22 @@ def whole(modules) -> list[dict]:
 
     reference = None
     rows = []
-    saved = fused._orthonormalize
-    variants = [("CholeskyQR2 by triangular solve", fused._orthonormalize),
-                ("CholeskyQR2 by inverse", _orthonormalize_by_inverse)]
-    for label, orthonormalize in variants:
-        for gib in (1, 2, 4):
-            fused._orthonormalize = orthonormalize
-            try:
-                out = run(gib << 30)
-                torch.cuda.synchronize()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                run(gib << 30)
-                torch.cuda.synchronize()
-                peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-                ms = float(__import__("triton").testing.do_bench(lambda: run(gib << 30), warmup=200, rep=2000,
-                                                                  return_mode="median"))
-                busy = gpu_busy_ms(lambda: run(gib << 30)) if gib == 1 else None
-            finally:
-                fused._orthonormalize = saved
-            products_out = [m.scaling * (b.double() @ a.double()) for (a, b, _), m in zip(out, modules)]
-            if reference is None:
-                reference = products_out
-            err = max(rel(p, q) for p, q in zip(products_out, reference))
-            rows.append(dict(variant=label, batch_gib=gib, ms=ms, gpu_busy_ms=busy, peak_extra_mib=peak,
-                             max_err_vs_first=err))
-            print(rows[-1], flush=True)
+    for gib in (1, 2, 4):
+        out = run(gib << 30)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        run(gib << 30)
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+        ms = bench(lambda: run(gib << 30), warmup=200, rep=2000)
+        busy = gpu_busy_ms(lambda: run(gib << 30)) if gib == 1 else None
+        products_out = [m.scaling * (b.double() @ a.double()) for (a, b, _), m in zip(out, modules)]
+        if reference is None:
+            reference = products_out
+        err = max(rel(p, q) for p, q in zip(products_out, reference))
+        rows.append(dict(batch_gib=gib, ms=ms, gpu_busy_ms=busy, peak_extra_mib=peak, max_err_vs_first=err))
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -195,10 +175,7 @@ def main(argv=None) -> int:
         result["products"] = products(masked, width)
     if "qr" not in skip:
         result["cholesky_qr2_ms"] = bench(lambda: fused._orthonormalize(sketch))
-        result["cholesky_qr2_by_inverse_ms"] = bench(lambda: _orthonormalize_by_inverse(sketch))
-        result["qr_by_inverse_err"] = rel(_orthonormalize_by_inverse(sketch), fused._orthonormalize(sketch))
-        print({key: result[key] for key in ("cholesky_qr2_ms", "cholesky_qr2_by_inverse_ms", "qr_by_inverse_err")},
-              flush=True)
+        print({"cholesky_qr2_ms": result["cholesky_qr2_ms"]}, flush=True)
     del masked, sketch
     if "whole" not in skip:
         result["whole"] = whole(modules)
