@@ -62,8 +62,9 @@ def lora_gradients_can_be_left_out(engine) -> bool:
 def prepare_backward(optimizer) -> None:
     """ZeRO-2 sets up its reduction buckets (and counts the micro-step) at the first gradient
     a backward produces, and its end-of-backward reduction indexes them. With the LoRA factors
-    left out, a backward may produce no gradient at all, so set them up here as that first
-    gradient would; a no-op when they already are."""
+    left out, a backward may produce no gradient at all, so the capture calls this at its first
+    backward, where that first gradient would have come (not before forward: the buckets would
+    then add to the activations' peak); a no-op when they are already set up."""
     if not optimizer.ready_for_gradients:
         optimizer.setup_buckets()
 

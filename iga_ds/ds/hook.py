@@ -134,7 +134,8 @@ class IGAEngineHook:
         # the method's result replaces them at the boundary, so computing and reducing them
         # every micro-batch would be wasted
         self._owns_gradients = lora_gradients_can_be_left_out(self.engine)
-        self.capture = DomainGradientCapture(self.modules, buffers, N, owns_gradients=self._owns_gradients)
+        self.capture = DomainGradientCapture(self.modules, buffers, N, owns_gradients=self._owns_gradients,
+                                             before_backward=lambda: prepare_backward(self.engine.optimizer))
         # where each module's statistics sit in the gathered output: read back only those
         S = len(STAT_KEYS)
         self._stat_index = torch.tensor(
@@ -153,8 +154,6 @@ class IGAEngineHook:
         # the loss is a mean over the micro-batch and DeepSpeed divides it by the accumulation steps
         scale = 1.0 / (batch * self.engine.gradient_accumulation_steps())
         start = time.perf_counter()
-        if self._owns_gradients:
-            prepare_backward(self.engine.optimizer)
         with self.capture.micro_batch(domain_ids, scale):
             yield self
         self._micro_batch_seconds += time.perf_counter() - start

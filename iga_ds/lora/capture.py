@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -43,6 +43,13 @@ class _MicroBatch:
     # sequence n is domain n, one each (one isomer group per micro-batch, in domain order):
     # per-sequence products are then per-domain sums and are added in place, no index_add
     one_per_domain: bool = False
+    # called once, at the micro-batch's first captured backward (owning capture only)
+    on_backward: Callable[[], None] | None = None
+
+    def backward_started(self) -> None:
+        if self.on_backward is not None:
+            self.on_backward()
+            self.on_backward = None
 
 
 class _CaptureFn(torch.autograd.Function):
@@ -88,6 +95,7 @@ class _CapturedLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         micro: _MicroBatch = ctx.micro
+        micro.backward_started()
         _add_per_domain(ctx.buf, grad_out, x, micro)
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
         return grad_x, None, None, None, None
@@ -121,11 +129,14 @@ class DomainGradientCapture:
     """
 
     def __init__(self, modules: Sequence[LoraModule], buffers: Sequence[tuple[torch.Tensor, torch.Tensor]], num_domains: int,
-                 owns_gradients: bool = False):
+                 owns_gradients: bool = False, before_backward: Callable[[], None] | None = None):
         self.modules = list(modules)
         self.buffers = list(buffers)
         self.num_domains = num_domains
         self.owns_gradients = owns_gradients
+        # owning capture: called at each micro-batch's first captured backward, where the plain
+        # path would see its first LoRA gradient (the hook sets up DeepSpeed's buckets there)
+        self.before_backward = before_backward
         self._micro: _MicroBatch | None = None
         self.counts = torch.zeros(num_domains, dtype=torch.float64)  # sequences seen per domain
         self._handles = []
@@ -199,7 +210,8 @@ class DomainGradientCapture:
             ids_dev = ids_cpu.pin_memory().to(device, non_blocking=True)
         else:
             ids_dev = ids_cpu.to(device)
-        self._micro = _MicroBatch(ids_dev, 1.0 / loss_scale, int(ids_cpu.numel()), one_per_domain)
+        self._micro = _MicroBatch(ids_dev, 1.0 / loss_scale, int(ids_cpu.numel()), one_per_domain,
+                                  self.before_backward if self.owns_gradients else None)
         try:
             yield
         finally:
