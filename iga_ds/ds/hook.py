@@ -101,7 +101,6 @@ class IGAEngineHook:
         self._micro_batch_seconds = 0.0
         self.comm = Collectives(timeout_s=config.timeout_s)
         self.capture: DomainGradientCapture | None = None
-        self._owns_gradients = False
         self.modules: list[LoraModule] = []
         if self.method.needs_domain_gradients:
             self._setup_capture()
@@ -133,8 +132,8 @@ class IGAEngineHook:
         # the capture owns the factors' gradients where DeepSpeed copes with none from backward:
         # the method's result replaces them at the boundary, so computing and reducing them
         # every micro-batch would be wasted
-        self._owns_gradients = lora_gradients_can_be_left_out(self.engine)
-        self.capture = DomainGradientCapture(self.modules, buffers, N, owns_gradients=self._owns_gradients,
+        self.capture = DomainGradientCapture(self.modules, buffers, N,
+                                             owns_gradients=lora_gradients_can_be_left_out(self.engine),
                                              before_backward=lambda: prepare_backward(self.engine.optimizer))
         # where each module's statistics sit in the gathered output: read back only those
         S = len(STAT_KEYS)

@@ -18,6 +18,8 @@ from iga_ds.utils_io import atomic_write_bytes, temp_file_beside
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+WEIGHT_FOLDERS = ("adapter", "checkpoints")
+MAX_PARTS = 1000
 
 
 def parse_size(text: str) -> int:
@@ -30,9 +32,6 @@ def parse_size(text: str) -> int:
     if size < 1024:
         raise UserError(f"--part-size {text!r}: parts must be at least 1K")
     return size
-
-
-WEIGHT_FOLDERS = ("adapter", "checkpoints")
 
 
 def excluded(rel: Path, with_weights: bool, with_data: bool) -> bool:
@@ -89,8 +88,6 @@ def pack(root: str | Path, out: str | Path, *, with_weights: bool = False, with_
     finally:
         tmp.unlink(missing_ok=True)
 
-
-MAX_PARTS = 1000
 
 
 def _glob_escape(name: str) -> str:

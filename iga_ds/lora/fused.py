@@ -227,7 +227,7 @@ def _gram_eigh(smalls: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch
     ``torch.linalg.eigh`` checks its result on the host, so each call stalls the device until
     its queue drains; stacks of equal w share one call, so a method call stalls once, not once
     per stack."""
-    grams = [small.double() @ small.double().mT for small in smalls]
+    grams = [s64 @ s64.mT for s64 in (small.double() for small in smalls)]
     by_width: dict[int, list[int]] = {}
     for i, gram in enumerate(grams):
         by_width.setdefault(gram.shape[-1], []).append(i)
