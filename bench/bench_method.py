@@ -117,7 +117,7 @@ def build_variants(modules, args, device):
         def run():
             gens = [module_generator(0, step, m.index, device) for m in modules]
             out = batched_iga(modules, generators=gens, use_triton=use_triton, triton_precision=precision, svd=svd,
-                              **params)
+                              batch_bytes=args.batch_bytes, **params)
             return [(a, b) for a, b, _ in out]
         return run
 
@@ -239,6 +239,18 @@ def environment(device) -> dict:
     return env
 
 
+def _batch_bytes(text: str):
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive number of bytes, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive number of bytes, got {text!r}")
+    return value
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", help="Hugging Face config JSON to take the shapes from (default: LLaMA-2-7B)")
@@ -251,6 +263,10 @@ def parse_args(argv=None):
     p.add_argument("--normalize", default="mean", choices=["none", "mean", "snr"])
     p.add_argument("--oversample", type=int, default=10)
     p.add_argument("--power-iters", type=int, default=2)
+    p.add_argument("--batch-bytes", type=_batch_bytes, default=1 << 30,
+                   help="bytes of masked matrices stacked at once by the batched variants, or 'auto' "
+                        "(training's default: it depends on the process's memory peak, so the default "
+                        "here is a fixed 1 GiB, which keeps runs comparable)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--tol", type=float, default=1e-4, help="pass mark for the float32 batched paths against the float32 reference")

@@ -124,6 +124,22 @@ def test_mixed_shapes_tiles_and_batches(dtype):
         assert_matches_reference(mods, out, dtype, tau=0.5, normalize="mean")
 
 
+def test_auto_stack_size_takes_half_the_headroom_within_bounds():
+    from iga_ds.lora.fused import DEFAULT_BATCH_BYTES, MAX_AUTO_BATCH_BYTES, auto_batch_bytes
+
+    GiB = 1 << 30
+    assert auto_batch_bytes(0) == auto_batch_bytes(GiB) == DEFAULT_BATCH_BYTES == GiB
+    assert auto_batch_bytes(5 * GiB) == 5 * GiB // 2
+    assert auto_batch_bytes(64 * GiB) == MAX_AUTO_BATCH_BYTES == 4 * GiB
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "big", True])
+def test_bad_stack_size_is_refused(bad):
+    m = make_module(0)
+    with pytest.raises(ValueError, match="batch_bytes must be 'auto' or a positive number of bytes"):
+        batched_iga([m], generators=generators([m]), batch_bytes=bad)
+
+
 def test_small_eigendecompositions_share_one_call_per_width(monkeypatch):
     # linalg.eigh checks its result on the host (a device stall per call): stacks of one
     # sketch width share one call, whatever the number of stacks
@@ -135,6 +151,43 @@ def test_small_eigendecompositions_share_one_call_per_width(monkeypatch):
     out = batched_iga(mods, tau=0.5, normalize="mean", generators=generators(mods), batch_bytes=1)  # one per stack
     assert sorted(calls) == [(2, 16, 16), (3, 14, 14)]
     assert_matches_reference(mods, out, torch.float64, tau=0.5, normalize="mean")
+
+
+@pytest.mark.parametrize("dtype,calls", [(torch.float32, 6), (torch.float64, 10)])
+def test_bases_that_feed_a_power_iteration_take_one_cholesky_pass_in_float32(monkeypatch, dtype, calls):
+    # 2 power iterations orthonormalize 5 times; in float32 only the last basis needs CholeskyQR2
+    count = []
+    real = torch.linalg.cholesky_ex
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", lambda a, *args, **kw: count.append(1) or real(a, *args, **kw))
+    mods = [make_module(i, dtype=dtype) for i in range(2)]  # one stack
+    out = batched_iga(mods, tau=0.5, normalize="mean", generators=generators(mods), power_iters=2)
+    assert len(count) == calls
+    assert_matches_reference(mods, out, dtype, tau=0.5, normalize="mean")
+
+
+def test_one_pass_bases_lose_nothing_on_an_ill_conditioned_float32_matrix():
+    # 8 singular values from 1 to 0.5, 10 from 1e-3 down to 1e-6, the rest 1e-7: every sketch
+    # of width 18 has a condition number far above 1e4, where one CholeskyQR pass loses
+    # orthogonality (0.03 if every basis took one pass); the final two-pass basis repairs it
+    from iga_ds.lora.fused import _project, _svd_from_projection
+
+    g = torch.Generator().manual_seed(3)
+    m, n, rank, width = 300, 200, 8, 18
+    U, _ = torch.linalg.qr(torch.randn(m, n, generator=g, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    S = torch.cat([torch.linspace(1, 0.5, rank, dtype=torch.float64),
+                   torch.logspace(-3, -6, width - rank, dtype=torch.float64),
+                   torch.full((n - width,), 1e-7, dtype=torch.float64)])
+    exact = (U * S) @ V.T
+    best = (U[:, :rank] * S[:rank]) @ V[:, :rank].T
+    omega = torch.randn(n, width, generator=g, dtype=torch.float64)
+    matrix = exact.float()[None]
+    Q, small = _project(matrix, matrix @ omega.float()[None], power_iters=2)
+    u, s, vh = _svd_from_projection(Q, small, rank)
+    approx = ((u * s.unsqueeze(-2)) @ vh)[0].double()
+    assert float((Q[0].double().T @ Q[0].double() - torch.eye(width, dtype=torch.float64)).abs().max()) < 1e-5
+    # as close to the best rank-8 approximation as float32 rounding of the matrix allows
+    assert rel(approx, best) < 1e-5
 
 
 @pytest.mark.parametrize("rank,power_iters,oversample", [(2, 2, 10), (4, 0, 10), (4, 1, 3), (3, 2, 100)])
@@ -269,6 +322,34 @@ def test_cuda_peak_memory_is_one_matrix_per_module_not_n():
     extra = torch.cuda.max_memory_allocated() - base
     one_matrix = 2048 * 2048 * 4
     assert extra < 2.5 * one_matrix, f"peak {extra / one_matrix:.2f} out x in matrices (N = 4 would be >= 4)"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_auto_stacks_grow_into_the_room_below_the_peak(monkeypatch):
+    from iga_ds.lora import fused
+
+    mods = _cuda_modules(count=48, d_in=2048, d_out=2048)  # 16 MiB of masked matrix each
+
+    def gens():
+        return [torch.Generator(device="cuda").manual_seed(100 + m.index) for m in mods]
+
+    fixed = batched_iga(mods, tau=0.5, normalize="mean", generators=gens(), batch_bytes=64 << 20)  # 4 per stack
+    sizes = []
+    real = fused._stacks
+    monkeypatch.setattr(fused, "_stacks", lambda m, g, b: sizes.append(b) or real(m, g, b))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    activations = torch.empty(6 << 30, dtype=torch.uint8, device="cuda")  # forward and backward's peak
+    del activations
+    peak = torch.cuda.max_memory_allocated()
+    auto = batched_iga(mods, tau=0.5, normalize="mean", generators=gens())
+    torch.cuda.synchronize()
+    assert sizes == [3 << 30]  # half the 6 GiB below the peak: all 48 modules in one stack
+    assert torch.cuda.max_memory_allocated() == peak, "the method raised the peak"
+    for (gA, gB, stats), (gA_f, gB_f, stats_f), m in zip(auto, fixed, mods):
+        assert rel(product(gA, gB, m.scaling), product(gA_f, gB_f, m.scaling)) < 1e-6
+        assert stats["mask_mean"] == pytest.approx(stats_f["mask_mean"], rel=1e-6)
 
 
 def _triton_tile_pass_matches_torch() -> None:

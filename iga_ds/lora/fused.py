@@ -39,6 +39,9 @@ from iga_ds.methods.iga import FACTOR_MAPS, NORMALIZATIONS, SNR_EPS, chain_rule_
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # the stacked masked matrices of one batch of equal-shape modules stay under this many bytes
 DEFAULT_BATCH_BYTES = 1 << 30
+# batch_bytes="auto" on CUDA grows stacks up to this into memory the step has already peaked at
+# (LLaMA-2-7B's 128 modules: 4 GiB stacks took 10-15% less time than 1 GiB, docs/PERFORMANCE.md)
+MAX_AUTO_BATCH_BYTES = 4 << 30
 # row tiles are sized so that the per-tile temporaries stay under this many elements
 DEFAULT_TILE_ELEMENTS = 1 << 24
 
@@ -58,6 +61,27 @@ class _Stack:
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
+def auto_batch_bytes(headroom: int) -> int:
+    """Stack size for ``batch_bytes="auto"``: half of ``headroom``, the bytes between the
+    device's peak so far and what is allocated now, within [1 GiB, 4 GiB].
+
+    A stack's extra memory measured about 1.12 times its masked matrices plus a part that grows
+    with the number of modules (0.4 GiB for LLaMA-2-7B's 128), so half the headroom keeps the
+    method under the peak that forward and backward already set; with less than 2 GiB of
+    headroom the 1 GiB default stays."""
+    return int(min(MAX_AUTO_BATCH_BYTES, max(DEFAULT_BATCH_BYTES, headroom // 2)))
+
+
+def _resolve_batch_bytes(batch_bytes, device: torch.device) -> int:
+    if batch_bytes == "auto":
+        if device.type != "cuda":
+            return DEFAULT_BATCH_BYTES
+        return auto_batch_bytes(torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device))
+    if isinstance(batch_bytes, bool) or not isinstance(batch_bytes, int) or batch_bytes < 1:
+        raise ValueError(f"batch_bytes must be 'auto' or a positive number of bytes, got {batch_bytes!r}")
+    return batch_bytes
 
 
 def _stacks(modules: Sequence[ModuleGrads], generators, batch_bytes: int) -> list[_Stack]:
@@ -200,19 +224,26 @@ def _canonical_signs(U: torch.Tensor, Vh: torch.Tensor):
     return U * signs, Vh * signs.mT
 
 
-def _orthonormalize(Y: torch.Tensor) -> torch.Tensor:
-    """Orthonormal basis of the columns of each Y (M x m x k, k small) by CholeskyQR2 in float64.
+def _orthonormalize(Y: torch.Tensor, final: bool = True) -> torch.Tensor:
+    """Orthonormal basis of the columns of each Y (M x m x k, k small) by CholeskyQR in float64.
 
     Householder QR of tall-skinny matrices is a chain of small kernels on GPUs (it dominated
     the method's time); CholeskyQR needs one k x k Gram matrix, a batched Cholesky and a
-    triangular solve. Run twice, with the Gram in float64 and a tiny shift for rank-deficient
-    sketches, it is orthonormal to float64 rounding for the condition numbers a few power
-    iterations produce.
+    triangular solve. Run twice (CholeskyQR2), with the Gram in float64 and a tiny shift for
+    rank-deficient sketches, it is orthonormal to float64 rounding for the condition numbers a
+    few power iterations produce.
+
+    ``final=False`` marks a basis that only feeds the next power iteration: there any basis
+    of the same span will do, and one pass suffices for float32 data, whose float64 Gram
+    leaves a loss of orthogonality near cond(Y)^2 * 1e-16, under float32 rounding up to a
+    condition number of 1e4 (and the next pass repairs what a worse one leaves). float64
+    data have no such headroom and keep two passes.
     """
     Q = Y.double()
     k = Q.shape[-1]
     eye = torch.eye(k, dtype=Q.dtype, device=Q.device)
-    for _ in range(2):
+    passes = 1 if not final and Y.dtype == torch.float32 else 2
+    for _ in range(passes):
         gram = Q.mT @ Q
         trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(torch.finfo(Q.dtype).tiny)
         shift = (1e-13 * trace / k).view(-1, 1, 1)
@@ -270,11 +301,11 @@ def _project(masked, sketch, power_iters: int, tf32: bool = False):
     With ``tf32`` the power iterations (which only refine the range estimate) use TF32
     tensor cores; the final projection Q^T M stays in float32.
     """
-    Q = _orthonormalize(sketch)
+    Q = _orthonormalize(sketch, final=power_iters == 0)
     with _tf32_matmuls(tf32):
-        for _ in range(power_iters):
-            Z = _orthonormalize(masked.mT @ Q)
-            Q = _orthonormalize(masked @ Z)
+        for i in range(power_iters):
+            Z = _orthonormalize(masked.mT @ Q, final=False)
+            Q = _orthonormalize(masked @ Z, final=i == power_iters - 1)
     return Q, Q.mT @ masked  # M x width x in
 
 
@@ -378,7 +409,7 @@ def batched_iga(
     oversample: int = 10,
     power_iters: int = 2,
     generators: Sequence[torch.Generator | None],
-    batch_bytes: int = DEFAULT_BATCH_BYTES,
+    batch_bytes: int | str = "auto",
     tile_elements: int = DEFAULT_TILE_ELEMENTS,
     use_triton: bool | None = None,
     triton_precision: str = "ieee",
@@ -391,8 +422,10 @@ def batched_iga(
     :func:`iga_ds.methods.iga.iga_update` with the same ``svd`` and the module's generator
     would. Peak memory per module is one out x in matrix plus row-tile temporaries, not N
     (``single_pass``: the temporaries only).
-    ``batch_bytes`` caps how many modules of one shape are stacked at once; ``tile_elements``
-    caps a row tile's temporaries. ``use_triton``: None picks the Triton tile pass for float32
+    ``batch_bytes`` caps the bytes of masked matrices stacked at once (modules of one shape);
+    ``"auto"`` takes 1 GiB on the CPU and, on CUDA, up to 4 GiB of memory that the device's
+    peak so far leaves free (:func:`auto_batch_bytes`): the result does not depend on it.
+    ``tile_elements`` caps a row tile's temporaries. ``use_triton``: None picks the Triton tile pass for float32
     CUDA tensors when Triton imports, False forces PyTorch; ``triton_precision`` is the
     kernel's ``tl.dot`` precision, "ieee", "tf32x3" or "tf32" (the last also runs the power
     iterations on TF32 tensor cores; measured error in docs/PERFORMANCE.md). float16/bfloat16 inputs are
@@ -408,7 +441,8 @@ def batched_iga(
         raise ValueError(f"svd must be 'randomized' or 'single_pass' (the fused forms), got {svd!r}")
     if factors not in FACTOR_MAPS:
         raise ValueError(f"factors must be one of {FACTOR_MAPS}, got {factors!r}")
-    stacks = _stacks(modules, generators, batch_bytes)
+    device = modules[0].gA.device if modules else torch.device("cpu")
+    stacks = _stacks(modules, generators, _resolve_batch_bytes(batch_bytes, device))
     projected = []
     for st in stacks:  # the masked matrices of one stack are freed before the next is built
         # the kernel computes in float32; float64 stays on the PyTorch path

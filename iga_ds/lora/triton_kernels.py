@@ -1,12 +1,13 @@
 """Triton kernels for the IGA tile pass on CUDA: reconstruct, mean, variance, mask, in registers.
 
 Each program owns a BM x BN tile of one module's out x in matrix. From the rank-2r factors it
-forms the tile of Gbar and, for every domain n, the tile of the deviation D[n]; it squares and
-sums them into V, applies exp(-tau V'), writes only ``Gbar * mask`` and per-tile partial sums
-for the mask statistics. The N full-rank gradients never exist in device memory. The
-sketching kernel (``svd="single_pass"``) writes not even that: only each tile's share of the
-two sketches of the single-pass SVD. The PyTorch
-tile pass in :mod:`iga_ds.lora.fused` is the reference this kernel is tested against.
+forms the tile of Gbar and, for every domain n, the tile of the deviation D[n] (the last as
+minus the sum of the others: they sum to zero); it squares and sums them into V, applies
+exp(-tau V'), writes only ``Gbar * mask`` and per-tile partial sums for the mask statistics.
+The N full-rank gradients never exist in device memory. The sketching kernel
+(``svd="single_pass"``) writes not even that: only each tile's share of the two sketches of
+the single-pass SVD. The PyTorch tile pass in :mod:`iga_ds.lora.fused` is the reference this
+kernel is tested against.
 
 Import-guarded: without Triton, :func:`available` is False and nothing here is compiled.
 Only float32 runs here (float64 stays on the PyTorch path). ``precision`` is Triton's
@@ -50,12 +51,16 @@ if triton is not None:
         rhs = _load_factor(right_mean + mod * k2 * d_in, ks, cols, k2, d_in, d_in)
         gbar = tl.dot(lhs, rhs, input_precision=PRECISION)
         var = tl.zeros((BM, BN), dtype=tl.float32)
-        for n in tl.static_range(N):
+        total = tl.zeros((BM, BN), dtype=tl.float32)
+        # the deviations from the mean sum to zero, so the last is minus the sum of the others:
+        # one product of N + 1 fewer (the products are the kernel's arithmetic)
+        for n in tl.static_range(N - 1):
             lhs = _load_factor(left_dev + (mod * N + n) * d_out * k2, rows, ks, d_out, k2, k2)
             rhs = _load_factor(right_dev + (mod * N + n) * k2 * d_in, ks, cols, k2, d_in, d_in)
             dev = tl.dot(lhs, rhs, input_precision=PRECISION)
             var += dev * dev
-        var = var / N
+            total += dev
+        var = (var + total * total) / N
         if NORM == 0:
             vn = var
         elif NORM == 1:
