@@ -1,6 +1,6 @@
 """Host cost of the per-domain gradient capture, per micro-batch, without a GPU.
 
-    python bench/bench_capture.py [--layers 32] [--rounds 7] [--iters 20]
+    python bench/bench_capture.py [--layers 32] [--rounds 7] [--iters 20] [--owns]
 
 A LLaMA-shaped model so small that its arithmetic is nearly free (hidden 32, LoRA r 4 on
 q, k, v, o of every layer, 4 sequences of 8 tokens, one CPU thread): what is left of a
@@ -39,6 +39,9 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--iters", type=int, default=20, help="micro-batches per round and variant")
+    p.add_argument("--owns", action="store_true",
+                   help="the capture that owns the factors' gradients (ZeRO-2's path): the plain "
+                        "variant's LoRA weight gradients are then work the captured one skips")
     args = p.parse_args(argv)
     from iga_ds.lora.capture import DomainGradientCapture
     from iga_ds.lora.modules import find_lora_modules
@@ -63,7 +66,7 @@ def main(argv=None) -> int:
     times: dict[bool, list[float]] = {False: [], True: []}
     for r in range(args.rounds + 1):  # round 0 warms up
         for with_capture in ((False, True) if r % 2 == 0 else (True, False)):
-            capture = DomainGradientCapture(modules, buffers, 4) if with_capture else None
+            capture = DomainGradientCapture(modules, buffers, 4, owns_gradients=args.owns) if with_capture else None
             ms = micro_batches(capture)
             if capture is not None:
                 capture.remove()
@@ -71,7 +74,9 @@ def main(argv=None) -> int:
                 times[with_capture].append(ms)
     plain, captured = statistics.median(times[False]), statistics.median(times[True])
     extra = captured - plain
-    print(f"{len(modules)} LoRA layers, one CPU thread, median of {args.rounds} rounds of {args.iters} micro-batches")
+    mode = "owning the factors' gradients" if args.owns else "alongside autograd"
+    print(f"{len(modules)} LoRA layers, capture {mode}, one CPU thread, "
+          f"median of {args.rounds} rounds of {args.iters} micro-batches")
     print(f"forward+backward: {plain:.2f} ms without the capture, {captured:.2f} ms with it: "
           f"+{extra:.2f} ms per micro-batch, {extra / len(modules) * 1e3:.1f} us per LoRA layer")
     print("rounds without:", ", ".join(f"{t:.2f}" for t in times[False]))

@@ -10,9 +10,9 @@ Two ways to take them, both through forward hooks on lora_A and lora_B:
 - alongside autograd (default): lora_B's output is wrapped in an autograd function that is the
   identity forward and, backward, adds dy^T x per domain for both factors into fp32 buffers;
   autograd still computes the factors' plain gradients;
-- owning the factors' gradients (``owns_gradients=True``): each factor's output is replaced
-  by the same product computed in an autograd function that holds the factor out of autograd;
-  backward passes the input gradient on (dy W) and adds the per-domain sums, and the factors
+- owning the factors' gradients (``owns_gradients=True``): lora_B's output is replaced by the
+  same two products computed in an autograd function that holds both factors out of autograd;
+  backward passes the input gradient on (dy B A) and adds the per-domain sums, and the factors
   get no ``.grad``. A method that combines per-domain gradients overwrites the plain gradient
   at the step boundary anyway, so this saves two products per layer and, under DeepSpeed, the
   bucket copies and the reduction of the factors' gradients every micro-batch.
@@ -76,29 +76,35 @@ class _CaptureFn(torch.autograd.Function):
         return grad_out, None, None, None, None, None, None
 
 
-class _CapturedLinear(torch.autograd.Function):
-    """``x W^T`` with W held out of autograd: backward returns dL/dx = dy W and, instead of
-    dL/dW, adds each domain's sum of dy^T x (per sequence, then per domain) into ``buf``."""
+class _CapturedLoRA(torch.autograd.Function):
+    """``(x A^T) B^T`` with A and B held out of autograd: backward returns dL/dx = dy B A and,
+    instead of the factors' gradients, adds each domain's sums of dy^T h and (dy B)^T x into
+    ``bufB`` and ``bufA``. One function per LoRA layer, not one per factor: autograd's Python
+    work is per function."""
 
     @staticmethod
-    def forward(ctx, x, weight, anchor, buf, micro):
-        # weight comes detached: were it an input that needs a gradient, autograd would still
-        # visit its accumulator (and DeepSpeed's hook there, which expects a gradient). anchor
+    def forward(ctx, x, weight_A, weight_B, anchor, bufA, bufB, micro):
+        # the weights come detached: were they inputs that need a gradient, autograd would still
+        # visit their accumulators (and DeepSpeed's hooks there, which expect a gradient). anchor
         # needs one and gets none: it makes backward run where nothing else would (the first
         # layer's input needs no gradient when the embeddings are frozen)
-        ctx.save_for_backward(x, weight)
-        ctx.buf = buf
+        h = torch.nn.functional.linear(x, weight_A)
+        ctx.save_for_backward(x, h, weight_A, weight_B)
+        ctx.buffers = (bufA, bufB)
         ctx.micro = micro
-        return torch.nn.functional.linear(x, weight)
+        return torch.nn.functional.linear(h, weight_B)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        x, h, weight_A, weight_B = ctx.saved_tensors
         micro: _MicroBatch = ctx.micro
+        bufA, bufB = ctx.buffers
         micro.backward_started()
-        _add_per_domain(ctx.buf, grad_out, x, micro)
-        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
-        return grad_x, None, None, None, None
+        _add_per_domain(bufB, grad_out, h, micro)
+        grad_h = grad_out @ weight_B  # dL/dh = dy B
+        _add_per_domain(bufA, grad_h, x, micro)
+        grad_x = grad_h @ weight_A if ctx.needs_input_grad[0] else None
+        return grad_x, None, None, None, None, None, None
 
 
 def _add_per_domain(buf: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor, micro: "_MicroBatch") -> None:
@@ -144,22 +150,25 @@ class DomainGradientCapture:
         self._anchor = torch.zeros((), device=device, requires_grad=True)
         for module, (bufA, bufB) in zip(self.modules, self.buffers):
             if owns_gradients:
-                for layer, buf in ((module.lora_A, bufA), (module.lora_B, bufB)):
+                for layer in (module.lora_A, module.lora_B):
                     if layer.bias is not None:
                         raise ValueError(f"{module.name}: LoRA factor with a bias; the capture needs bias-free factors")
-                    self._handles.append(layer.register_forward_hook(self._own(module, buf)))
-                continue
             stash: dict[str, torch.Tensor] = {}
             self._handles.append(module.lora_A.register_forward_hook(self._stash_input(stash)))
-            self._handles.append(module.lora_B.register_forward_hook(self._capture(stash, module, bufA, bufB)))
+            capture = self._own if owns_gradients else self._capture
+            self._handles.append(module.lora_B.register_forward_hook(capture(stash, module, bufA, bufB)))
 
-    def _own(self, module: LoraModule, buf: torch.Tensor):
+    def _own(self, stash: dict, module: LoraModule, bufA: torch.Tensor, bufB: torch.Tensor):
         def hook(layer, inputs, output):
+            x = stash.pop("x", None)
             if not torch.is_grad_enabled() or not layer.weight.requires_grad:
                 return None  # evaluation forward, or a frozen adapter: nothing to capture
             self._require_micro_batch(module)
-            # the layer's own output is dropped, and with it autograd's path to the weight
-            return _CapturedLinear.apply(inputs[0], layer.weight.detach(), self._anchor, buf, self._micro)
+            if x is None:
+                raise RuntimeError(f"{module.name}: lora_B ran without lora_A before it; unsupported LoRA variant")
+            # both factors' own outputs are dropped, and with them autograd's paths to the weights
+            return _CapturedLoRA.apply(x, module.lora_A.weight.detach(), layer.weight.detach(), self._anchor,
+                                       bufA, bufB, self._micro)
 
         return hook
 
