@@ -180,7 +180,8 @@ def test_bench_capture_runs_and_reports_the_extra(tmp_path):
     import sys
 
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "bench_capture.py")
-    proc = subprocess.run([sys.executable, bench, "--layers", "2", "--rounds", "1", "--iters", "2"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "8 LoRA layers" in proc.stdout and "us per LoRA layer" in proc.stdout, proc.stdout
+    for mode, words in (([], "alongside autograd"), (["--owns"], "owning the factors' gradients")):
+        proc = subprocess.run([sys.executable, bench, "--layers", "2", "--rounds", "1", "--iters", "2", *mode],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert f"8 LoRA layers, capture {words}" in proc.stdout and "us per LoRA layer" in proc.stdout, proc.stdout
