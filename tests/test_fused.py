@@ -400,6 +400,20 @@ def test_triton_kernel_in_interpreter_matches_torch_tile_pass():
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 
 
+def test_bench_method_gives_each_variant_its_pass_mark():
+    sys.path.insert(0, BENCH)
+    try:
+        import bench_method
+    finally:
+        sys.path.remove(BENCH)
+    args = bench_method.parse_args(["--tol", "1e-4", "--tol-tf32", "1e-3", "--tol-tf32-single-pass", "5e-3"])
+    names = ["batched_triton", "batched_triton_tf32x3", "batched_triton_tf32", "single_pass_triton",
+             "single_pass_triton_tf32x3", "single_pass_triton_tf32"]
+    assert bench_method.tolerances(names, args) == {
+        "batched_triton": 1e-4, "batched_triton_tf32x3": 1e-4, "batched_triton_tf32": 1e-3,
+        "single_pass_triton": 1e-4, "single_pass_triton_tf32x3": 1e-4, "single_pass_triton_tf32": 5e-3}
+
+
 @pytest.mark.slow
 def test_bench_method_small_runs_on_cpu(tmp_path):
     out = tmp_path / "method.json"
