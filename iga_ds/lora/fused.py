@@ -425,16 +425,16 @@ def batched_iga(
     ``batch_bytes`` caps the bytes of masked matrices stacked at once (modules of one shape);
     ``"auto"`` takes 1 GiB on the CPU and, on CUDA, up to 4 GiB of memory that the device's
     peak so far leaves free (:func:`auto_batch_bytes`): the result does not depend on it.
-    ``tile_elements`` caps a row tile's temporaries. ``use_triton``: None picks the Triton tile pass for float32
-    CUDA tensors when Triton imports, False forces PyTorch; ``triton_precision`` is the
-    kernel's ``tl.dot`` precision, "ieee", "tf32x3" or "tf32" (the last also runs the power
-    iterations on TF32 tensor cores; measured error in docs/PERFORMANCE.md). float16/bfloat16 inputs are
-    computed in float32 and returned in their own dtype. ``factors``: ``split`` returns the
-    SVD split as ``iga_update`` does; ``chain_rule`` maps it through
-    :func:`iga_ds.methods.iga.chain_rule_factors` on the whole stack (one batched product
-    instead of one per module). ``svd``: ``randomized`` (power iterations over the stored masked
-    matrices) or ``single_pass`` (both sketches in the tile pass, nothing stored; as
-    :func:`iga_ds.lora.rsvd.single_pass_svd`).
+    ``tile_elements`` caps a row tile's temporaries. ``use_triton``: None picks the Triton
+    tile pass for float32 CUDA tensors when Triton imports, False forces PyTorch;
+    ``triton_precision`` is the kernel's ``tl.dot`` precision, "ieee", "tf32x3" or "tf32"
+    (the last also runs the power iterations on TF32 tensor cores; measured error in
+    docs/PERFORMANCE.md). float16/bfloat16 inputs are computed in float32 and returned in
+    their own dtype. ``factors``: ``split`` returns the SVD split as ``iga_update`` does;
+    ``chain_rule`` maps it through :func:`iga_ds.methods.iga.chain_rule_factors` on the whole
+    stack (one batched product instead of one per module). ``svd``: ``randomized`` (power
+    iterations over the stored masked matrices) or ``single_pass`` (both sketches in the tile
+    pass, nothing stored; as :func:`iga_ds.lora.rsvd.single_pass_svd`).
     """
     _check(modules, generators, rank, normalize, tau)
     if svd not in ("randomized", "single_pass"):
