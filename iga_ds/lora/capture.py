@@ -85,9 +85,8 @@ class _CapturedLoRA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight_A, weight_B, anchor, bufA, bufB, micro):
         # the weights come detached: were they inputs that need a gradient, autograd would still
-        # visit their accumulators (and DeepSpeed's hooks there, which expect a gradient). anchor
-        # needs one and gets none: it makes backward run where nothing else would (the first
-        # layer's input needs no gradient when the embeddings are frozen)
+        # visit their accumulators (and DeepSpeed's hooks there, which expect a gradient); anchor
+        # is the capture's input that needs one (see DomainGradientCapture)
         h = torch.nn.functional.linear(x, weight_A)
         ctx.save_for_backward(x, h, weight_A, weight_B)
         ctx.buffers = (bufA, bufB)
@@ -146,8 +145,12 @@ class DomainGradientCapture:
         self._micro: _MicroBatch | None = None
         self.counts = torch.zeros(num_domains, dtype=torch.float64)  # sequences seen per domain
         self._handles = []
-        device = self.buffers[0][0].device if self.buffers else None
-        self._anchor = torch.zeros((), device=device, requires_grad=True)
+        if owns_gradients:
+            # needs a gradient and gets none: it makes backward reach the capture's function
+            # where nothing else would (the first layer's input needs no gradient when the
+            # embeddings are frozen)
+            device = self.buffers[0][0].device if self.buffers else None
+            self._anchor = torch.zeros((), device=device, requires_grad=True)
         for module, (bufA, bufB) in zip(self.modules, self.buffers):
             if owns_gradients:
                 for layer in (module.lora_A, module.lora_B):
@@ -155,29 +158,7 @@ class DomainGradientCapture:
                         raise ValueError(f"{module.name}: LoRA factor with a bias; the capture needs bias-free factors")
             stash: dict[str, torch.Tensor] = {}
             self._handles.append(module.lora_A.register_forward_hook(self._stash_input(stash)))
-            capture = self._own if owns_gradients else self._capture
-            self._handles.append(module.lora_B.register_forward_hook(capture(stash, module, bufA, bufB)))
-
-    def _own(self, stash: dict, module: LoraModule, bufA: torch.Tensor, bufB: torch.Tensor):
-        def hook(layer, inputs, output):
-            x = stash.pop("x", None)
-            if not torch.is_grad_enabled() or not layer.weight.requires_grad:
-                return None  # evaluation forward, or a frozen adapter: nothing to capture
-            self._require_micro_batch(module)
-            if x is None:
-                raise RuntimeError(f"{module.name}: lora_B ran without lora_A before it; unsupported LoRA variant")
-            # both factors' own outputs are dropped, and with them autograd's paths to the weights
-            return _CapturedLoRA.apply(x, module.lora_A.weight.detach(), layer.weight.detach(), self._anchor,
-                                       bufA, bufB, self._micro)
-
-        return hook
-
-    def _require_micro_batch(self, module: LoraModule) -> None:
-        if self._micro is None:
-            raise RuntimeError(
-                f"{module.name}: forward with gradients outside micro_batch(domain_ids); "
-                "wrap each training forward and backward in hook.micro_batch(...)"
-            )
+            self._handles.append(module.lora_B.register_forward_hook(self._capture(stash, module, bufA, bufB)))
 
     @staticmethod
     def _stash_input(stash: dict):
@@ -189,13 +170,24 @@ class DomainGradientCapture:
         return hook
 
     def _capture(self, stash: dict, module: LoraModule, bufA: torch.Tensor, bufB: torch.Tensor):
+        owns = self.owns_gradients
+
         def hook(layer, inputs, output):
             x = stash.pop("x", None)
-            if not torch.is_grad_enabled() or not output.requires_grad:
-                return None  # evaluation forward: nothing to capture
-            self._require_micro_batch(module)
+            # owning, autograd's own path is dropped, so the factor's requires_grad decides
+            trains = layer.weight.requires_grad if owns else output.requires_grad
+            if not torch.is_grad_enabled() or not trains:
+                return None  # evaluation forward, or a frozen adapter: nothing to capture
+            if self._micro is None:
+                raise RuntimeError(
+                    f"{module.name}: forward with gradients outside micro_batch(domain_ids); "
+                    "wrap each training forward and backward in hook.micro_batch(...)"
+                )
             if x is None:
                 raise RuntimeError(f"{module.name}: lora_B ran without lora_A before it; unsupported LoRA variant")
+            if owns:  # both factors' own outputs are dropped, and with them autograd's paths to the weights
+                return _CapturedLoRA.apply(x, module.lora_A.weight.detach(), layer.weight.detach(), self._anchor,
+                                           bufA, bufB, self._micro)
             return _CaptureFn.apply(output, x, inputs[0], layer.weight, bufA, bufB, self._micro)
 
         return hook
