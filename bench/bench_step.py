@@ -19,7 +19,10 @@ CPU smoke run: ``DS_ACCELERATOR=cpu python bench/bench_step.py --dtype fp32 --la
 --hidden 64 --seq 16 --steps 2 --warmup 1``.
 
 Methods: ``erm``, ``iga`` (the registered method, module by module) and ``iga_fused``
-(the same method through :func:`iga_ds.lora.fused.batched_iga`).
+(the same method through :func:`iga_ds.lora.fused.batched_iga`); ``iga-wK`` and
+``iga_fused-wK`` run the hook with ``overlap_waves`` K (the modules in K waves, so that one
+wave's collectives overlap another's method; the default is the hook's own), e.g.
+``--gpus 2 --methods erm,iga_fused-w1,iga_fused-w2,iga_fused-w4``.
 Measured per method: median optimizer-step time over ``--steps`` steps after ``--warmup``
 (``torch.cuda.synchronize`` around each), tokens per second (all ranks), peak memory
 (``torch.cuda.max_memory_allocated``, max over ranks), and from the engine hook the time of
@@ -166,6 +169,19 @@ def micro_batches(args, vocab: int, device, step: int):
         yield ids, torch.ones_like(ids), torch.arange(args.micro) % len(DOMAINS)
 
 
+def method_variant(name: str) -> tuple[str, int | None]:
+    """``iga_fused-w4`` -> (``iga_fused``, 4): a method of METHODS and the hook's overlap_waves
+    (None: the hook's default). Raises ValueError naming what was expected."""
+    base, sep, waves = name.partition("-w")
+    if base not in METHODS:
+        raise ValueError(f"unknown {name!r}; expected one of {', '.join(METHODS)}, optionally with -wK")
+    if not sep:
+        return base, None
+    if base == "erm" or not waves.isdigit() or int(waves) < 1:
+        raise ValueError(f"{name!r}: -wK takes a whole number of waves K >= 1, after iga or iga_fused")
+    return base, int(waves)
+
+
 def run_method(method: str, args, rank: int, world: int, device) -> dict:
     import deepspeed
     import torch
@@ -182,13 +198,14 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
     optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(args, world))
     # "iga" is the per-module reference path, "iga_fused" the batched fast path: one method
-    iga_params = {} if method == "erm" else {
+    base, waves = method_variant(method)
+    iga_params = {} if base == "erm" else {
         "tau": args.tau, "normalize": args.normalize,
-        "implementation": "fused" if method == "iga_fused" else "reference",
-        **({"precision": args.precision} if method == "iga_fused" else {}),
+        "implementation": "fused" if base == "iga_fused" else "reference",
+        **({"precision": args.precision} if base == "iga_fused" else {}),
     }
-    hook = attach(engine, IGAConfig(method="erm" if method == "erm" else "iga", params=iga_params,
-                                    domains=list(DOMAINS)))
+    hook = attach(engine, IGAConfig(method="erm" if base == "erm" else "iga", params=iga_params,
+                                    domains=list(DOMAINS), **({"overlap_waves": waves} if waves else {})))
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def one_step(step: int, mark, boundary_clock: list | None = None) -> None:
@@ -556,7 +573,8 @@ def strip_profile_args(argv: list[str]) -> list[str]:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--methods", default="erm,iga_fused,iga", help=f"comma-separated, from {', '.join(METHODS)}")
+    p.add_argument("--methods", default="erm,iga_fused,iga",
+                   help=f"comma-separated, from {', '.join(METHODS)}; iga and iga_fused take -wK: K overlap waves")
     p.add_argument("--gpus", type=int, default=1, help="processes per method when not under a launcher")
     p.add_argument("--config", help="Hugging Face config JSON (default: LLaMA-2-7B)")
     p.add_argument("--layers", type=int, help="keep this many layers (smoke tests)")
@@ -585,9 +603,11 @@ def parse_args(argv=None):
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in args.methods if m not in METHODS]
-    if bad:
-        p.error(f"--methods: unknown {bad[0]!r}; expected some of {', '.join(METHODS)}")
+    for name in args.methods:
+        try:
+            method_variant(name)
+        except ValueError as exc:
+            p.error(f"--methods: {exc}")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
     if args.profile_trace and not args.profile:

@@ -70,7 +70,7 @@ def main() -> int:
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=make_optimizer(params, s),
                                            config=ds_config(s, world))
     cfg = IGAConfig(method=s["method"], params=s.get("params", {}), domains=["a", "b", "c"], seed=7,
-                    timeout_s=timeout)
+                    timeout_s=timeout, overlap_waves=s.get("waves", IGAConfig.overlap_waves))
     hook = attach(engine, cfg)
     straddles = any(
         getattr(p, "_hp_mapping", None) is not None and p._hp_mapping.lp_fragment_address.numel < p.numel()
@@ -107,8 +107,9 @@ def main() -> int:
             state[n] = (full if full is not None else p).detach().float().cpu().clone()
     if rank == 0:
         owns = hook.capture is not None and hook.capture.owns_gradients
+        waves = len(hook.layout.waves) if hook.capture is not None else 0
         torch.save({"params": state, "stats": stats, "straddles": straddles,
-                    "skipped": engine.skipped_steps, "owns_gradients": owns}, out_path)
+                    "skipped": engine.skipped_steps, "owns_gradients": owns, "waves": waves}, out_path)
     hook.detach()
     torch.distributed.destroy_process_group()  # a clean exit: no group threads alive at teardown
     return 0

@@ -37,6 +37,19 @@ def test_driver_passes_the_profile_options_to_the_workers():
         bench.parse_args(["--profile-trace"])
 
 
+def test_method_names_carry_the_overlap_waves():
+    bench = load_bench_step()
+    assert bench.method_variant("iga_fused") == ("iga_fused", None)
+    assert bench.method_variant("iga_fused-w4") == ("iga_fused", 4)
+    assert bench.method_variant("iga-w1") == ("iga", 1)
+    for bad in ("erm-w2", "iga_fused-w0", "iga_fused-wx", "iga_fused-w", "sgd"):
+        with pytest.raises(ValueError):
+            bench.method_variant(bad)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--methods", "erm,iga_fused-w0"])
+    assert bench.parse_args(["--methods", "erm,iga_fused-w2"]).methods == ["erm", "iga_fused-w2"]
+
+
 def test_rounds_pool_the_steps_and_profile_only_once():
     bench = load_bench_step()
     argv = ["--gpus", "2", "--rounds", "3", "--profile=prof", "--profile-trace", "--steps", "5"]
@@ -150,8 +163,10 @@ def test_world_size_one_results_match_the_packed_path(implementation):
         # a statistic a method lacks and one it reports as NaN: both dropped
         del results[0].stats["gir"]
         results[1].stats["mask_min"] = math.nan
-        direct = hook._gather_results(hook.owned, results)
-        packed = hook._gather_packed(hook.owned, results)
+        direct = hook._results_direct(hook.owned, results)
+        # at world size 1 the packed chunk is the whole gathered buffer
+        (wave,) = hook.layout.waves
+        packed = hook._unpack(hook._pack(wave, hook.owned, results))
         for (gA, gB), (pA, pB), u, m in zip(direct[0], packed[0], results, hook.modules):
             assert gA.shape == (m.rank, m.in_features) and gB.shape == (m.out_features, m.rank)
             assert gA.dtype == pA.dtype == torch.float32 and gB.dtype == pB.dtype

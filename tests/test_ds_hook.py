@@ -9,6 +9,7 @@ import torch
 
 from dist_helpers import launch
 from ds_worker import global_batch, make_optimizer
+from iga_ds.ds import IGAConfig
 from iga_ds.lora.modules import find_lora_modules
 from iga_ds.methods import ModuleGrads, available_methods, get_method
 from tiny_models import sequence_losses, tiny_peft_llama
@@ -86,6 +87,9 @@ def assert_params_close(got, ref, atol=1e-5):
 CASES = [
     ("iga", {"tau": 0.5, "normalize": "mean"}, 1, EVEN_2x1, {}),
     ("iga", {"tau": 0.5, "normalize": "snr"}, 2, UNEVEN_2x2, {"overlap_comm": True}),
+    # the method overlapped with its collectives: one wave (none), the default two, one per module
+    ("iga", {"tau": 0.5, "normalize": "mean"}, 2, UNEVEN_2x2, {"waves": 1}),
+    ("iga", {"tau": 0.5, "normalize": "mean"}, 2, UNEVEN_2x2, {"waves": 50}),
     ("iga", {"tau": 1.0, "normalize": "mean"}, 2, EVEN_2x2, {"bucket": 200, "clip": 0.05}),
     ("erm", {}, 2, UNEVEN_2x2, {"overlap_comm": True, "bucket": 200}),
     ("erm", {}, 1, EVEN_2x1, {}),
@@ -99,7 +103,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("method,params,gas,layout,extra", CASES,
-                         ids=[f"{c[0]}-gas{c[2]}-{'-'.join(f'{k}{v}' if k == 'stage' else k for k, v in c[4].items()) or 'plain'}"
+                         ids=[f"{c[0]}-gas{c[2]}-{'-'.join(f'{k}{v}' if k in ('stage', 'waves') else k for k, v in c[4].items()) or 'plain'}"
                               for c in CASES])
 def test_two_processes_match_single_process_reference(tmp_path, method, params, gas, layout, extra):
     s = {"method": method, "params": params, "gas": gas, "layout": layout, "steps": 3, **extra}
@@ -111,6 +115,8 @@ def test_two_processes_match_single_process_reference(tmp_path, method, params, 
     # (backward leaves them to the capture); the others, and other stages, keep the plain path
     owns = get_method(method, **params).needs_domain_gradients and extra.get("stage", 2) == 2
     assert got["owns_gradients"] == owns
+    if get_method(method, **params).scope == "module":  # the tiny model has 8 LoRA modules
+        assert got["waves"] == min(extra.get("waves", IGAConfig.overlap_waves), 8)
     if method == "iga":
         assert 0 < got["stats"][-1]["mask_mean"] <= 1 and got["stats"][-1]["gir"] > 0
 

@@ -7,6 +7,23 @@ import torch
 import torch.distributed as dist
 
 
+class Pending:
+    """A collective in flight; ``wait()`` returns its result.
+
+    Under NCCL the wait makes the current CUDA stream wait for the collective, not the host,
+    so work queued after it still overlaps with collectives started later.
+    """
+
+    def __init__(self, result: torch.Tensor, work=None):
+        self._result, self._work = result, work
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._result
+
+
 class Collectives:
     """Collectives over the data-parallel ranks; single-process when torch.distributed is off."""
 
@@ -33,29 +50,44 @@ class Collectives:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         return tensor
 
-    def reduce_scatter_sum(self, flat: torch.Tensor) -> torch.Tensor:
-        """Sum ``flat`` (world_size equal chunks) over ranks; return this rank's chunk."""
+    def start_reduce_scatter_sum(self, flat: torch.Tensor) -> Pending:
+        """Start summing ``flat`` (world_size equal chunks) over ranks; the result is this rank's chunk."""
         chunks = flat.view(self.world_size, -1)
         if self.world_size == 1:
-            return chunks[0]
+            return Pending(chunks[0])
         if self.backend == "nccl":
             out = torch.empty_like(chunks[0])
-            dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.SUM, group=self.group)
-            return out
+            work = dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            return Pending(out, work)
         # gloo has no reduce-scatter: all-reduce, keep our chunk (same result, more traffic)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-        return chunks[self.rank]
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return Pending(chunks[self.rank], work)
+
+    def start_all_gather(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> Pending:
+        """Start concatenating equal-sized chunks from every rank, in rank order, into ``out``
+        (a new tensor when None)."""
+        if out is None:
+            out = torch.empty(self.world_size * chunk.numel(), dtype=chunk.dtype, device=chunk.device)
+        elif out.numel() != self.world_size * chunk.numel():
+            raise ValueError(f"all-gather output holds {out.numel()} elements, expected "
+                             f"{self.world_size} x {chunk.numel()}")
+        if self.world_size == 1:
+            out.copy_(chunk.reshape(-1))
+            return Pending(out)
+        if self.backend == "nccl":
+            work = dist.all_gather_into_tensor(out, chunk, group=self.group, async_op=True)
+        else:
+            work = dist.all_gather(list(out.view(self.world_size, -1).unbind(0)), chunk, group=self.group,
+                                   async_op=True)
+        return Pending(out, work)
+
+    def reduce_scatter_sum(self, flat: torch.Tensor) -> torch.Tensor:
+        """Sum ``flat`` (world_size equal chunks) over ranks; return this rank's chunk."""
+        return self.start_reduce_scatter_sum(flat).wait()
 
     def all_gather(self, chunk: torch.Tensor) -> torch.Tensor:
         """Concatenate equal-sized chunks from every rank, in rank order."""
-        if self.world_size == 1:
-            return chunk.clone()
-        out = torch.empty(self.world_size * chunk.numel(), dtype=chunk.dtype, device=chunk.device)
-        if self.backend == "nccl":
-            dist.all_gather_into_tensor(out, chunk, group=self.group)
-        else:
-            dist.all_gather(list(out.view(self.world_size, -1).unbind(0)), chunk, group=self.group)
-        return out
+        return self.start_all_gather(chunk).wait()
 
     def destroy(self) -> None:
         if self.group is not None and dist.is_initialized():

@@ -9,7 +9,9 @@ Example block (every field optional but ``method``)::
       "seed": 0,                        // seeds the per-module random sketches
       "skip_nonfinite": true,           // skip the step on NaN/Inf instead of corrupting weights
       "timeout_s": 600,                 // collectives give up after this many seconds
-      "owner_balance": "out_x_in"       // how modules are assigned to owner ranks
+      "owner_balance": "out_x_in",      // how modules are assigned to owner ranks
+      "overlap_waves": 2                // modules in this many waves: one wave's collectives
+                                        // run while another's method does (1: no overlap)
     }
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ _FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "skip_nonfinite": ((bool,), "true or false"),
     "timeout_s": ((int, float), "a number of seconds"),
     "owner_balance": ((str,), '"out_x_in" or "round_robin"'),
+    "overlap_waves": ((int,), "a whole number of waves, at least 1"),
 }
 
 
@@ -43,6 +46,7 @@ class IGAConfig:
     skip_nonfinite: bool = True
     timeout_s: float = 600.0
     owner_balance: str = "out_x_in"
+    overlap_waves: int = 2
 
     @property
     def num_domains(self) -> int:
@@ -76,6 +80,9 @@ class IGAConfig:
             raise ConfigError(f"{where}.domains: names must be unique, got {self.domains}")
         if self.owner_balance not in ("out_x_in", "round_robin"):
             raise ConfigError(f"{where}.owner_balance: expected \"out_x_in\" or \"round_robin\", got {self.owner_balance!r}")
+        if self.overlap_waves < 1:
+            raise ConfigError(f"{where}.overlap_waves: expected a whole number of waves, at least 1, "
+                              f"got {self.overlap_waves}")
         if self.timeout_s <= 0:
             raise ConfigError(f"{where}.timeout_s: expected a positive number, got {self.timeout_s}")
         try:
@@ -104,6 +111,7 @@ class IGAConfig:
             "skip_nonfinite": self.skip_nonfinite,
             "timeout_s": self.timeout_s,
             "owner_balance": self.owner_balance,
+            "overlap_waves": self.overlap_waves,
         }
 
 

@@ -39,12 +39,13 @@ log = logging.getLogger(__name__)
 STAT_KEYS = ("mask_mean", "mask_frac_below_half", "mask_min", "gir", "energy_kept")
 
 
-def assign_owners(modules: list[LoraModule], world_size: int, balance: str = "out_x_in") -> list[int]:
-    """Owner rank of each module: largest first onto the least-loaded rank (deterministic)."""
+def assign_owners(modules: list[LoraModule], world_size: int, balance: str = "out_x_in") -> dict[int, int]:
+    """Owner rank of each module (by module index): largest first onto the least-loaded rank
+    (deterministic)."""
     if balance == "round_robin":
-        return [m.index % world_size for m in modules]
+        return {m.index: m.index % world_size for m in modules}
     load = [0] * world_size
-    owners = [0] * len(modules)
+    owners = {}
     for m in sorted(modules, key=lambda m: (-m.full_rank_cost, m.index)):
         rank = min(range(world_size), key=lambda k: (load[k], k))
         owners[m.index] = rank
@@ -52,36 +53,94 @@ def assign_owners(modules: list[LoraModule], world_size: int, balance: str = "ou
     return owners
 
 
+def split_into_waves(modules: list[LoraModule], waves: int) -> list[list[LoraModule]]:
+    """At most ``waves`` runs of consecutive modules of about equal full-rank cost, none empty."""
+    waves = max(1, min(int(waves), len(modules)))
+    total = sum(m.full_rank_cost for m in modules)
+    groups: list[list[LoraModule]] = []
+    current: list[LoraModule] = []
+    done = 0
+    for i, m in enumerate(modules):
+        current.append(m)
+        done += m.full_rank_cost
+        cuts_left = waves - 1 - len(groups)
+        modules_left = len(modules) - i - 1
+        if cuts_left > 0 and modules_left > 0 and (
+                done * waves >= total * (len(groups) + 1) or modules_left == cuts_left):
+            groups.append(current)
+            current = []
+    groups.append(current)
+    return groups
+
+
+def run_waves(count: int, start_exchange, compute, start_gather) -> list:
+    """The schedule that overlaps the method with its collectives.
+
+    Wave k + 1's sums travel while wave k's method runs, and wave k's results travel while
+    wave k + 1's runs: ``start_exchange(k)`` and ``start_gather(k, packed)`` return
+    :class:`~iga_ds.ds.comm.Pending` collectives, ``compute(k, received)`` the packed results.
+    Returns the gathers still in flight, in wave order.
+    """
+    pending = start_exchange(0)
+    gathers = []
+    for k in range(count):
+        received = pending.wait()
+        if k + 1 < count:
+            pending = start_exchange(k + 1)
+        gathers.append(start_gather(k, compute(k, received)))
+    return gathers
+
+
+@dataclass
+class _Wave:
+    """Modules combined together; their sums sit in ``[in_start, in_start + W * in_chunk)`` of
+    the input buffer (one chunk per owner rank), their results likewise in the output buffer."""
+
+    modules: list[LoraModule]
+    in_start: int
+    in_chunk: int
+    out_start: int
+    out_chunk: int
+
+
 @dataclass
 class _Layout:
     """Where each module's per-domain sums and results sit in the flat buffers."""
 
     owners: list[int]
-    in_offsets: list[int]  # into the flat input buffer (rank chunk offset included)
+    in_offsets: list[int]  # into the flat input buffer (wave and rank chunk offsets included)
     out_offsets: list[int]  # into the gathered output buffer
-    in_chunk: int
-    out_chunk: int
+    waves: list[_Wave]
+    in_size: int
+    out_size: int
 
 
-def build_layout(modules: list[LoraModule], owners: list[int], world_size: int, num_domains: int) -> _Layout:
+def build_layout(modules: list[LoraModule], world_size: int, num_domains: int, waves: int = 1,
+                 balance: str = "out_x_in") -> _Layout:
+    """Buffers laid out wave by wave, each wave in one equal chunk per owner rank, so that one
+    reduce-scatter brings a wave's sums to their owners and one all-gather its results back."""
     in_sizes = [num_domains * (m.rank * m.in_features + m.out_features * m.rank) for m in modules]
     out_sizes = [m.rank * m.in_features + m.out_features * m.rank + len(STAT_KEYS) for m in modules]
-    in_used = [0] * world_size
-    out_used = [0] * world_size
-    in_local, out_local = [0] * len(modules), [0] * len(modules)
-    for m in modules:
-        k = owners[m.index]
-        in_local[m.index], out_local[m.index] = in_used[k], out_used[k]
-        in_used[k] += in_sizes[m.index]
-        out_used[k] += out_sizes[m.index]
-    in_chunk, out_chunk = max(in_used) or 1, max(out_used) or 1
-    return _Layout(
-        owners=owners,
-        in_offsets=[owners[i] * in_chunk + in_local[i] for i in range(len(modules))],
-        out_offsets=[owners[i] * out_chunk + out_local[i] for i in range(len(modules))],
-        in_chunk=in_chunk,
-        out_chunk=out_chunk,
-    )
+    owners, in_offsets, out_offsets = [0] * len(modules), [0] * len(modules), [0] * len(modules)
+    placed: list[_Wave] = []
+    in_pos = out_pos = 0
+    for group in split_into_waves(modules, waves):
+        # owners balanced within each wave: every rank has work in every wave
+        group_owners = assign_owners(group, world_size, balance)
+        in_used, out_used = [0] * world_size, [0] * world_size
+        for m in group:
+            k = owners[m.index] = group_owners[m.index]
+            in_offsets[m.index], out_offsets[m.index] = in_used[k], out_used[k]
+            in_used[k] += in_sizes[m.index]
+            out_used[k] += out_sizes[m.index]
+        in_chunk, out_chunk = max(in_used) or 1, max(out_used) or 1
+        for m in group:
+            in_offsets[m.index] += in_pos + owners[m.index] * in_chunk
+            out_offsets[m.index] += out_pos + owners[m.index] * out_chunk
+        placed.append(_Wave(group, in_pos, in_chunk, out_pos, out_chunk))
+        in_pos += world_size * in_chunk
+        out_pos += world_size * out_chunk
+    return _Layout(owners, in_offsets, out_offsets, placed, max(in_pos, 1), max(out_pos, 1))
 
 
 class IGAEngineHook:
@@ -118,9 +177,10 @@ class IGAEngineHook:
             log.warning("IGA acts on LoRA factors only; %d other trainable tensors (e.g. %s) keep the plain gradient",
                         len(others), others[0])
         N, W = self.num_domains, self.comm.world_size
-        owners = assign_owners(self.modules, W, self.config.owner_balance)
-        self.layout = build_layout(self.modules, owners, W, N)
-        self.flat_in = torch.zeros(W * self.layout.in_chunk, dtype=torch.float32, device=self.device)
+        # waves overlap the method with collectives; one rank has none to overlap
+        waves = self.config.overlap_waves if W > 1 and self.method.scope == "module" else 1
+        self.layout = build_layout(self.modules, W, N, waves, self.config.owner_balance)
+        self.flat_in = torch.zeros(self.layout.in_size, dtype=torch.float32, device=self.device)
         buffers = []
         for m in self.modules:
             off = self.layout.in_offsets[m.index]
@@ -140,7 +200,7 @@ class IGAEngineHook:
         self._stat_index = torch.tensor(
             [self.layout.out_offsets[m.index] + m.rank * m.in_features + m.out_features * m.rank + j
              for m in self.modules for j in range(S)], dtype=torch.long, device=self.device)
-        self.owned = [m for m in self.modules if owners[m.index] == self.comm.rank]
+        self.owned = [m for m in self.modules if self.layout.owners[m.index] == self.comm.rank]
 
     # -- per micro-batch -------------------------------------------------------------------
     @contextlib.contextmanager
@@ -219,28 +279,27 @@ class IGAEngineHook:
             missing = [d for d, c in zip(self.config.domains, counts.tolist()) if c == 0]
             raise RuntimeError(f"step {step}: no sequence of domain(s) {missing} in the global batch; "
                                "each optimizer step needs every domain (whole isomer groups)")
-        global_scope = self.method.scope == "global"
-        if global_scope:  # every rank needs every module: all-reduce, compute redundantly
-            summed, mine, base = self.comm.all_reduce_sum(self.flat_in), self.modules, 0
-        else:
-            summed, mine = self.comm.reduce_scatter_sum(self.flat_in), self.owned
-            base = self.comm.rank * self.layout.in_chunk
-        t1 = self._now()
-        # the summed buffer holds exactly the modules this rank combines: one check for all
-        bad = not bool(torch.isfinite(summed).all())
-        grads = self._module_grads(summed, mine, base, counts) if not bad else []
-        results = self.method.combine(grads, step) if grads else []
-        bad = bad or not _all_finite([t for u in results for t in (u.gA, u.gB)])
-        t2 = self._now()
-        if global_scope:
+        method_stats = {}
+        if self.method.scope == "global":  # every rank needs every module: all-reduce, compute redundantly
+            summed = self.comm.all_reduce_sum(self.flat_in)
+            t1 = self._now()
+            results, bad = self._run_method(summed, self.modules, 0, counts, step)
+            t2 = t3 = self._now()
             updates = [(u.gA, u.gB) for u in results] or None
-            per_module = {m.name: u.stats for m, u in zip(mine, results)}
+            per_module = {m.name: u.stats for m, u in zip(self.modules, results)}
             method_stats = {f"method/{k}": v for k, v in (results[0].stats if results else {}).items()}
+        elif self.comm.world_size == 1:  # this rank owns every module: no collective, no packing
+            t1 = t0
+            results, bad = self._run_method(self.flat_in, self.modules, 0, counts, step)
+            t2 = t3 = self._now()
+            updates, per_module = self._results_direct(self.modules, results)
         else:
-            updates, per_module = self._gather_results(mine, results)
-            method_stats = {}
-        t3 = self._now()
+            updates, per_module, bad, (t1, t2) = self._combine_in_waves(step, counts)
+            t3 = self._now()
+        bad = bad or (updates is not None and not _all_finite([t for pair in updates for t in pair]))
         stats = {
+            # communication not hidden behind the method: until the first wave's sums have
+            # arrived, and after the last wave's method has finished
             "time/comm_s": (t1 - t0) + (t3 - t2),
             "time/method_s": t2 - t1,
             "domain_counts": counts.tolist(),
@@ -249,6 +308,52 @@ class IGAEngineHook:
         }
         stats.update(summarize(per_module, {m.name: m.full_rank_cost for m in self.modules}))
         return updates, bad, stats
+
+    def _run_method(self, summed: torch.Tensor, mine: list[LoraModule], base: int, counts: torch.Tensor, step: int):
+        """The method on the modules in ``mine``, whose sums start at ``base`` in ``summed``:
+        (results, non-finite flag); no results when the sums are not finite."""
+        if not mine:
+            return [], False
+        # the summed buffer holds exactly these modules: one check for all
+        if not bool(torch.isfinite(summed).all()):
+            return [], True
+        return self.method.combine(self._module_grads(summed, mine, base, counts), step), False
+
+    def _combine_in_waves(self, step: int, counts: torch.Tensor):
+        """Owners combine their modules wave by wave (:func:`run_waves`).
+
+        Returns every module's (gA, gB) and statistics, a non-finite flag, and the host times
+        at which the first wave's sums had arrived and the last wave's method had finished.
+        """
+        lay, W, rank = self.layout, self.comm.world_size, self.comm.rank
+        gathered = torch.empty(lay.out_size, dtype=torch.float32, device=self.device)
+        marks: dict[str, float] = {}
+        bad = False
+
+        def exchange(k: int):
+            wave = lay.waves[k]
+            return self.comm.start_reduce_scatter_sum(self.flat_in[wave.in_start: wave.in_start + W * wave.in_chunk])
+
+        def compute(k: int, summed: torch.Tensor) -> torch.Tensor:
+            nonlocal bad
+            if k == 0:  # wave 1's sums are in flight: wait for wave 0's alone
+                marks["received"] = self._now(this_stream_only=True)
+            wave = lay.waves[k]
+            mine = [m for m in wave.modules if lay.owners[m.index] == rank]
+            results, wave_bad = self._run_method(summed, mine, wave.in_start + rank * wave.in_chunk, counts, step)
+            bad = bad or wave_bad
+            return self._pack(wave, mine, results)
+
+        def gather(k: int, packed: torch.Tensor):
+            wave = lay.waves[k]
+            return self.comm.start_all_gather(packed, gathered[wave.out_start: wave.out_start + W * wave.out_chunk])
+
+        in_flight = run_waves(len(lay.waves), exchange, compute, gather)
+        computed = self._now(this_stream_only=True)
+        for pending in in_flight:
+            pending.wait()
+        updates, per_module = self._unpack(gathered)
+        return updates, per_module, bad, (marks["received"], computed)
 
     def _module_grads(self, summed: torch.Tensor, mine: list[LoraModule], base: int, counts: torch.Tensor):
         """Per-domain means (sums / global sequence counts) of the modules in ``mine``, as views.
@@ -274,14 +379,10 @@ class IGAEngineHook:
             grads.append(ModuleGrads(m.name, m.index, weights[2 * j], weights[2 * j + 1], gA, gB, m.scaling))
         return grads
 
-    def _gather_results(self, mine: list[LoraModule], results):
-        """Every module's new (gA, gB) and statistics on every rank."""
-        if self.comm.world_size == 1:
-            return self._results_direct(mine, results)
-        return self._gather_packed(mine, results)
-
     def _results_direct(self, mine: list[LoraModule], results):
-        """World size 1: this rank owns every module, so the packed buffer would be pure copying."""
+        """World size 1: this rank owns every module, so packing would be pure copying."""
+        if not results:
+            return None, {}
         # the packed path carries statistics as float32; round the same way on the host (they are
         # host floats already: no device copy), so both paths report the same numbers
         table = _stat_table(results).tolist()
@@ -293,11 +394,14 @@ class IGAEngineHook:
             per_module[m.name] = _stat_dict(vals)
         return updates, per_module
 
-    def _gather_packed(self, mine: list[LoraModule], results):
-        """Owners pack their modules' new gradients and statistics; one all-gather brings all to all."""
+    def _pack(self, wave: _Wave, mine: list[LoraModule], results) -> torch.Tensor:
+        """This rank's chunk of a wave's output: its modules' new gradients and statistics
+        (zeros where the method did not run)."""
         lay, S = self.layout, len(STAT_KEYS)
-        out = torch.zeros(lay.out_chunk, dtype=torch.float32, device=self.device)
-        base = self.comm.rank * lay.out_chunk
+        out = torch.zeros(wave.out_chunk, dtype=torch.float32, device=self.device)
+        if not results:
+            return out
+        base = wave.out_start + self.comm.rank * wave.out_chunk
         # statistics are host floats: one host-to-device copy for all of them
         table = _stat_table(results).to(self.device)
         for j, (m, u) in enumerate(zip(mine, results)):
@@ -306,7 +410,11 @@ class IGAEngineHook:
             out[off: off + nA] = u.gA.reshape(-1)
             out[off + nA: off + nA + nB] = u.gB.reshape(-1)
             out[off + nA + nB: off + nA + nB + S] = table[j]
-        gathered = self.comm.all_gather(out)
+        return out
+
+    def _unpack(self, gathered: torch.Tensor):
+        """Every module's new (gA, gB), as views of the gathered output, and its statistics."""
+        lay, S = self.layout, len(STAT_KEYS)
         # one small device-to-host copy: the statistics, not the gradients
         host = gathered[self._stat_index].view(len(self.modules), S).tolist()
         updates, per_module = [], {}
@@ -318,10 +426,14 @@ class IGAEngineHook:
             per_module[m.name] = _stat_dict(vals)
         return updates, per_module
 
-    def _now(self) -> float:
-        """Host time after the device has caught up, so that phases are timed, not launched."""
+    def _now(self, this_stream_only: bool = False) -> float:
+        """Host time after the device has caught up, so that phases are timed, not launched;
+        ``this_stream_only``: after the current stream has, with collectives left in flight."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            if this_stream_only:
+                torch.cuda.current_stream(self.device).synchronize()
+            else:
+                torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
     # -- results ---------------------------------------------------------------------------
