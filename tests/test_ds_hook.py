@@ -87,8 +87,8 @@ def assert_params_close(got, ref, atol=1e-5):
 CASES = [
     ("iga", {"tau": 0.5, "normalize": "mean"}, 1, EVEN_2x1, {}),
     ("iga", {"tau": 0.5, "normalize": "snr"}, 2, UNEVEN_2x2, {"overlap_comm": True}),
-    # the method overlapped with its collectives: one wave (none), the default two, one per module
-    ("iga", {"tau": 0.5, "normalize": "mean"}, 2, UNEVEN_2x2, {"waves": 1}),
+    # the method overlapped with its collectives: two waves, and one per module (the default is one)
+    ("iga", {"tau": 0.5, "normalize": "mean"}, 2, UNEVEN_2x2, {"waves": 2}),
     ("iga", {"tau": 0.5, "normalize": "mean"}, 2, UNEVEN_2x2, {"waves": 50}),
     ("iga", {"tau": 1.0, "normalize": "mean"}, 2, EVEN_2x2, {"bucket": 200, "clip": 0.05}),
     ("erm", {}, 2, UNEVEN_2x2, {"overlap_comm": True, "bucket": 200}),

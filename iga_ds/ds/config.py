@@ -10,8 +10,8 @@ Example block (every field optional but ``method``)::
       "skip_nonfinite": true,           // skip the step on NaN/Inf instead of corrupting weights
       "timeout_s": 600,                 // collectives give up after this many seconds
       "owner_balance": "out_x_in",      // how modules are assigned to owner ranks
-      "overlap_waves": 2                // modules in this many waves: one wave's collectives
-                                        // run while another's method does (1: no overlap)
+      "overlap_waves": 1                // >1: modules in this many waves, one wave's collectives
+                                        // running while another's method does (docs/PERFORMANCE.md)
     }
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ class IGAConfig:
     skip_nonfinite: bool = True
     timeout_s: float = 600.0
     owner_balance: str = "out_x_in"
-    overlap_waves: int = 2
+    overlap_waves: int = 1
 
     @property
     def num_domains(self) -> int:
