@@ -9,7 +9,9 @@ Flow of one optimizer step (K isomer groups over R ranks and G accumulation micr
    wraps: domain counts are summed over ranks; the buffer is reduce-scattered so that each
    module's N sums land on its owner; owners divide by the counts and run the method with a
    sketch seeded by (step, module index), so the result does not depend on the world size;
-   an all-gather brings every module's new factor gradients to every rank.
+   an all-gather brings every module's new factor gradients to every rank. With
+   ``overlap_waves`` above 1 this happens wave by wave, one wave's collectives in flight
+   while another's method runs (:func:`run_waves`).
 3. The new gradients replace the reduced ones in ZeRO's partitions, then the original step
    runs (clipping and AdamW see the method's gradient).
 """
