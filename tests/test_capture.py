@@ -95,6 +95,47 @@ def test_owning_capture_passes_the_same_gradient_to_other_parameters(checkpointi
 
 
 @pytest.mark.parametrize("owns", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_capture_leaves_the_forward_bit_for_bit(owns, dtype):
+    """The capture reuses the layer's own x A^T and (x A^T) B^T: logits with it equal those
+    without it exactly, in both modes."""
+    model = tiny_peft_llama(seed=4, dropout=0.0, dtype=dtype)
+    modules = find_lora_modules(model)
+    ids, attn, _, domains = batch(seed=5)
+    plain = model(input_ids=ids, attention_mask=attn).logits
+    buffers = [(torch.zeros(N, *m.lora_A.weight.shape), torch.zeros(N, *m.lora_B.weight.shape)) for m in modules]
+    cap = DomainGradientCapture(modules, buffers, N, owns_gradients=owns)
+    with cap.micro_batch(domains, loss_scale=1.0):
+        captured = model(input_ids=ids, attention_mask=attn).logits
+    cap.remove()
+    assert captured.grad_fn is not None and torch.equal(captured, plain)
+
+
+def _forward_products(model, ids, attn) -> int:
+    """Matrix products the CPU runs in one forward (profiler op names)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        model(input_ids=ids, attention_mask=attn)
+    return sum(e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm", "aten::bmm"))
+
+
+def test_owning_capture_adds_no_product_to_the_forward():
+    """The owning capture takes x A^T and (x A^T) B^T from the layer's own forward instead of
+    computing them again: the forward runs exactly the products it runs without the capture."""
+    model = tiny_peft_llama(seed=4, dropout=0.0)
+    modules = find_lora_modules(model)
+    ids, attn, _, domains = batch(seed=5)
+    plain = _forward_products(model, ids, attn)
+    buffers = [(torch.zeros(N, *m.lora_A.weight.shape), torch.zeros(N, *m.lora_B.weight.shape)) for m in modules]
+    cap = DomainGradientCapture(modules, buffers, N, owns_gradients=True)
+    with cap.micro_batch(domains, loss_scale=1.0):
+        captured = _forward_products(model, ids, attn)
+    cap.remove()
+    assert plain >= 2 * len(modules) and captured == plain
+
+
+@pytest.mark.parametrize("owns", [False, True])
 def test_capture_accumulates_over_micro_batches(owns):
     model = tiny_peft_llama(seed=3)
     modules = find_lora_modules(model)

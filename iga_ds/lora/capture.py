@@ -83,15 +83,15 @@ class _CapturedLoRA(torch.autograd.Function):
     work is per function."""
 
     @staticmethod
-    def forward(ctx, x, weight_A, weight_B, anchor, bufA, bufB, micro):
-        # the weights come detached: were they inputs that need a gradient, autograd would still
-        # visit their accumulators (and DeepSpeed's hooks there, which expect a gradient); anchor
-        # is the capture's input that needs one (see DomainGradientCapture)
-        h = torch.nn.functional.linear(x, weight_A)
+    def forward(ctx, x, h, out, weight_A, weight_B, anchor, bufA, bufB, micro):
+        # h = x A^T and out = h B^T come detached from the layer's own forward (computed once);
+        # the weights come detached too: were they inputs that need a gradient, autograd would
+        # still visit their accumulators (and DeepSpeed's hooks there, which expect a gradient);
+        # anchor is the capture's input that needs one (see DomainGradientCapture)
         ctx.save_for_backward(x, h, weight_A, weight_B)
         ctx.buffers = (bufA, bufB)
         ctx.micro = micro
-        return torch.nn.functional.linear(h, weight_B)
+        return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -103,7 +103,7 @@ class _CapturedLoRA(torch.autograd.Function):
         grad_h = grad_out @ weight_B  # dL/dh = dy B
         _add_per_domain(bufA, grad_h, x, micro)
         grad_x = grad_h @ weight_A if ctx.needs_input_grad[0] else None
-        return grad_x, None, None, None, None, None, None
+        return grad_x, None, None, None, None, None, None, None, None
 
 
 def _add_per_domain(buf: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor, micro: "_MicroBatch") -> None:
@@ -186,8 +186,8 @@ class DomainGradientCapture:
             if x is None:
                 raise RuntimeError(f"{module.name}: lora_B ran without lora_A before it; unsupported LoRA variant")
             if owns:  # both factors' own outputs are dropped, and with them autograd's paths to the weights
-                return _CapturedLoRA.apply(x, module.lora_A.weight.detach(), layer.weight.detach(), self._anchor,
-                                           bufA, bufB, self._micro)
+                return _CapturedLoRA.apply(x, inputs[0].detach(), output.detach(), module.lora_A.weight.detach(),
+                                           layer.weight.detach(), self._anchor, bufA, bufB, self._micro)
             return _CaptureFn.apply(output, x, inputs[0], layer.weight, bufA, bufB, self._micro)
 
         return hook
