@@ -10,10 +10,10 @@ Two ways to take them, both through forward hooks on lora_A and lora_B:
 - alongside autograd (default): lora_B's output is wrapped in an autograd function that is the
   identity forward and, backward, adds dy^T x per domain for both factors into fp32 buffers;
   autograd still computes the factors' plain gradients;
-- owning the factors' gradients (``owns_gradients=True``): lora_B's output is replaced by the
-  same two products computed in an autograd function that holds both factors out of autograd;
-  backward passes the input gradient on (dy B A) and adds the per-domain sums, and the factors
-  get no ``.grad``. A method that combines per-domain gradients overwrites the plain gradient
+- owning the factors' gradients (``owns_gradients=True``): lora_B's output goes on through an
+  autograd function that takes the layer's two products detached (computed once, by the layer)
+  and holds both factors out of autograd; backward passes the input gradient on (dy B A) and
+  adds the per-domain sums, and the factors get no ``.grad``. A method that combines per-domain gradients overwrites the plain gradient
   at the step boundary anyway, so this saves two products per layer and, under DeepSpeed, the
   bucket copies and the reduction of the factors' gradients every micro-batch.
 
