@@ -146,3 +146,20 @@ def test_single_process_collectives():
     assert comm.start_all_gather(flat, out).wait() is out and torch.equal(out, flat)
     with pytest.raises(ValueError, match="holds 5 elements, expected 1 x 6"):
         comm.start_all_gather(flat, torch.empty(5))
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, True, "2"])
+def test_overlap_waves_must_be_a_whole_number_at_least_one(value):
+    from iga_ds.ds import IGAConfig
+    from iga_ds.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^iga\.overlap_waves: expected a whole number of waves, at least 1"):
+        IGAConfig.from_dict({"method": "iga", "overlap_waves": value})
+
+
+def test_overlap_waves_round_trips_and_defaults_to_one():
+    from iga_ds.ds import IGAConfig
+
+    assert IGAConfig().overlap_waves == 1
+    cfg = IGAConfig.from_dict({"method": "iga", "overlap_waves": 4})
+    assert cfg.overlap_waves == 4 and IGAConfig.from_dict(cfg.to_dict()) == cfg
