@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from iga_ds.lora.fused import batched_iga  # noqa: E402
+from iga_ds.lora.fused import _resolve_batch_bytes, batched_iga  # noqa: E402
 from iga_ds.methods import ModuleGrads, get_method, module_generator  # noqa: E402
 from iga_ds.methods.iga import normalize_variance  # noqa: E402
 
@@ -240,15 +240,13 @@ def environment(device) -> dict:
 
 
 def _batch_bytes(text: str):
+    """--batch-bytes: 'auto' or a byte count, checked by the fused path's own rule."""
     if text == "auto":
         return text
     try:
-        value = int(text)
+        return _resolve_batch_bytes(int(text), torch.device("cpu"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected 'auto' or a positive number of bytes, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive number of bytes, got {text!r}")
-    return value
 
 
 def parse_args(argv=None):

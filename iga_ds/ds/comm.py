@@ -81,14 +81,6 @@ class Collectives:
                                    async_op=True)
         return Pending(out, work)
 
-    def reduce_scatter_sum(self, flat: torch.Tensor) -> torch.Tensor:
-        """Sum ``flat`` (world_size equal chunks) over ranks; return this rank's chunk."""
-        return self.start_reduce_scatter_sum(flat).wait()
-
-    def all_gather(self, chunk: torch.Tensor) -> torch.Tensor:
-        """Concatenate equal-sized chunks from every rank, in rank order."""
-        return self.start_all_gather(chunk).wait()
-
     def destroy(self) -> None:
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group(self.group)

@@ -202,7 +202,14 @@ class IGAEngineHook:
         self._stat_index = torch.tensor(
             [self.layout.out_offsets[m.index] + m.rank * m.in_features + m.out_features * m.rank + j
              for m in self.modules for j in range(S)], dtype=torch.long, device=self.device)
-        self.owned = [m for m in self.modules if self.layout.owners[m.index] == self.comm.rank]
+        # the modules this rank combines, per wave: fixed for the hook's life
+        self._owned_by_wave = [[m for m in wave.modules if self.layout.owners[m.index] == self.comm.rank]
+                               for wave in self.layout.waves]
+
+    @property
+    def owned(self) -> list[LoraModule]:
+        """The modules this rank combines, in wave order."""
+        return [m for mine in self._owned_by_wave for m in mine]
 
     # -- per micro-batch -------------------------------------------------------------------
     @contextlib.contextmanager
@@ -340,8 +347,7 @@ class IGAEngineHook:
             nonlocal bad
             if k == 0:  # wave 1's sums are in flight: wait for wave 0's alone
                 marks["received"] = self._now(this_stream_only=True)
-            wave = lay.waves[k]
-            mine = [m for m in wave.modules if lay.owners[m.index] == rank]
+            wave, mine = lay.waves[k], self._owned_by_wave[k]
             results, wave_bad = self._run_method(summed, mine, wave.in_start + rank * wave.in_chunk, counts, step)
             bad = bad or wave_bad
             return self._pack(wave, mine, results)

@@ -89,7 +89,6 @@ def pack(root: str | Path, out: str | Path, *, with_weights: bool = False, with_
         tmp.unlink(missing_ok=True)
 
 
-
 def _glob_escape(name: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", name)
 

@@ -13,9 +13,10 @@ Two ways to take them, both through forward hooks on lora_A and lora_B:
 - owning the factors' gradients (``owns_gradients=True``): lora_B's output goes on through an
   autograd function that takes the layer's two products detached (computed once, by the layer)
   and holds both factors out of autograd; backward passes the input gradient on (dy B A) and
-  adds the per-domain sums, and the factors get no ``.grad``. A method that combines per-domain gradients overwrites the plain gradient
-  at the step boundary anyway, so this saves two products per layer and, under DeepSpeed, the
-  bucket copies and the reduction of the factors' gradients every micro-batch.
+  adds the per-domain sums, and the factors get no ``.grad``. A method that combines
+  per-domain gradients overwrites the plain gradient at the step boundary anyway, so this
+  saves two products per layer and, under DeepSpeed, the bucket copies and the reduction of
+  the factors' gradients every micro-batch.
 
 In bf16 each sequence's product is rounded to bf16 like autograd's own weight gradient, and
 the sums over sequences and micro-batches are fp32. Inputs are kept with
