@@ -2,6 +2,9 @@
 
 Not to be confused with DomainBed's unrelated "IGA" (Inter-environmental Gradient Alignment,
 Koyama and Yamaguchi, 2020).
+
+The facade: ``from iga_ds import iga_update, get_method, available_methods``. Those names are
+imported on first use, so that ``import iga_ds`` (and the command line's start-up) loads no torch.
 """
 from __future__ import annotations
 
@@ -9,9 +12,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # Lazy: `import iga_ds` stays cheap for the CLI; torch loads on first use.
     if name == "iga_update":
-        from iga_ds.methods.iga import iga_update
+        from iga_ds.methods.iga.reference import iga_update
 
         return iga_update
     if name in ("get_method", "available_methods"):

@@ -7,7 +7,7 @@
 #   launch/deepspeed_slurm.sh --config configs/llama2_7b_iga.yaml --deepspeed ds_configs/zero2.json max_steps=100
 #
 # DeepSpeed's slurm launcher sets no RANK or LOCAL_RANK: each rank finds its own from SLURM_*
-# (iga_ds.launch.ranks), so ranks never all believe they are rank 0.
+# (iga_ds.cluster.ranks), so ranks never all believe they are rank 0.
 # Variables: IGA_PYTHON (default python3), IGA_SLOTS (ranks per node; default SLURM_GPUS_ON_NODE,
 # else 8), IGA_DS_LAUNCHER (slurm, or openmpi to go through mpirun), MASTER_PORT (default from
 # the job id), IGA_TRAIN_SCRIPT (default launch/train.py).

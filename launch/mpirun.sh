@@ -9,7 +9,7 @@
 # Inside a Slurm allocation without --hostfile, the hostfile is written from SLURM_JOB_NODELIST
 # (`iga-ds hostfile`). MASTER_ADDR defaults to the first host (127.0.0.1 without a hostfile);
 # each rank then reads its rank from OMPI_COMM_WORLD_* or, under another MPI, through mpi4py
-# (iga_ds.launch.ranks). Extra mpirun options: MPIRUN_ARGS="--mca btl_tcp_if_include ib0".
+# (iga_ds.cluster.ranks). Extra mpirun options: MPIRUN_ARGS="--mca btl_tcp_if_include ib0".
 # Variables: IGA_PYTHON (interpreter for `iga-ds hostfile`, default python3), MASTER_PORT (29500).
 set -euo pipefail
 

@@ -4,7 +4,7 @@
     deepspeed --num_gpus 8 launch/train.py --config configs/llama2_7b_iga.yaml --deepspeed ds_configs/zero2.json
     deepspeed --hostfile hosts launch/train.py --config CFG.yaml --deepspeed ds_configs/zero2.json
 
-Ranks come from the launcher's variables, then SLURM_*, then OMPI_* (iga_ds.launch.ranks).
+Ranks come from the launcher's variables, then SLURM_*, then OMPI_* (iga_ds.cluster.ranks).
 Exit codes: 0 done or stopped by SIGUSR1/SIGTERM after a checkpoint, 2 bad input.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     from iga_ds.errors import UserError
 
     try:
-        from iga_ds.train.config import load_run_config
+        from iga_ds.config.run import load_run_config
         from iga_ds.train.trainer import train
 
         overrides = list(args.overrides) + ([f"deepspeed={args.deepspeed}"] if args.deepspeed else [])

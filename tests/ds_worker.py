@@ -51,7 +51,7 @@ def make_optimizer(params, s):
 def main() -> int:
     import deepspeed
 
-    from iga_ds.ds import IGAConfig, attach
+    from iga_ds.engine import HookConfig, attach
 
     scenario_path, out_path = sys.argv[1], sys.argv[2]
     s = json.load(open(scenario_path))
@@ -69,8 +69,8 @@ def main() -> int:
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=make_optimizer(params, s),
                                            config=ds_config(s, world))
-    cfg = IGAConfig(method=s["method"], params=s.get("params", {}), domains=["a", "b", "c"], seed=7,
-                    timeout_s=timeout, overlap_waves=s.get("waves", IGAConfig.overlap_waves))
+    cfg = HookConfig(method=s["method"], params=s.get("params", {}), domains=["a", "b", "c"], seed=7,
+                    timeout_s=timeout, overlap_waves=s.get("waves", HookConfig().overlap_waves))
     hook = attach(engine, cfg)
     straddles = any(
         getattr(p, "_hp_mapping", None) is not None and p._hp_mapping.lp_fragment_address.numel < p.numel()

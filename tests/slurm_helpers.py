@@ -297,7 +297,7 @@ def _current_user() -> str:
 # watch_stop_file=0 one that sees only signals (the signal must reach it).
 CONTRACT_TRAINER = r'''
 import json, os, signal, sys, time
-from iga_ds.launch.ranks import resolve_dist_env
+from iga_ds.cluster.ranks import resolve_dist_env
 
 args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a and not a.startswith("-"))
 out = args["output_dir"]

@@ -1,7 +1,6 @@
 """bench_step.py --profile, and the engine hook's world-size-1 path (no packed all-gather buffer)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -13,50 +12,41 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import bench_step  # bench/ is on the path: pytest's pythonpath option (pyproject.toml)
 from tiny_models import batch, sequence_losses, tiny_peft_llama
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 RANGES = ("forward", "loss", "backward", "optimizer_step")
 
 
-def load_bench_step():
-    spec = importlib.util.spec_from_file_location("bench_step", os.path.join(BENCH, "bench_step.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_driver_passes_the_profile_options_to_the_workers():
-    bench = load_bench_step()
     argv = ["--gpus", "2", "--profile", "prof", "--profile-trace", "--methods", "erm,iga", "--out=x.json"]
-    assert bench.strip_driver_args(argv) == ["--profile", "prof", "--profile-trace"]
-    args = bench.parse_args(argv)
+    assert bench_step.strip_driver_args(argv) == ["--profile", "prof", "--profile-trace"]
+    args = bench_step.parse_args(argv)
     assert args.profile == "prof" and args.profile_trace
-    assert bench.parse_args([]).profile is None
+    assert bench_step.parse_args([]).profile is None
     with pytest.raises(SystemExit):
-        bench.parse_args(["--profile-trace"])
+        bench_step.parse_args(["--profile-trace"])
 
 
 def test_method_names_carry_the_overlap_waves():
-    bench = load_bench_step()
-    assert bench.method_variant("iga_fused") == ("iga_fused", None)
-    assert bench.method_variant("iga_fused-w4") == ("iga_fused", 4)
-    assert bench.method_variant("iga-w1") == ("iga", 1)
+    assert bench_step.method_variant("iga_fused") == ("iga_fused", None)
+    assert bench_step.method_variant("iga_fused-w4") == ("iga_fused", 4)
+    assert bench_step.method_variant("iga-w1") == ("iga", 1)
     for bad in ("erm-w2", "iga_fused-w0", "iga_fused-wx", "iga_fused-w", "sgd"):
         with pytest.raises(ValueError):
-            bench.method_variant(bad)
+            bench_step.method_variant(bad)
     with pytest.raises(SystemExit):
-        bench.parse_args(["--methods", "erm,iga_fused-w0"])
-    assert bench.parse_args(["--methods", "erm,iga_fused-w2"]).methods == ["erm", "iga_fused-w2"]
+        bench_step.parse_args(["--methods", "erm,iga_fused-w0"])
+    assert bench_step.parse_args(["--methods", "erm,iga_fused-w2"]).methods == ["erm", "iga_fused-w2"]
 
 
 def test_rounds_pool_the_steps_and_profile_only_once():
-    bench = load_bench_step()
     argv = ["--gpus", "2", "--rounds", "3", "--profile=prof", "--profile-trace", "--steps", "5"]
-    assert bench.strip_driver_args(argv) == ["--profile=prof", "--profile-trace", "--steps", "5"]
-    assert bench.strip_profile_args(bench.strip_driver_args(argv)) == ["--steps", "5"]
+    assert bench_step.strip_driver_args(argv) == ["--profile=prof", "--profile-trace", "--steps", "5"]
+    assert bench_step.strip_profile_args(bench_step.strip_driver_args(argv)) == ["--steps", "5"]
     with pytest.raises(SystemExit):
-        bench.parse_args(["--rounds", "0"])
+        bench_step.parse_args(["--rounds", "0"])
 
     def result(method, steps, method_ms, peak):  # what a worker reports; 4096 tokens per step, 2 GPUs
         step = statistics.median(steps)
@@ -69,7 +59,7 @@ def test_rounds_pool_the_steps_and_profile_only_once():
     rounds = [[result("erm", [100.0, 104.0], 0.0, 20.0), result("iga", [120.0, 126.0], 9.0, 21.0)],
               [result("iga", [130.0, 131.0], 11.0, 21.5), result("erm", [110.0, 112.0], 0.0, 20.0)],
               [result("erm", [101.0, 103.0], 0.0, 19.0), result("iga", [121.0, 125.0], 10.0, 21.0)]]
-    erm, iga = bench.pool_rounds(rounds, ["erm", "iga"])
+    erm, iga = bench_step.pool_rounds(rounds, ["erm", "iga"])
     assert iga["step_ms_all"] == [120.0, 126.0, 130.0, 131.0, 121.0, 125.0]
     assert iga["step_ms"] == statistics.median(iga["step_ms_all"]) == 125.5
     assert iga["tokens_per_s"] == pytest.approx(4096 / 0.1255) and iga["tokens_per_s_per_gpu"] == pytest.approx(2048 / 0.1255)
@@ -80,15 +70,14 @@ def test_rounds_pool_the_steps_and_profile_only_once():
     # the phases against ERM's: capture from forward+backward, the rest of the boundary
     args = SimpleNamespace(micro=4, seq=8, gas=1, rank=2, alpha=4.0, dtype="fp32", tau=0.5, normalize="mean",
                            warmup=1, steps=2, rounds=3, layers=1, hidden=8, config=None, grad_ckpt=False)
-    report = bench.summarize([erm, iga], {}, args)
+    report = bench_step.summarize([erm, iga], {}, args)
     iga_row = report["results"][1]
     assert iga_row["capture_ms"] == pytest.approx(iga["fwd_bwd_ms"] - erm["fwd_bwd_ms"])
     assert iga_row["boundary_other_ms"] == pytest.approx(iga["boundary_ms"] - erm["boundary_ms"] - 10.0 - 1.0)
-    assert bench.pool_rounds(rounds[:1], ["erm", "iga"]) == rounds[0]
+    assert bench_step.pool_rounds(rounds[:1], ["erm", "iga"]) == rounds[0]
 
 
 def test_profile_summary_of_a_cpu_profile():
-    bench = load_bench_step()
     from torch.profiler import ProfilerActivity, profile, record_function
 
     x = torch.randn(64, 64)
@@ -98,7 +87,7 @@ def test_profile_summary_of_a_cpu_profile():
                 y = x @ x
             with record_function("backward"):
                 y.relu_().sum()
-    summary = bench.profile_summary(prof.key_averages(), 0.01, cuda=False, top=5)
+    summary = bench_step.profile_summary(prof.key_averages(), 0.01, cuda=False, top=5)
     assert summary["wall_ms"] == 10.0 and summary["self_cpu_ms"] > 0 and summary["self_cuda_ms"] == 0
     assert set(summary["ranges"]) == {"forward", "backward"}
     assert summary["ranges"]["forward"]["calls"] == 3 and summary["ranges"]["forward"]["cpu_ms"] > 0
@@ -137,13 +126,13 @@ def test_bench_step_profile_writes_tables_and_summaries_on_cpu(tmp_path):
 
 def _hook_at_world_size_one(implementation: str):
     """A hook on a stand-in ZeRO-2 engine (no torch.distributed: world size 1) after one captured micro-batch."""
-    from iga_ds.ds import IGAConfig, attach
+    from iga_ds.engine import HookConfig, attach
 
     model = tiny_peft_llama(seed=0)
     engine = SimpleNamespace(module=model, device="cpu", optimizer=SimpleNamespace(step=lambda *a, **k: None),
                              zero_optimization_stage=lambda: 2, fp16_enabled=lambda: False,
                              gradient_accumulation_steps=lambda: 1, global_steps=0)
-    config = IGAConfig(method="iga", params={"tau": 0.5, "normalize": "mean", "implementation": implementation},
+    config = HookConfig(method="iga", params={"tau": 0.5, "normalize": "mean", "implementation": implementation},
                        domains=["a", "b", "c"])
     hook = attach(engine, config)
     ids, attn, labels, domains = batch(seed=1)
@@ -205,7 +194,7 @@ def test_module_grads_are_per_domain_means(counts):
 
 
 def test_batched_finiteness_and_cast_match_the_per_tensor_versions():
-    from iga_ds.ds.hook import _all_finite, _as_float32
+    from iga_ds.engine.hook import _all_finite, _as_float32
 
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g), torch.randn(2, 2, 2, generator=g)]

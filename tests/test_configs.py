@@ -18,8 +18,8 @@ def test_configs_are_shipped():
 @pytest.mark.parametrize("path", YAMLS, ids=lambda p: p.name)
 def test_run_yaml_opens_with_its_command_and_validates(path, monkeypatch):
     from iga_ds.train.batching import check_batch_layout
-    from iga_ds.train.config import load_run_config
-    from iga_ds.train.trainer import build_ds_config, load_ds_json
+    from iga_ds.config.run import load_run_config
+    from iga_ds.config.deepspeed import build_ds_config, load_ds_json
 
     first = path.read_text().splitlines()[0]
     assert first.startswith("# ") and f"--config configs/{path.name}" in first, first
@@ -39,7 +39,7 @@ def test_run_yaml_opens_with_its_command_and_validates(path, monkeypatch):
 def test_deepspeed_json_has_a_valid_iga_block(path):
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from iga_ds.ds import split_config
+    from iga_ds.engine import split_config
 
     raw = json.loads(path.read_text())
     assert "iga" in raw
@@ -57,3 +57,53 @@ def test_precision_matches_the_file_name():
     gpu = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
     assert not fp32.get("bf16", {}).get("enabled") and not fp32.get("fp16", {}).get("enabled")
     assert gpu["bf16"]["enabled"] is True
+
+
+def test_config_reference_is_up_to_date():
+    """docs/CONFIG.md is generated from the fields; its own regeneration command, run with --check."""
+    import subprocess
+    import sys
+
+    doc = (REPO / "docs" / "CONFIG.md").read_text(encoding="utf-8")
+    command = "python -m iga_ds.config.reference docs/CONFIG.md"
+    assert command in doc
+    check = subprocess.run([sys.executable, "-m", "iga_ds.config.reference", "--check", "docs/CONFIG.md"],
+                           cwd=REPO, capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+
+
+def test_every_config_field_is_documented():
+    from iga_ds.config.hook import HookConfig
+    from iga_ds.config.run import RunConfig, TinyBaseConfig
+
+    def fields(model):
+        for name, info in model.model_fields.items():
+            yield f"{model.__name__}.{name}", info
+            sub = info.annotation
+            for arg in (getattr(sub, "__args__", None) or (sub,)):
+                if isinstance(arg, type) and hasattr(arg, "model_fields"):
+                    yield from fields(arg)
+
+    undocumented = [key for model in (RunConfig, TinyBaseConfig, HookConfig) for key, info in fields(model)
+                    if not (info.description or "").strip()]
+    assert not undocumented
+
+
+def test_the_run_yaml_and_the_iga_block_share_one_validator(tmp_path):
+    """The same rule words for the same mistakes in either file, each naming its dotted key."""
+    from iga_ds.config.hook import HookConfig
+    from iga_ds.config.run import load_run_config
+    from iga_ds.errors import ConfigError
+
+    run = tmp_path / "run.yaml"
+    run.write_text("data:\n  domains: [math, math]\n")
+    with pytest.raises(ConfigError, match=r"run.yaml: data.domains: names must be unique"):
+        load_run_config(run)
+    with pytest.raises(ConfigError, match=r"^iga.domains: names must be unique"):
+        HookConfig.from_dict({"domains": ["math", "math"]})
+    with pytest.raises(ConfigError, match=r"^iga.colour: unknown key; expected one of: method, params, domains"):
+        HookConfig.from_dict({"colour": "red"})
+    with pytest.raises(ConfigError, match=r"^iga.seed: expected an integer, got True"):
+        HookConfig.from_dict({"seed": True})
+    with pytest.raises(ConfigError, match=r"^iga: method 'iga' has no parameter 'tua'"):
+        HookConfig.from_dict({"method": "iga", "params": {"tua": 1}})

@@ -9,7 +9,7 @@ import torch
 
 from dist_helpers import launch
 from ds_worker import global_batch, make_optimizer
-from iga_ds.ds import IGAConfig
+from iga_ds.engine import HookConfig
 from iga_ds.lora.modules import find_lora_modules
 from iga_ds.methods import ModuleGrads, available_methods, get_method
 from tiny_models import sequence_losses, tiny_peft_llama
@@ -116,7 +116,7 @@ def test_two_processes_match_single_process_reference(tmp_path, method, params, 
     owns = get_method(method, **params).needs_domain_gradients and extra.get("stage", 2) == 2
     assert got["owns_gradients"] == owns
     if get_method(method, **params).scope == "module":  # the tiny model has 8 LoRA modules
-        assert got["waves"] == min(extra.get("waves", IGAConfig.overlap_waves), 8)
+        assert got["waves"] == min(extra.get("waves", HookConfig().overlap_waves), 8)
     if method == "iga":
         assert 0 < got["stats"][-1]["mask_mean"] <= 1 and got["stats"][-1]["gir"] > 0
 

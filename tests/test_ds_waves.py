@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from iga_ds.ds.comm import Collectives, Pending
-from iga_ds.ds.hook import STAT_KEYS, assign_owners, build_layout, run_waves, split_into_waves
+from iga_ds.engine.collectives import Collectives, Pending
+from iga_ds.methods.iga.method import MASK_STATISTICS
+from iga_ds.engine.layout import assign_owners, build_layout, run_waves, split_into_waves
 from iga_ds.lora.modules import LoraModule
 
 
@@ -65,7 +66,7 @@ def test_every_module_sits_in_its_owners_chunk_of_its_wave_without_overlap(world
     rng = random.Random(world_size * 10 + waves)
     modules = fake_modules(random_shapes(rng, 9))
     N = 3
-    lay = build_layout(modules, world_size, N, waves)
+    lay = build_layout(modules, world_size, N, waves, num_stats=len(MASK_STATISTICS))
     assert len(lay.waves) == min(waves, len(modules))
     in_used = torch.zeros(lay.in_size, dtype=torch.int32)
     out_used = torch.zeros(lay.out_size, dtype=torch.int32)
@@ -79,7 +80,7 @@ def test_every_module_sits_in_its_owners_chunk_of_its_wave_without_overlap(world
             k = lay.owners[m.index]
             owners_here.add(k)
             n_in = N * (m.rank * m.in_features + m.out_features * m.rank)
-            n_out = m.rank * m.in_features + m.out_features * m.rank + len(STAT_KEYS)
+            n_out = m.rank * m.in_features + m.out_features * m.rank + len(MASK_STATISTICS)
             chunk_in = wave.in_start + k * wave.in_chunk
             chunk_out = wave.out_start + k * wave.out_chunk
             assert chunk_in <= lay.in_offsets[m.index] and lay.in_offsets[m.index] + n_in <= chunk_in + wave.in_chunk
@@ -150,16 +151,16 @@ def test_single_process_collectives():
 
 @pytest.mark.parametrize("value", [0, -2, 1.5, True, "2"])
 def test_overlap_waves_must_be_a_whole_number_at_least_one(value):
-    from iga_ds.ds import IGAConfig
+    from iga_ds.engine import HookConfig
     from iga_ds.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"^iga\.overlap_waves: expected a whole number of waves, at least 1"):
-        IGAConfig.from_dict({"method": "iga", "overlap_waves": value})
+        HookConfig.from_dict({"method": "iga", "overlap_waves": value})
 
 
 def test_overlap_waves_round_trips_and_defaults_to_one():
-    from iga_ds.ds import IGAConfig
+    from iga_ds.engine import HookConfig
 
-    assert IGAConfig().overlap_waves == 1
-    cfg = IGAConfig.from_dict({"method": "iga", "overlap_waves": 4})
-    assert cfg.overlap_waves == 4 and IGAConfig.from_dict(cfg.to_dict()) == cfg
+    assert HookConfig().overlap_waves == 1
+    cfg = HookConfig.from_dict({"method": "iga", "overlap_waves": 4})
+    assert cfg.overlap_waves == 4 and HookConfig.from_dict(cfg.to_dict()) == cfg

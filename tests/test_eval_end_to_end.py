@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from iga_ds.cli import main
-from iga_ds.evaluation.prompts import format_prompt
+from iga_ds.data.prompts import format_prompt
 
 DOMAINS = ("math", "medical", "legal", "science")
 WORDS = "Problem Solution Answer yes no if then is a the value of x plus equals Think step by final answer on last line as".split()
@@ -154,7 +154,8 @@ def test_eval_cli_writes_eval_json_with_domains_and_lcs(tiny, tmp_path):
 
 def test_lcs_of_model_batched_equals_one_by_one(tiny):
     from iga_ds.evaluation.generation import load_model
-    from iga_ds.metrics import lcs, lcs_of_model
+    from iga_ds.evaluation.consistency import lcs_of_model
+    from iga_ds.metrics import lcs
 
     base, _, _ = tiny
     model, tok = load_model(base, device="cpu")

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from iga_ds.errors import DataError
-from iga_ds.evaluation.prompts import INSTRUCTION, format_prompt, format_target
+from iga_ds.data.prompts import INSTRUCTION, format_prompt, format_target
 from iga_ds.evaluation.records import isomer_items, read_isomer_records
 from iga_ds.metrics import score_generation
 

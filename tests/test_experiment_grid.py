@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from iga_ds.errors import ConfigError, UserError
-from iga_ds.evaluation import experiment as ex
+from iga_ds.experiments import experiment as ex
 
 REPO = Path(__file__).resolve().parents[1]
 GRIDS = sorted((REPO / "configs" / "experiments").glob("*.yaml"))
@@ -265,13 +265,13 @@ def test_grid_file_opens_with_its_command_and_loads(path, monkeypatch):
     raw = yaml.safe_load(path.read_text())
     for key in raw.get("ablations") or {}:
         # the report's ablation table knows these names, or the grid gives the row a label
-        from iga_ds.evaluation.results import ABLATION_LABELS
+        from iga_ds.experiments.results import ABLATION_LABELS
 
         assert key in ABLATION_LABELS or raw["ablations"][key].get("label"), key
 
 
 def test_baseline_and_ablation_grids_hold_the_paper_rows():
-    from iga_ds.evaluation.results import ABLATION_LABELS, METHOD_LABELS
+    from iga_ds.experiments.results import ABLATION_LABELS, METHOD_LABELS
 
     base = ex.load_grid(REPO / "configs/experiments/baselines.yaml")
     keys = {v.key for v in base.variants}
@@ -289,7 +289,7 @@ def test_baseline_and_ablation_grids_hold_the_paper_rows():
 
 @pytest.mark.parametrize("name, answer_only", [("replication.yaml", False), ("replication_answer_only.yaml", True)])
 def test_replication_grid_holds_every_paper_row_and_its_control(name, answer_only):
-    from iga_ds.evaluation.results import ABLATION_LABELS
+    from iga_ds.experiments.results import ABLATION_LABELS
 
     base = ex.load_grid(REPO / "configs/experiments/baselines.yaml")
     rep = ex.load_grid(REPO / "configs/experiments" / name)

@@ -14,7 +14,7 @@ from tiny_models import shrunk_tiny_base_config
 @pytest.mark.timeout(240)
 def test_two_cells_train_evaluate_resume_and_report(tmp_path, monkeypatch, capsys):
     from iga_ds.cli import main
-    from iga_ds.evaluation.results import load_results
+    from iga_ds.experiments.results import load_results
     from iga_ds.train.pretrain import default_tiny_base
 
     monkeypatch.setenv("IGA_DS_CACHE", str(tmp_path / "cache"))

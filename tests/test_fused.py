@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from iga_ds.lora.fused import batched_iga
+from iga_ds.methods.iga.fused import batched_iga
 from iga_ds.methods import ModuleGrads, get_method
-from iga_ds.methods.iga import iga_update
+from iga_ds.methods.iga.reference import iga_update
 from reference_impl import iga_reference
 
 # float32: observed worst 7e-6 on these problems (rounding amplified by the SVD), so ~1e-5 with margin
@@ -95,7 +95,7 @@ def test_single_pass_matches_iga_update(dtype, normalize, tau, shape):
 
 
 def test_single_pass_stores_no_masked_matrix(monkeypatch):
-    from iga_ds.lora import fused
+    from iga_ds.methods.iga import fused
 
     mods = [make_module(i, r=4, d_in=48, d_out=40) for i in range(2)]
     allocated = []
@@ -125,7 +125,7 @@ def test_mixed_shapes_tiles_and_batches(dtype):
 
 
 def test_auto_stack_size_takes_half_the_headroom_within_bounds():
-    from iga_ds.lora.fused import DEFAULT_BATCH_BYTES, MAX_AUTO_BATCH_BYTES, auto_batch_bytes
+    from iga_ds.methods.iga.fused import DEFAULT_BATCH_BYTES, MAX_AUTO_BATCH_BYTES, auto_batch_bytes
 
     GiB = 1 << 30
     assert auto_batch_bytes(0) == auto_batch_bytes(GiB) == DEFAULT_BATCH_BYTES == GiB
@@ -169,7 +169,7 @@ def test_one_pass_bases_lose_nothing_on_an_ill_conditioned_float32_matrix():
     # 8 singular values from 1 to 0.5, 10 from 1e-3 down to 1e-6, the rest 1e-7: every sketch
     # of width 18 has a condition number far above 1e4, where one CholeskyQR pass loses
     # orthogonality (0.03 if every basis took one pass); the final two-pass basis repairs it
-    from iga_ds.lora.fused import _project, _svd_from_projection
+    from iga_ds.methods.iga.fused import project, svd_from_projection
 
     g = torch.Generator().manual_seed(3)
     m, n, rank, width = 300, 200, 8, 18
@@ -182,8 +182,8 @@ def test_one_pass_bases_lose_nothing_on_an_ill_conditioned_float32_matrix():
     best = (U[:, :rank] * S[:rank]) @ V[:, :rank].T
     omega = torch.randn(n, width, generator=g, dtype=torch.float64)
     matrix = exact.float()[None]
-    Q, small = _project(matrix, matrix @ omega.float()[None], power_iters=2)
-    u, s, vh = _svd_from_projection(Q, small, rank)
+    Q, small = project(matrix, matrix @ omega.float()[None], power_iters=2)
+    u, s, vh = svd_from_projection(Q, small, rank)
     approx = ((u * s.unsqueeze(-2)) @ vh)[0].double()
     assert float((Q[0].double().T @ Q[0].double() - torch.eye(width, dtype=torch.float64)).abs().max()) < 1e-5
     # as close to the best rank-8 approximation as float32 rounding of the matrix allows
@@ -294,7 +294,7 @@ def _cuda_modules(dtype=torch.float32, count=3, r=16, d_in=512, d_out=384):
 @pytest.mark.parametrize("use_triton", [False, True])
 @pytest.mark.parametrize("normalize", ["none", "mean", "snr"])
 def test_cuda_paths_match_reference(use_triton, normalize):
-    from iga_ds.lora import triton_kernels
+    from iga_ds.methods.iga import triton_kernels
 
     if use_triton and not triton_kernels.available():
         pytest.skip("Triton is not installed")
@@ -327,7 +327,7 @@ def test_cuda_peak_memory_is_one_matrix_per_module_not_n():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_auto_stacks_grow_into_the_room_below_the_peak(monkeypatch):
-    from iga_ds.lora import fused
+    from iga_ds.methods.iga import fused
 
     mods = _cuda_modules(count=48, d_in=2048, d_out=2048)  # 16 MiB of masked matrix each
 
@@ -336,8 +336,8 @@ def test_cuda_auto_stacks_grow_into_the_room_below_the_peak(monkeypatch):
 
     fixed = batched_iga(mods, tau=0.5, normalize="mean", generators=gens(), batch_bytes=64 << 20)  # 4 per stack
     sizes = []
-    real = fused._stacks
-    monkeypatch.setattr(fused, "_stacks", lambda m, g, b: sizes.append(b) or real(m, g, b))
+    real = fused.stack_modules
+    monkeypatch.setattr(fused, "stack_modules", lambda m, g, b: sizes.append(b) or real(m, g, b))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     activations = torch.empty(6 << 30, dtype=torch.uint8, device="cuda")  # forward and backward's peak
@@ -354,18 +354,18 @@ def test_cuda_auto_stacks_grow_into_the_room_below_the_peak(monkeypatch):
 
 def _triton_tile_pass_matches_torch() -> None:
     """Run under TRITON_INTERPRET=1 (CPU): the kernels' tile passes against the PyTorch one."""
-    from iga_ds.lora import fused, triton_kernels
+    from iga_ds.methods.iga import fused, triton_kernels
 
     cases = [("none", 1e8, "ieee", (4, 48, 40)), ("mean", 0.5, "ieee", (2, 33, 17)),
              ("snr", 0.5, "ieee", (4, 48, 40)), ("mean", 0.5, "tf32x3", (4, 48, 40))]
     for normalize, tau, precision, (r, d_in, d_out) in cases:
         mods = [make_module(i, r=r, d_in=d_in, d_out=d_out, dtype=torch.float32) for i in range(2)]
-        st = fused._stacks(mods, generators(mods), 1 << 30)[0]
-        factors = fused._factors(st)
-        mean_var, mean_sq = fused._mask_scale(*factors, d_in * d_out)
+        st = fused.stack_modules(mods, generators(mods), 1 << 30)[0]
+        factors = fused.stack_factors(st)
+        mean_var, mean_sq = fused.mask_scales(*factors, d_in * d_out)
         omega = torch.randn(2, d_in, 10, generator=torch.Generator().manual_seed(0))
         kw = dict(tau=tau, normalize=normalize, mean_var=mean_var, mean_sq=mean_sq)
-        ref = fused._tile_pass_torch(*factors, omega, tile_elements=1 << 20, **kw)
+        ref = fused.tile_pass_torch(*factors, omega, tile_elements=1 << 20, **kw)
         got = triton_kernels.tile_pass_triton(*factors, omega, block_m=32, block_n=32, precision=precision, **kw)
         assert rel(got[0], ref[0]) < 1e-6 and rel(got[1], ref[1]) < 1e-6, (normalize, r)
         for key in ref[2]:
@@ -374,7 +374,7 @@ def _triton_tile_pass_matches_torch() -> None:
         # the sketching kernel (single pass): both sketches, summed over per-tile slots; a tiny
         # partial_bytes sends the modules through one at a time
         psi = torch.randn(2, 21, d_out, generator=torch.Generator().manual_seed(1))
-        ref = fused._tile_pass_torch(*factors, omega, tile_elements=1 << 20, psi=psi, **kw)
+        ref = fused.tile_pass_torch(*factors, omega, tile_elements=1 << 20, psi=psi, **kw)
         for partial_bytes in (1 << 30, 1):
             got = triton_kernels.tile_pass_triton(*factors, omega, psi=psi, block_m=32, block_n=32,
                                                   precision=precision, partial_bytes=partial_bytes, **kw)
@@ -401,11 +401,8 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_bench_method_gives_each_variant_its_pass_mark():
-    sys.path.insert(0, BENCH)
-    try:
-        import bench_method
-    finally:
-        sys.path.remove(BENCH)
+    import bench_method  # bench/ is on the path: pytest's pythonpath option (pyproject.toml)
+
     args = bench_method.parse_args(["--tol", "1e-4", "--tol-tf32", "1e-3", "--tol-tf32-single-pass", "5e-3"])
     names = ["batched_triton", "batched_triton_tf32x3", "batched_triton_tf32", "single_pass_triton",
              "single_pass_triton_tf32x3", "single_pass_triton_tf32"]

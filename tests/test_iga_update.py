@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from iga_ds import iga_update
-from iga_ds.lora.reconstruct import reconstruct
-from iga_ds.lora.rsvd import exact_svd, randomized_svd, single_pass_svd
+from iga_ds.methods.iga.reference import reconstruct
+from iga_ds.methods.iga.rsvd import exact_svd, randomized_svd, single_pass_svd
 from reference_impl import iga_reference
 
 
@@ -133,7 +133,7 @@ def test_single_pass_in_iga_update_close_to_exact():
     assert (approx - exact).norm() / exact.norm() < 1e-10  # rank <= 2r = 8 < width 14: exact
     # masked: full rank with a flat tail. One pass loses more than power iterations do: its
     # rank-4 error is within 15% of the optimal one (measured 8.8%), power iterations' within 0.1%
-    from iga_ds.methods.iga import mean_and_variance, normalize_variance
+    from iga_ds.methods.iga.reference import mean_and_variance, normalize_variance
 
     mean, var = mean_and_variance(A, B, gA, gB, 1.0)
     masked = mean * torch.exp(-0.5 * normalize_variance(var, mean, "mean"))

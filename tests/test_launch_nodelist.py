@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from iga_ds.errors import UserError
-from iga_ds.launch.nodelist import expand_nodelist, expand_tasks_per_node, hostfile_text
+from iga_ds.cluster.nodelist import expand_nodelist, expand_tasks_per_node, hostfile_text
 
 
 @pytest.mark.parametrize(

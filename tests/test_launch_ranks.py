@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from iga_ds.errors import UserError
-from iga_ds.launch.ranks import DistEnv, apply_dist_env, resolve_dist_env, slurm_default_port
+from iga_ds.cluster.ranks import DistEnv, apply_dist_env, resolve_dist_env, slurm_default_port
 
 # What an srun task sees (copied from a real `srun -n2` on the test cluster, rank 1).
 SRUN_TASK = {
@@ -118,7 +118,7 @@ def test_bad_variables_name_the_variable(env, message):
 
 
 def test_several_nodes_without_master_addr_outside_slurm_is_an_error(monkeypatch):
-    import iga_ds.launch.ranks as ranks
+    import iga_ds.cluster.ranks as ranks
 
     monkeypatch.setattr(ranks, "_mpi4py_importable", lambda: False)
     with pytest.raises(UserError, match="MASTER_ADDR"):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from iga_ds.cli import main
-from iga_ds.launch.selfcheck import run_selfcheck
+from iga_ds.cluster.selfcheck import run_selfcheck
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -224,3 +224,24 @@ def test_unknown_method_and_parameter_are_clear():
         get_method("igaa")
     with pytest.raises(ConfigError, match="no parameter 'tua'"):
         get_method("iga", tua=1.0)
+
+
+@pytest.mark.parametrize("name", [n for n in available_methods() if get_method(n).scope != "loss"])
+def test_methods_report_the_statistics_they_declare(name):
+    """The hook carries a module-scope method's statistics back from owner ranks in slots made
+    from its declaration; a figure it reports but does not declare would be lost on the way.
+    Global methods report figures of the whole model (a name pattern such as weight_<n>)."""
+    import re
+
+    method = get_method(name)
+    assert method.statistics, f"{name} declares no statistics"
+    patterns = [re.escape(s.name).replace(re.escape("<n>"), r"\d+") for s in method.statistics]
+    reported = set().union(*(u.stats for u in method.combine(modules(), step=1)))
+    if method.scope == "module":
+        assert all(s.combine != "model" for s in method.statistics)
+        essential = {s.name for s in method.statistics} - {"energy_kept", "mask_min", "gir"}
+        assert essential <= reported, f"{name} declares {essential - reported} and never reports it"
+    else:
+        assert all(s.combine == "model" for s in method.statistics)
+    stray = [k for k in reported if not any(re.fullmatch(p, k) for p in patterns)]
+    assert not stray, f"{name} reports undeclared statistics {stray}"

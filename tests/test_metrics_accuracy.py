@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from iga_ds.errors import DataError
+from iga_ds.files import read_jsonl as read_metrics_jsonl
 from iga_ds.metrics import (
     accuracy_per_compute_hour,
     accuracy_per_domain,
@@ -17,7 +18,6 @@ from iga_ds.metrics import (
     mask_statistics,
     mean_std,
     metric_series,
-    read_metrics_jsonl,
 )
 
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from iga_ds.metrics import gir, isomer_groups, lcs, lcs_paper_units
+from iga_ds.data.groups import isomer_groups
+from iga_ds.metrics import gir, lcs, lcs_paper_units
 
 
 def _lcs_numpy(hidden: np.ndarray) -> float:

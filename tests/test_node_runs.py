@@ -1,7 +1,6 @@
 """bench/node_runs.sh (the one-node check list) in its dry run, and bench/node_summary.py on small files."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -13,16 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 
+import bench_step  # bench/ is on the path: pytest's pythonpath option (pyproject.toml)
+import node_summary
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "bench" / "node_runs.sh"
 SUMMARY = REPO / "bench" / "node_summary.py"
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def dry_run(out: Path, *args: str, **env: str) -> tuple[str, list[str]]:
@@ -72,7 +67,7 @@ def test_dry_run_without_gpus_plans_all_three_parts_for_eight(tmp_path):
 
 def test_dry_run_training_overrides_are_valid_for_the_trainer(tmp_path):
     from iga_ds.train.batching import check_batch_layout
-    from iga_ds.train.config import load_run_config
+    from iga_ds.config.run import load_run_config
 
     for gpus in ("8", "3"):
         _, commands = dry_run(tmp_path / "node", "resume", NODE_GPUS=gpus, DRY_RUN="1")
@@ -115,7 +110,6 @@ def bench_report(world: int, step_ms: dict[str, float], peak: dict[str, float],
                  fwd_bwd_ms: dict[str, float] | None = None) -> dict:
     """A report as bench_step.py writes it (its own summarize() builds the ratios); with
     ``fwd_bwd_ms``, the step's phases too (the boundary is the rest of the step)."""
-    bench = load("bench_step")
     tokens = SETTINGS["micro"] * SETTINGS["seq"] * SETTINGS["gas"] * world
     results = [{"method": m, "step_ms": ms, "step_ms_all": [ms] * SETTINGS["steps"],
                 "tokens_per_s": tokens / (ms / 1e3), "tokens_per_s_per_gpu": tokens / (ms / 1e3) / world,
@@ -125,7 +119,7 @@ def bench_report(world: int, step_ms: dict[str, float], peak: dict[str, float],
                for m, ms in step_ms.items()]
     env = {"card": "NVIDIA H100 80GB HBM3", "world_size": world, "torch": "2.x", "cuda": "12.x", "deepspeed": "0.x",
            "transformers": "4.x", "peft": "0.x", "triton": "3.x", "python": "3.x"}
-    return bench.summarize(results, env, SimpleNamespace(**SETTINGS))
+    return bench_step.summarize(results, env, SimpleNamespace(**SETTINGS))
 
 
 def table_row(text: str, gpus: int, method: str) -> list[str]:
@@ -164,9 +158,8 @@ def test_summary_scaling_efficiency_and_ratios(tmp_path):
 
 
 def test_summary_without_the_one_gpu_run_leaves_efficiency_blank(tmp_path):
-    summary = load("node_summary")
     reports = {2: bench_report(2, {"erm": 880.0, "iga_fused": 910.0}, {"erm": 18.0, "iga_fused": 18.4})}
-    rows = summary.scaling_rows(reports)
+    rows = node_summary.scaling_rows(reports)
     assert [r["efficiency"] for r in rows] == [None, None]
     assert rows[1]["ratio_step"] == pytest.approx(910 / 880)
 
@@ -178,18 +171,17 @@ def test_summary_of_the_equivalence_json(tmp_path):
                           "iga": {"w8_vs_w1": 0.0, "w8_bf16_vs_fp32_reference": 0.6},
                           "pcgrad": {"w8_vs_w1": 0.09, "w8_bf16_vs_fp32_reference": 0.2}}}
     (tmp_path / "gpu_equivalence.json").write_text(json.dumps(record))
-    summary = load("node_summary")
-    eq = summary.equivalence(tmp_path)
+    eq = node_summary.equivalence(tmp_path)
     assert eq["world_size"] == 8 and eq["ok"] and eq["bound"] == pytest.approx(0.1)
-    text = summary.render(tmp_path)
+    text = node_summary.render(tmp_path)
     assert "world size 8 vs 1" in text and "| pcgrad | 0.09 | 0.2 |" in text and "PASS" in text
     record["methods"]["pcgrad"]["w8_vs_w1"] = 0.11
     (tmp_path / "gpu_equivalence.json").write_text(json.dumps(record))
-    assert not summary.equivalence(tmp_path)["ok"]
+    assert not node_summary.equivalence(tmp_path)["ok"]
     # a file from before the world_size field: 2 GPUs
     old = {"methods": {"erm": {"w2_vs_w1": 0.04}, "iga": {"w2_vs_w1": 0.0}}}
     (tmp_path / "gpu_equivalence.json").write_text(json.dumps(old))
-    assert summary.equivalence(tmp_path)["world_size"] == 2 and summary.equivalence(tmp_path)["ok"]
+    assert node_summary.equivalence(tmp_path)["world_size"] == 2 and node_summary.equivalence(tmp_path)["ok"]
 
 
 def write_training(out: Path, steps: list[int], stopped: int | None, resumed: int | None, total: int = 10):
@@ -231,30 +223,29 @@ def test_check_train_passes_a_resumed_run_and_fails_broken_ones(tmp_path):
 def test_summary_lists_stages_and_skips(tmp_path):
     (tmp_path / "stages.tsv").write_text("gpus\t0\nbench_step_1gpu\t0\nequivalence\t124\n")
     (tmp_path / "skipped.txt").write_text("bench_step_4gpu\tneeds 4 GPUs, 2 visible\n")
-    text = load("node_summary").render(tmp_path)
+    text = node_summary.render(tmp_path)
     assert "| equivalence | 124 |" in text and "- bench_step_4gpu: needs 4 GPUs, 2 visible" in text
     assert "ran past its time limit" in text
     # the time-limit note only when a stage hit its limit
     (tmp_path / "stages.tsv").write_text("gpus\t0\ntrain_check\t1\n")
-    assert "ran past its time limit" not in load("node_summary").render(tmp_path)
+    assert "ran past its time limit" not in node_summary.render(tmp_path)
 
 
 def test_step_ratio_interval_covers_the_true_ratio_and_narrows_with_steps():
     import random
 
-    bench = load("bench_step")
     rng = random.Random(3)
     erm = [700 * rng.uniform(0.9, 1.2) for _ in range(20)]
     slower = [700 * 1.3 * rng.uniform(0.9, 1.2) for _ in range(20)]
     same = [700 * rng.uniform(0.9, 1.2) for _ in range(20)]
-    lo, hi = bench.ratio_interval(slower, erm)
+    lo, hi = bench_step.ratio_interval(slower, erm)
     assert lo < 1.3 < hi and lo > 1.0  # a 30% slower method is told apart from ERM
-    lo, hi = bench.ratio_interval(same, erm)
+    lo, hi = bench_step.ratio_interval(same, erm)
     assert lo < 1.0 < hi  # the same distribution is not
-    assert bench.ratio_interval(same, erm) == (lo, hi)  # deterministic
+    assert bench_step.ratio_interval(same, erm) == (lo, hi)  # deterministic
     erm_many = [700 * rng.uniform(0.9, 1.2) for _ in range(400)]
     same_many = [700 * rng.uniform(0.9, 1.2) for _ in range(400)]
-    lo_many, hi_many = bench.ratio_interval(same_many, erm_many)
+    lo_many, hi_many = bench_step.ratio_interval(same_many, erm_many)
     assert hi_many - lo_many < (hi - lo) / 2
     report = bench_report(1, {"erm": 800.0, "iga_fused": 820.0}, {"erm": 20.0, "iga_fused": 20.5})
     assert report["results"][1]["ratio_step_interval90"] == [820.0 / 800.0, 820.0 / 800.0]

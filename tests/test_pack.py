@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from iga_ds.cli import main
-from iga_ds.evaluation.pack import pack, parse_size
+from iga_ds.experiments.pack import pack, parse_size
 
 KEPT = ["grid.yaml", "logs/iga-s0.log", "iga-s0/cell.json", "iga-s0/metrics.jsonl", "iga-s0/eval/synthetic.json",
         "erm-s1/cell.json", "erm-s1/eval/synthetic.json"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import tarfile
 from pathlib import Path
 
-from iga_ds.evaluation.report import write_report
+from iga_ds.experiments.report import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHIVE = ROOT / "docs" / "results" / "replication-2026-11-26" / "runs.tar.xz"

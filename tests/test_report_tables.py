@@ -10,8 +10,8 @@ import pytest
 
 from iga_ds.cli import main
 from iga_ds.errors import DataError
-from iga_ds.evaluation.report import build_report
-from iga_ds.evaluation.results import load_results
+from iga_ds.experiments.report import build_report
+from iga_ds.experiments.results import load_results
 
 BENCHES = ("logiqa2", "synthetic")
 SEEDS = (0, 1, 2)
@@ -195,7 +195,7 @@ def test_report_shows_cue_following_mask_statistics_and_claims(tmp_path):
 
 
 def test_compare_counts_a_difference_beyond_twice_its_standard_error():
-    from iga_ds.evaluation.report import compare
+    from iga_ds.experiments.report import compare
 
     a, b = [10.0, 11.0, 12.0], [5.0, 6.0, 7.0]
     verdict, diff, se = compare(a, b, higher_is_better=True)
@@ -220,8 +220,8 @@ def test_report_discussion_file_must_exist(tmp_path, capsys):
 
 
 def test_mask_figure_series_is_the_seed_mean_then_a_trailing_average():
-    from iga_ds.evaluation.figures import _seed_mean_series
-    from iga_ds.evaluation.results import Cell
+    from iga_ds.experiments.figures import _seed_mean_series
+    from iga_ds.experiments.results import Cell
 
     a = [0.2, 0.4, 0.9, 0.5, 0.3]
     b = [0.6, 0.0, 0.1, 0.7]  # one step fewer: the last step averages one seed only

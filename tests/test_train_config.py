@@ -14,7 +14,7 @@ from test_train_support import DOMAINS, run_config_dict, write_isomer_jsonl
 
 
 def test_defaults_follow_the_paper():
-    from iga_ds.train.config import RunConfig
+    from iga_ds.config.run import RunConfig
 
     cfg = RunConfig()
     assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.target_modules) == (16, 32.0, ["q_proj", "k_proj", "v_proj", "o_proj"])
@@ -40,7 +40,7 @@ def test_defaults_follow_the_paper():
     ],
 )
 def test_config_errors_name_the_key_and_the_expected_type(tmp_path, override, message):
-    from iga_ds.train.config import load_run_config
+    from iga_ds.config.run import load_run_config
 
     path = tmp_path / "run.yaml"
     path.write_text("output_dir: out\n")
@@ -51,7 +51,7 @@ def test_config_errors_name_the_key_and_the_expected_type(tmp_path, override, me
 
 
 def test_overrides_are_yaml_values_and_scientific_notation_is_a_number(tmp_path):
-    from iga_ds.train.config import load_run_config
+    from iga_ds.config.run import load_run_config
 
     path = tmp_path / "run.yaml"
     path.write_text("schedule:\n  lr: 2e-4\n")  # YAML 1.1 reads this as a string
@@ -61,7 +61,7 @@ def test_overrides_are_yaml_values_and_scientific_notation_is_a_number(tmp_path)
 
 
 def test_broken_yaml_reports_the_line(tmp_path):
-    from iga_ds.train.config import load_run_config
+    from iga_ds.config.run import load_run_config
 
     path = tmp_path / "bad.yaml"
     path.write_text("lora:\n  r: 4\n  alpha: [8\n")
@@ -69,17 +69,22 @@ def test_broken_yaml_reports_the_line(tmp_path):
         load_run_config(path)
 
 
-def test_ds_config_batch_sizes_and_method_override(tmp_path):
-    from iga_ds.train.config import config_from_dict
-    from iga_ds.train.trainer import build_ds_config
+def test_ds_config_batch_sizes_and_one_home_for_the_method(tmp_path):
+    from iga_ds.config.run import config_from_dict
+    from iga_ds.config.deepspeed import build_ds_config
 
     data = write_isomer_jsonl(tmp_path / "d.jsonl", 2)
     cfg = config_from_dict(run_config_dict(tmp_path, data, **{"data.groups_per_step": 8,
                                                               "data.groups_per_micro_batch": 2}))
-    raw = {"train_batch_size": "auto", "zero_optimization": {"stage": 2},
-           "iga": {"method": "iga", "domains": DOMAINS}}
+    raw = {"train_batch_size": "auto", "zero_optimization": {"stage": 2}, "iga": {"domains": DOMAINS}}
     ds, iga = build_ds_config(cfg, raw, world_size=2, accum=2, cpu=True)
-    assert iga.method == "erm"  # the run YAML's method wins over the JSON's
+    assert iga.method == "erm"  # the run YAML names the method; the JSON does not
+    # one home per setting: the same value in both files is fine, two values are an error naming both
+    assert build_ds_config(cfg, {**raw, "iga": {"method": "erm"}}, world_size=2, accum=2, cpu=True)[1].method == "erm"
+    with pytest.raises(ConfigError, match=r"^method: run.yaml sets method.name: 'erm' and zero2.json sets "
+                                          r"iga.method: 'iga'; set it in one of them$"):
+        build_ds_config(cfg, {**raw, "iga": {"method": "iga"}}, world_size=2, accum=2, source="zero2.json", cpu=True,
+                        run_source="run.yaml")
     assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (8, 2, 32)
     with pytest.raises(ConfigError, match="train_batch_size is 64"):
         build_ds_config(cfg, {**raw, "train_batch_size": 64}, world_size=2, accum=2, cpu=True)
@@ -138,7 +143,8 @@ def test_sampler_batches_do_not_depend_on_the_world_size():
 
 
 def test_incomplete_groups_are_dropped_and_domains_ordered(tmp_path):
-    from iga_ds.train.batching import complete_groups, read_records
+    from iga_ds.data.groups import complete_groups
+    from iga_ds.train.batching import read_records
 
     recs = read_records(write_isomer_jsonl(tmp_path / "d.jsonl", 3))
     recs = [r for r in recs if not (r["group_id"] == "g0001" and r["domain"] == "legal")]
@@ -168,7 +174,8 @@ def test_prompt_is_masked_and_target_kept():
 
 
 def test_collate_pads_and_assigns_domain_ids(tmp_path):
-    from iga_ds.train.batching import IGNORE_INDEX, collate, complete_groups, read_records
+    from iga_ds.data.groups import complete_groups
+    from iga_ds.train.batching import IGNORE_INDEX, collate, read_records
 
     groups = complete_groups(read_records(write_isomer_jsonl(tmp_path / "d.jsonl", 2)), DOMAINS)
     mb = collate(_CharTokenizer(), groups, DOMAINS, max_length=512)
@@ -232,7 +239,8 @@ def test_generator_words_cover_everything_the_generator_writes():
 
 
 def test_tiny_base_is_cached_by_content(tmp_path):
-    from iga_ds.train.model import TinyBaseConfig, ensure_tiny_base
+    from iga_ds.config.run import TinyBaseConfig
+    from iga_ds.train.model import ensure_tiny_base
 
     cfg = TinyBaseConfig(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, max_length=32,
                          steps=2, batch_size=2, warmup_steps=1)
@@ -250,7 +258,7 @@ def test_tiny_base_is_cached_by_content(tmp_path):
 
 
 def test_tiny_base_settings_need_the_built_in_base(tmp_path):
-    from iga_ds.train.config import load_run_config
+    from iga_ds.config.run import load_run_config
 
     path = tmp_path / "run.yaml"
     path.write_text("output_dir: out\n")
@@ -262,8 +270,8 @@ def test_trainer_builds_the_tiny_base_the_config_shapes(tmp_path, monkeypatch):
     import json
     from types import SimpleNamespace
 
-    from iga_ds.train.config import load_run_config
-    from iga_ds.train.model import TinyBaseConfig
+    from iga_ds.config.run import load_run_config
+    from iga_ds.config.run import TinyBaseConfig
     from iga_ds.train.trainer import Trainer
 
     monkeypatch.setenv("IGA_DS_CACHE", str(tmp_path / "cache"))
@@ -280,7 +288,8 @@ def test_trainer_builds_the_tiny_base_the_config_shapes(tmp_path, monkeypatch):
 
 
 def test_tiny_base_key_keeps_cpu_builds_apart_from_gpu_builds():
-    from iga_ds.train.model import TinyBaseConfig, tiny_base_key
+    from iga_ds.config.run import TinyBaseConfig
+    from iga_ds.train.model import tiny_base_key
 
     cfg, texts = TinyBaseConfig(), ["the dose is 3 ."]
     cpu = tiny_base_key(cfg, texts)
@@ -291,8 +300,8 @@ def test_tiny_base_key_keeps_cpu_builds_apart_from_gpu_builds():
 
 def test_corpus_groups_sizes_the_pretraining_corpus(tmp_path, monkeypatch):
     from iga_ds.train import pretrain
-    from iga_ds.train.config import load_run_config
-    from iga_ds.train.model import TinyBaseConfig
+    from iga_ds.config.run import load_run_config
+    from iga_ds.config.run import TinyBaseConfig
 
     asked = []
     monkeypatch.setattr(pretrain, "generator_corpus", lambda groups, seed: asked.append(groups) or ["a b ."])
@@ -313,7 +322,8 @@ def _build_on_rank(rank: int, world: int, port: int, root: str) -> None:
 
     import torch.distributed as tdist
 
-    from iga_ds.train.model import TinyBaseConfig, ensure_tiny_base
+    from iga_ds.config.run import TinyBaseConfig
+    from iga_ds.train.model import ensure_tiny_base
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     tdist.init_process_group("gloo", rank=rank, world_size=world)
@@ -345,7 +355,8 @@ def test_a_base_built_on_a_rank_other_than_0_is_complete(tmp_path):
 
 
 def test_an_incomplete_cached_base_is_built_again(tmp_path):
-    from iga_ds.train.model import TinyBaseConfig, ensure_tiny_base
+    from iga_ds.config.run import TinyBaseConfig
+    from iga_ds.train.model import ensure_tiny_base
 
     cfg = TinyBaseConfig(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, max_length=32,
                          steps=2, batch_size=2, warmup_steps=1)

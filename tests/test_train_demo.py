@@ -10,7 +10,7 @@ from tiny_models import shrunk_tiny_base_config
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_demo_runs_end_to_end_and_prints_the_table(tmp_path, monkeypatch, capsys):
-    from iga_ds.train.demo import DemoSettings, run_demo
+    from iga_ds.experiments.demo import DemoSettings, run_demo
 
     monkeypatch.setenv("IGA_DS_CACHE", str(tmp_path / "cache"))
     settings = DemoSettings(groups=40, id_groups=4, ood_groups=4, steps=3, groups_per_step=2, lora_r=2,

@@ -12,7 +12,7 @@ from test_train_support import DOMAINS, run_config_dict, tiny_base, write_isomer
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from iga_ds.train.config import config_from_dict
+    from iga_ds.config.run import config_from_dict
     from iga_ds.train.trainer import Trainer
 
     tmp = tmp_path_factory.mktemp("outputs")
@@ -24,7 +24,8 @@ def run(tmp_path_factory):
 
 
 def _batch(cfg, data, tokenizer, step):
-    from iga_ds.train.batching import GroupSampler, collate, complete_groups, read_records
+    from iga_ds.data.groups import complete_groups
+    from iga_ds.train.batching import GroupSampler, collate, read_records
 
     groups = complete_groups(read_records(data), DOMAINS)
     sampler = GroupSampler(len(groups), cfg.data.groups_per_step, cfg.seed)
@@ -92,7 +93,7 @@ def test_metrics_tensorboard_and_resolved_config(run):
 
 
 def test_iga_method_logs_mask_statistics(run, tmp_path):
-    from iga_ds.train.config import config_from_dict
+    from iga_ds.config.run import config_from_dict
     from iga_ds.train.trainer import Trainer
 
     _, data, base, _, _, _ = run

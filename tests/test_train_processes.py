@@ -134,7 +134,7 @@ def test_two_ranks_then_resume_on_one_matches_single_rank_run(setup):
     import torch
     from safetensors.torch import load_file
 
-    from iga_ds.train.config import load_run_config
+    from iga_ds.config.run import load_run_config
     from iga_ds.train.trainer import Trainer
 
     tmp, data, base = setup

@@ -13,7 +13,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def _train(tmp_path, data, base, out, on_step_end=None, **over):
-    from iga_ds.train.config import config_from_dict
+    from iga_ds.config.run import config_from_dict
     from iga_ds.train.trainer import Trainer
 
     cfg = config_from_dict(run_config_dict(tmp_path, data, output_dir=str(out), **over))

@@ -39,7 +39,8 @@ def write_isomer_jsonl(path: Path, groups: int, seed: int = 0, domains=DOMAINS) 
 def tiny_base(tmp_path: Path, data: Path) -> Path:
     """A tiny base pretrained for a handful of steps on the fixture text (cached under tmp)."""
     from iga_ds.train.batching import read_records
-    from iga_ds.train.model import TinyBaseConfig, ensure_tiny_base
+    from iga_ds.config.run import TinyBaseConfig
+    from iga_ds.train.model import ensure_tiny_base
     from iga_ds.train.pretrain import corpus_texts
 
     cfg = TinyBaseConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, max_length=128,
@@ -69,7 +70,8 @@ def run_config_dict(tmp_path: Path, data: Path, **over) -> dict:
 
 
 def test_fixture_groups_are_complete(tmp_path):
-    from iga_ds.train.batching import complete_groups, read_records
+    from iga_ds.data.groups import complete_groups
+    from iga_ds.train.batching import read_records
 
     path = write_isomer_jsonl(tmp_path / "d.jsonl", groups=5)
     groups = complete_groups(read_records(path), DOMAINS)

@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from iga_ds.utils_io import atomic_write_bytes, atomic_write_text
+from iga_ds.files import atomic_write_bytes, atomic_write_text
 
 
 def test_atomic_write_gives_umask_permissions_and_leaves_no_temporary(tmp_path):

@@ -63,6 +63,6 @@ SHRUNK_TINY_BASE = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
 
 
 def shrunk_tiny_base_config():
-    from iga_ds.train.model import TinyBaseConfig
+    from iga_ds.config.run import TinyBaseConfig
 
     return TinyBaseConfig(**SHRUNK_TINY_BASE)

@@ -1,7 +1,10 @@
-"""``iga-ds data``: validate, synth, build, split."""
+"""``iga-ds data``: validate, synth, build, split.
+
+The commands import what they run when they run, not when the parser is built: that keeps
+``iga-ds --help`` and every other command's start-up fast.
+"""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -10,11 +13,20 @@ from iga_ds.errors import UserError
 
 
 def register(subparsers) -> None:
+    """Add ``iga-ds data`` and its subcommands to the top-level parser."""
     data = subparsers.add_parser("data", help="isomer data: validate, synthesize, build with a teacher, split",
                                  description="Logical Isomer Sets: create, check and split data files.")
     sub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
+    # a bare ``iga-ds data`` prints its help and exits 2, like a usage error
     data.set_defaults(func=lambda args: (data.print_help(), 2)[1])
+    _add_validate(sub)
+    _add_synth(sub)
+    _add_build(sub)
+    _add_split(sub)
 
+
+def _add_validate(sub) -> None:
+    """``iga-ds data validate``."""
     p = sub.add_parser("validate", help="check isomer JSONL files and print a summary",
                        description="Check schema, group completeness, one answer type per group, and "
                                    "that no seed appears in two files (e.g. train and test).")
@@ -25,6 +37,9 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_validate)
 
+
+def _add_synth(sub) -> None:
+    """``iga-ds data synth``."""
     p = sub.add_parser("synth", help="generate procedural isomer groups (no LLM needed)",
                        description="Sample typed logical DAGs, solve them by forward chaining and render "
                                    "each in every domain; writes train.jsonl, test.jsonl, manifest.json.")
@@ -47,6 +62,9 @@ def register(subparsers) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_synth)
 
+
+def _add_build(sub) -> None:
+    """``iga-ds data build``: the teacher, its server, the filters and the HTTP retries."""
     p = sub.add_parser("build", help="build isomer groups from seed problems with a teacher LLM",
                        description="DAG extraction, domain instantiation and verification with a teacher "
                                    "LLM, the score and step-count filters, regeneration; resumable.")
@@ -75,6 +93,9 @@ def register(subparsers) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_build)
 
+
+def _add_split(sub) -> None:
+    """``iga-ds data split``."""
     p = sub.add_parser("split", help="split an isomer file into train.jsonl and test.jsonl",
                        description="Seed-level split (the default and the only sound one), or an "
                                    "instance-level split for the leakage ablation.")
@@ -194,7 +215,7 @@ def cmd_build(args) -> int:
 def cmd_split(args) -> int:
     from iga_ds.data.schema import read_isomer_jsonl
     from iga_ds.data.splits import LEAKAGE_WARNING, split_by_instance, split_by_seed
-    from iga_ds.utils_io import atomic_write_json, atomic_write_text
+    from iga_ds.files import atomic_write_json, atomic_write_text
 
     records = read_isomer_jsonl(args.input, allow_partial_groups=False)
     if args.by == "seed":

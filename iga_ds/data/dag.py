@@ -90,99 +90,132 @@ def solve(dag: dict) -> Solution:
     goal = next((i for i, n in nodes.items() if n["type"] == "GOAL"), None)
     if goal is None:
         raise DagError("dag has no GOAL node")
-
-    truth: dict[str, bool] = {}
-    value: dict[str, int] = {}
-    queue: list[str] = []
-    by_premise: dict[str, list[tuple]] = defaultdict(list)
-    conj_premises: dict[str, list[str]] = defaultdict(list)
-    conj_conclusion: dict[str, str] = {}
-    rel_in: dict[str, str] = {}
-    rel_out: dict[str, str] = {}
-    target = None
-
-    for e in dag["edges"]:
-        a, b, label = e["from"], e["to"], e["label"]
-        kind_a = nodes[a]["type"]
-        if a == goal and label == "REQUIRES":
-            target = b
-        elif a == subject and label in ("HAS_PROPERTY", "IS_A"):
-            if b not in truth:
-                truth[b] = True
-                queue.append(b)
-        elif kind_a == "CONSTRAINT":
-            if label == "REQUIRES":
-                conj_premises[a].append(b)
-            elif label == "IMPLIES":
-                conj_conclusion[a] = b
-        elif label in ("IMPLIES", "IS_A"):
-            by_premise[a].append(("isa" if label == "IS_A" else "implies", a, b))
-        elif label == "CONTRADICTS":
-            by_premise[a].append(("disjoint", a, b))
-            by_premise[b].append(("disjoint", b, a))
-        elif label == "CAUSES":
-            if nodes[b]["type"] == "RELATION":
-                rel_in[b] = a
-            else:
-                rel_out[a] = b
-    for c, premises in conj_premises.items():
-        if c in conj_conclusion:
-            for p in premises:
-                by_premise[p].append(("conj", c))
-    for r, x in rel_in.items():
-        if r in rel_out:
-            by_premise[x].append(("arith", r))
-    for nid, node in nodes.items():
-        if "value" in node:
-            value[nid] = int(node["value"])
-            queue.append(nid)
-    if target is None:
+    chainer = _ForwardChainer(nodes)
+    chainer.read_edges(dag["edges"], subject, goal)
+    chainer.queue_given_values()
+    if chainer.target is None:
         raise DagError("the GOAL node has no REQUIRES edge naming its target")
+    chainer.run()
+    return chainer.solution()
 
-    steps: list[tuple] = []
-    head = 0
-    # stop as soon as the goal is decided: the chain of thought holds no idle derivations
-    while head < len(queue) and target not in truth and target not in value:
-        fact = queue[head]
-        head += 1
-        for rule in by_premise.get(fact, ()):
-            kind = rule[0]
-            if kind in ("implies", "isa"):
-                b = rule[2]
-                if b not in truth:
-                    truth[b] = True
-                    steps.append(rule)
-                    queue.append(b)
-            elif kind == "disjoint":
-                b = rule[2]
-                if b not in truth:
-                    truth[b] = False
-                    steps.append(rule)
-            elif kind == "conj":
-                c = rule[1]
-                b = conj_conclusion[c]
-                premises = conj_premises[c]
-                if b not in truth and all(truth.get(p) is True for p in premises):
-                    truth[b] = True
-                    steps.append(("conj", c, list(premises), b))
-                    queue.append(b)
-            else:  # arith
-                r = rule[1]
-                y = rel_out[r]
-                if y not in value:
-                    op, arg = nodes[r]["op"], int(nodes[r]["arg"])
-                    if op not in ARITH_OPS:
-                        raise DagError(f"relation {r}: unknown op {op!r}")
-                    value[y] = ARITH_OPS[op](value[fact], arg)
-                    steps.append(("arith", op, fact, arg, y, value[fact], value[y]))
-                    queue.append(y)
-            if target in truth or target in value:
-                break
 
-    if nodes[target].get("kind") == "quantity":
-        if target not in value:
-            raise DagError(f"the value of {target} cannot be derived")
-        return Solution(str(value[target]), "value", target, steps)
-    t = truth.get(target)
-    status = "proven" if t is True else "refuted" if t is False else "unknown"
-    return Solution("yes" if t is True else "no", status, target, steps)
+class _ForwardChainer:
+    """One forward-chaining run: the rules indexed by premise, what is known, and the trace."""
+
+    def __init__(self, nodes: dict[str, dict]):
+        self.nodes = nodes
+        self.target: str | None = None
+        self.truth: dict[str, bool] = {}
+        self.value: dict[str, int] = {}
+        self.queue: list[str] = []  # facts in the order they became known
+        self.steps: list[tuple] = []
+        # rules that fire when their key becomes known (the first premise that does so)
+        self.by_premise: dict[str, list[tuple]] = defaultdict(list)
+        self.conj_premises: dict[str, list[str]] = defaultdict(list)
+        self.conj_conclusion: dict[str, str] = {}
+        self.rel_out: dict[str, str] = {}
+
+    def read_edges(self, edges: list[dict], subject: str | None, goal: str) -> None:
+        """Read the target, the given facts and every rule from the edges, in edge order."""
+        rel_in: dict[str, str] = {}
+        for e in edges:
+            a, b, label = e["from"], e["to"], e["label"]
+            kind_a = self.nodes[a]["type"]
+            if a == goal and label == "REQUIRES":
+                self.target = b
+            elif a == subject and label in ("HAS_PROPERTY", "IS_A"):
+                self._learn(b, True)
+            elif kind_a == "CONSTRAINT":
+                if label == "REQUIRES":
+                    self.conj_premises[a].append(b)
+                elif label == "IMPLIES":
+                    self.conj_conclusion[a] = b
+            elif label in ("IMPLIES", "IS_A"):
+                self.by_premise[a].append(("isa" if label == "IS_A" else "implies", a, b))
+            elif label == "CONTRADICTS":
+                self.by_premise[a].append(("disjoint", a, b))
+                self.by_premise[b].append(("disjoint", b, a))
+            elif label == "CAUSES":
+                if self.nodes[b]["type"] == "RELATION":
+                    rel_in[b] = a
+                else:
+                    self.rel_out[a] = b
+        # compound rules are complete only once every edge is read; they fire after the simple ones
+        for c, premises in self.conj_premises.items():
+            if c in self.conj_conclusion:
+                for p in premises:
+                    self.by_premise[p].append(("conj", c))
+        for r, x in rel_in.items():
+            if r in self.rel_out:
+                self.by_premise[x].append(("arith", r))
+
+    def queue_given_values(self) -> None:
+        """Queue the quantities whose value the DAG gives, after the given facts."""
+        for nid, node in self.nodes.items():
+            if "value" in node:
+                self.value[nid] = int(node["value"])
+                self.queue.append(nid)
+
+    def _learn(self, node: str, true: bool) -> None:
+        """Record a yes/no fact not known before; only true facts can fire further rules."""
+        if node not in self.truth:
+            self.truth[node] = true
+            if true:
+                self.queue.append(node)
+
+    def _decided(self) -> bool:
+        """Whether the goal's target has a truth value or a number yet."""
+        return self.target in self.truth or self.target in self.value
+
+    def run(self) -> None:
+        """Apply rules fact by fact in queue order until the goal is decided or nothing is left."""
+        head = 0
+        # stop as soon as the goal is decided: the chain of thought holds no idle derivations
+        while head < len(self.queue) and not self._decided():
+            fact = self.queue[head]
+            head += 1
+            for rule in self.by_premise.get(fact, ()):
+                self._apply(rule, fact)
+                if self._decided():
+                    break
+
+    def _apply(self, rule: tuple, fact: str) -> None:
+        """Fire one rule whose premise ``fact`` just became known; record a step if it derives."""
+        kind = rule[0]
+        if kind in ("implies", "isa", "disjoint"):
+            b = rule[2]
+            if b not in self.truth:
+                self._learn(b, kind != "disjoint")
+                self.steps.append(rule)
+        elif kind == "conj":
+            c = rule[1]
+            b = self.conj_conclusion[c]
+            premises = self.conj_premises[c]
+            if b not in self.truth and all(self.truth.get(p) is True for p in premises):
+                self._learn(b, True)
+                self.steps.append(("conj", c, list(premises), b))
+        else:  # arith
+            self._apply_arith(rule[1], fact)
+
+    def _apply_arith(self, relation: str, x: str) -> None:
+        """Compute ``y = op(x, arg)`` through a RELATION node unless ``y`` is known already."""
+        y = self.rel_out[relation]
+        if y in self.value:
+            return
+        op, arg = self.nodes[relation]["op"], int(self.nodes[relation]["arg"])
+        if op not in ARITH_OPS:
+            raise DagError(f"relation {relation}: unknown op {op!r}")
+        self.value[y] = ARITH_OPS[op](self.value[x], arg)
+        self.steps.append(("arith", op, x, arg, y, self.value[x], self.value[y]))
+        self.queue.append(y)
+
+    def solution(self) -> Solution:
+        """The answer to the goal from what was derived."""
+        target = self.target
+        if self.nodes[target].get("kind") == "quantity":
+            if target not in self.value:
+                raise DagError(f"the value of {target} cannot be derived")
+            return Solution(str(self.value[target]), "value", target, self.steps)
+        t = self.truth.get(target)
+        status = "proven" if t is True else "refuted" if t is False else "unknown"
+        return Solution("yes" if t is True else "no", status, target, self.steps)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from iga_ds.errors import UserError
+
 DEFAULT_DOMAINS = ("math", "medical", "legal", "science")
 
 # Paper, section 3.3: the four semantic domains; the descriptions go into the teacher's
@@ -213,8 +215,6 @@ DOMAINS: dict[str, Domain] = {
 
 
 def get_domain(name: str) -> Domain:
-    from iga_ds.errors import UserError
-
     try:
         return DOMAINS[name]
     except KeyError:
@@ -225,8 +225,6 @@ def get_domain(name: str) -> Domain:
 
 def parse_domain_list(text: str | None, default=DEFAULT_DOMAINS) -> tuple[str, ...]:
     """``"math,legal"`` -> ``("math", "legal")``; rejects empty items and duplicates."""
-    from iga_ds.errors import UserError
-
     if text is None:
         return tuple(default)
     names = tuple(p.strip() for p in text.split(","))

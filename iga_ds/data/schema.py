@@ -17,15 +17,15 @@ Every error is a ``DataError`` whose message starts with ``FILE:LINE:`` and name
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
+from iga_ds.data.dag import DagError, check_dag
 from iga_ds.errors import DataError
+from iga_ds.files import iter_jsonl
 
 REQUIRED_FIELDS = ("group_id", "seed_id", "domain", "problem", "cot", "answer")
 OPTIONAL_FIELDS = ("dag", "alignment_score", "meta")
@@ -70,8 +70,6 @@ def validate_record(obj, where: str) -> dict:
     if dag is not None:
         if not isinstance(dag, dict):
             raise DataError(f"{where}: field 'dag' must be an object or null, found {type(dag).__name__}")
-        from iga_ds.data.dag import DagError, check_dag
-
         try:
             check_dag(dag)
         except DagError as exc:
@@ -85,32 +83,6 @@ def validate_record(obj, where: str) -> dict:
     if meta is not None and not isinstance(meta, dict):
         raise DataError(f"{where}: field 'meta' must be an object or null, found {type(meta).__name__}")
     return obj
-
-
-def iter_jsonl(path: str | Path) -> Iterable[tuple[int, dict]]:
-    """(line number, parsed object) for each non-blank line; DataError on bad JSON."""
-    path = Path(path)
-    try:
-        f = path.open("rb")  # decode per line, so a bad byte is reported on its own line
-    except FileNotFoundError:
-        raise DataError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise DataError(f"{path}: is a directory, expected a JSONL file") from None
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read ({exc.strerror})") from None
-    with f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise DataError(f"{path}:{lineno}: not UTF-8 text") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-            yield lineno, obj
 
 
 @dataclass
@@ -169,7 +141,7 @@ def read_isomer_jsonl(path: str | Path, check_group_structure: bool = True,
 
 def read_with_lines(path: str | Path) -> tuple[list[dict], list[int]]:
     records, lines = [], []
-    for lineno, obj in iter_jsonl(path):
+    for lineno, obj in iter_jsonl(path, objects=False):
         records.append(validate_record(obj, f"{path}:{lineno}"))
         lines.append(lineno)
     if not records:

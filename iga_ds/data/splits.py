@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
+from pathlib import Path
 from typing import Sequence
 
+from iga_ds.data.groups import first_groups
 from iga_ds.data.schema import answer_type
 from iga_ds.errors import UserError
+from iga_ds.files import read_jsonl, write_jsonl
 
 LEAKAGE_WARNING = (
     "instance-level split: isomers of a test instance stay in training (data leakage); "
@@ -102,3 +105,25 @@ def subset_domains(records: Sequence[dict], domains: Sequence[str]) -> list[dict
                         f"(it has {', '.join(sorted(present))})")
     keep = set(domains)
     return [r for r in records if r["domain"] in keep]
+
+
+def hold_out_last_groups(records: Sequence[dict], n: int) -> tuple[list[dict], list[dict]]:
+    """(kept, held out): the last ``n`` groups by first appearance are held out whole, e.g. as
+    an in-distribution test set cut from a training split."""
+    order = list(dict.fromkeys(r["group_id"] for r in records))
+    held = set(order[-n:]) if n > 0 else set()
+    return [r for r in records if r["group_id"] not in held], [r for r in records if r["group_id"] in held]
+
+
+def synthetic_eval_splits(folder: str | Path, id_groups: int, ood_groups: int) -> tuple[Path, Path, Path]:
+    """Evaluation sets of a folder ``iga-ds data synth`` wrote: the training split less its last
+    ``id_groups`` groups (``fit.jsonl``, what is trained on), those groups (``id_test.jsonl``,
+    in distribution: they carry the training split's cue) and the first ``ood_groups`` groups of
+    the shortcut-free test split (``ood_test.jsonl``). Returns the three paths."""
+    folder = Path(folder)
+    fit, held = hold_out_last_groups(read_jsonl(folder / "train.jsonl"), id_groups)
+    paths = folder / "fit.jsonl", folder / "id_test.jsonl", folder / "ood_test.jsonl"
+    write_jsonl(paths[0], fit)
+    write_jsonl(paths[1], first_groups(held, id_groups))
+    write_jsonl(paths[2], first_groups(read_jsonl(folder / "test.jsonl"), ood_groups))
+    return paths

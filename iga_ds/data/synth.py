@@ -26,7 +26,7 @@ from iga_ds.data.domains import DEFAULT_DOMAINS, DOMAINS, Domain, get_domain
 from iga_ds.data.patterns import BOOLEAN_ANSWERS, INTEGER_ANSWERS, PATTERNS, SAMPLERS, SLOT_KIND
 from iga_ds.data.render import abstract_statements, render_cot, render_problem, slot_words
 from iga_ds.errors import UserError
-from iga_ds.utils_io import atomic_write_json, temp_file_beside
+from iga_ds.files import atomic_write_json, temp_file_beside
 
 FORMAT_VERSION = 1
 TEST_FRAC = 0.2
@@ -199,6 +199,73 @@ class _HashingWriter:
             pass
 
 
+class _SplitTally:
+    """What the manifest says about one split: groups by pattern, depth and answer, cue agreement."""
+
+    def __init__(self):
+        self.counts: Counter = Counter()
+        self.cue_agrees = 0  # instances whose cue signals the true answer
+
+    def add(self, group: list[dict], with_cue: bool) -> None:
+        """Count one group (its first instance carries the group's pattern, depth and answer)."""
+        meta = group[0]["meta"]
+        self.counts["groups"] += 1
+        self.counts[f"pattern:{meta['pattern']}"] += 1
+        self.counts[f"depth:{meta['depth']}"] += 1
+        self.counts[f"answer:{group[0]['answer']}"] += 1
+        if with_cue:
+            self.cue_agrees += sum(r["meta"]["cue_agrees"] for r in group)
+
+    def _by(self, prefix: str) -> dict:
+        """The counts under ``prefix:``, keyed by what follows it, in sorted order."""
+        return {k.split(":", 1)[1]: v for k, v in sorted(self.counts.items()) if k.startswith(prefix + ":")}
+
+    def summary(self, instances: int, with_cue: bool) -> dict:
+        """The manifest entry of this split, which holds ``instances`` records."""
+        summary = {
+            "groups": self.counts["groups"],
+            "instances": instances,
+            "patterns": self._by("pattern"),
+            "depths": self._by("depth"),
+            "answers": self._by("answer"),
+        }
+        if with_cue:
+            summary["cue_agreement"] = self.cue_agrees / instances if instances else None
+        return summary
+
+
+def _write_splits(out: Path, groups: Iterable[list[dict]], total: int, with_cue: bool,
+                  progress: bool) -> tuple[dict[str, _HashingWriter], dict[str, _SplitTally]]:
+    """Stream each group into train.jsonl or test.jsonl, all or nothing; return writers and tallies."""
+    writers = {"train": _HashingWriter(out / "train.jsonl"), "test": _HashingWriter(out / "test.jsonl")}
+    tallies = {"train": _SplitTally(), "test": _SplitTally()}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="group", desc="synth", mininterval=0.5)
+    try:
+        for i, group in enumerate(groups):
+            split = group[0]["meta"]["split"]
+            tallies[split].add(group, with_cue)
+            writers[split].write(_dump_group(group))
+            writers[split].records += len(group)
+            if bar is not None and (i + 1) % 1000 == 0:
+                bar.update(1000)
+        for w in writers.values():
+            w.commit()
+    except BaseException:
+        # leave no temp file behind
+        for w in writers.values():
+            w.abort()
+        raise
+    finally:
+        if bar is not None:
+            bar.update(bar.total - bar.n)
+            bar.close()
+    return writers, tallies
+
+
 def synthesize(out_dir, groups: int, seed: int, domains: Sequence[str] = DEFAULT_DOMAINS,
                shortcut: float = 0.0, patterns: Sequence[str] = PATTERNS, min_depth: int = 1,
                max_depth: int = 4, test_frac: float = TEST_FRAC, progress: bool = False,
@@ -208,56 +275,11 @@ def synthesize(out_dir, groups: int, seed: int, domains: Sequence[str] = DEFAULT
     _check_args(groups, domains, shortcut, patterns, min_depth, max_depth, test_frac, neutral_cue)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    writers = {"train": _HashingWriter(out / "train.jsonl"), "test": _HashingWriter(out / "test.jsonl")}
-    counts = {"train": Counter(), "test": Counter()}
-    cue_agree = {"train": 0, "test": 0}
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=groups, unit="group", desc="synth", mininterval=0.5)
-    try:
-        for i, group in enumerate(iter_groups(groups, seed, domains, shortcut, patterns,
-                                              min_depth, max_depth, test_frac, neutral_cue,
-                                              answer_only)):
-            meta = group[0]["meta"]
-            split = meta["split"]
-            c = counts[split]
-            c["groups"] += 1
-            c[f"pattern:{meta['pattern']}"] += 1
-            c[f"depth:{meta['depth']}"] += 1
-            c[f"answer:{group[0]['answer']}"] += 1
-            if shortcut > 0.0 or neutral_cue:
-                cue_agree[split] += sum(r["meta"]["cue_agrees"] for r in group)
-            writers[split].write(_dump_group(group))
-            writers[split].records += len(group)
-            if bar is not None and (i + 1) % 1000 == 0:
-                bar.update(1000)
-        for w in writers.values():
-            w.commit()
-    except BaseException:
-        for w in writers.values():
-            w.abort()
-        raise
-    finally:
-        if bar is not None:
-            bar.update(bar.total - bar.n)
-            bar.close()
-
-    def split_summary(split: str) -> dict:
-        c = counts[split]
-        n_inst = writers[split].records
-        summary = {
-            "groups": c["groups"],
-            "instances": n_inst,
-            "patterns": {k.split(":", 1)[1]: v for k, v in sorted(c.items()) if k.startswith("pattern:")},
-            "depths": {k.split(":", 1)[1]: v for k, v in sorted(c.items()) if k.startswith("depth:")},
-            "answers": {k.split(":", 1)[1]: v for k, v in sorted(c.items()) if k.startswith("answer:")},
-        }
-        if shortcut > 0.0 or neutral_cue:
-            summary["cue_agreement"] = cue_agree[split] / n_inst if n_inst else None
-        return summary
-
+    with_cue = shortcut > 0.0 or neutral_cue
+    writers, tallies = _write_splits(
+        out, iter_groups(groups, seed, domains, shortcut, patterns, min_depth, max_depth, test_frac,
+                         neutral_cue, answer_only),
+        groups, with_cue, progress)
     manifest = {
         "generator": "iga_ds.data.synth",
         "format_version": FORMAT_VERSION,
@@ -266,7 +288,7 @@ def synthesize(out_dir, groups: int, seed: int, domains: Sequence[str] = DEFAULT
             "patterns": list(patterns), "min_depth": min_depth, "max_depth": max_depth,
             "test_frac": test_frac, "neutral_cue": neutral_cue, "answer_only": answer_only,
         },
-        "splits": {s: split_summary(s) for s in ("train", "test")},
+        "splits": {s: tallies[s].summary(writers[s].records, with_cue) for s in ("train", "test")},
         "files": {
             f"{s}.jsonl": {"sha256": writers[s].sha.hexdigest(), "records": writers[s].records}
             for s in ("train", "test")

@@ -6,11 +6,13 @@ kind inferred from the gold answer.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Sequence
 
-from iga_ds.data.benchmarks.base import EvalItem, iter_json_lines
+from iga_ds.data.benchmarks.base import EvalItem
 from iga_ds.errors import DataError
+from iga_ds.files import iter_jsonl
 from iga_ds.metrics.answers import ANSWER_KINDS, infer_answer_kind
 
 REQUIRED = ("group_id", "domain", "problem", "answer")
@@ -23,7 +25,7 @@ def read_isomer_records(path: str | Path) -> list[dict[str, Any]]:
         raise DataError(f"{path}: no such isomer file (JSON Lines, one record per domain instance)")
     records = []
     seen: dict[tuple[str, str], int] = {}
-    for lineno, rec in iter_json_lines(path):
+    for lineno, rec in iter_jsonl(path):
         for key in REQUIRED:
             if key not in rec or rec[key] is None or (isinstance(rec[key], str) and not rec[key].strip()):
                 raise DataError(f"{path}:{lineno}: missing field {key!r}")
@@ -65,3 +67,12 @@ def isomer_items(
             )
         )
     return items
+
+
+def isomer_eval_items(id_records: Sequence[dict[str, Any]], ood_records: Sequence[dict[str, Any]],
+                      name: str) -> list[EvalItem]:
+    """One evaluation set from an in-distribution and an out-of-distribution file of the same
+    domains: the OOD items are marked so and their ids prefixed ``ood/`` (a group may be in both)."""
+    return isomer_items(id_records, name=name) + [
+        dataclasses.replace(item, split="ood", id=f"ood/{item.id}") for item in isomer_items(ood_records, name=name)
+    ]

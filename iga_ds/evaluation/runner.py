@@ -8,16 +8,16 @@ written atomically at the end and the partial file removed.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from iga_ds.data.benchmarks.base import EvalItem
 from iga_ds.errors import DataError, UserError
+from iga_ds.evaluation import generation
+from iga_ds.files import append_lines, atomic_write_json, cut_torn_tail, iter_jsonl
 from iga_ds.metrics.accuracy import accuracy, accuracy_by_group, delta_gap
-from iga_ds.metrics.answers import score_generation
-from iga_ds.utils_io import atomic_write_json
+from iga_ds.metrics.answers import extract_answer, score_generation
 
 SCHEMA = "iga-ds.eval/1"
 
@@ -38,42 +38,31 @@ class PartialGenerations:
             self._load(settings)
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("w", encoding="utf-8") as fh:
-                fh.write(json.dumps({"settings": settings}, sort_keys=True) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
+            append_lines(path, [json.dumps({"settings": settings}, sort_keys=True) + "\n"])
 
     def _load(self, settings: dict[str, Any]) -> None:
-        raw = self.path.read_bytes()
-        end = raw.rfind(b"\n") + 1
-        if end < len(raw):  # a line cut off by a kill: drop it, the item is generated again
-            with self.path.open("r+b") as fh:
-                fh.truncate(end)
-            raw = raw[:end]
-        lines = raw.decode("utf-8").splitlines()
+        cut_torn_tail(self.path)  # a line cut off by a kill: its item is generated again
+        rows = iter_jsonl(self.path, objects=False)
         try:
-            header = json.loads(lines[0])["settings"] if lines else None
-        except (json.JSONDecodeError, KeyError, TypeError):
-            header = None
+            first = next(rows, None)
+        except DataError:
+            first = None
+        header = first[1].get("settings") if first is not None and isinstance(first[1], dict) else None
         if header != json.loads(json.dumps(settings, sort_keys=True)):
             raise UserError(
                 f"{self.path}: holds generations made with other settings (model, adapter, data or "
                 "generation options); delete it or pass --restart"
             )
-        for lineno, line in enumerate(lines[1:], start=2):
-            try:
-                row = json.loads(line)
-                self.done[str(row["id"])] = str(row["output"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise DataError(f"{self.path}:{lineno}: malformed generation record; delete the file or pass --restart") from None
+        for lineno, row in rows:  # a line that is not JSON at all: iter_jsonl names it
+            if not isinstance(row, dict) or "id" not in row or "output" not in row:
+                raise DataError(f"{self.path}:{lineno}: malformed generation record; delete the file or pass "
+                                "--restart")
+            self.done[str(row["id"])] = str(row["output"])
 
     def add(self, ids: Sequence[str], outputs: Sequence[str]) -> None:
-        with self.path.open("a", encoding="utf-8") as fh:
-            for item_id, text in zip(ids, outputs):
-                fh.write(json.dumps({"id": item_id, "output": text}, ensure_ascii=False) + "\n")
-                self.done[item_id] = text
-            fh.flush()
-            os.fsync(fh.fileno())
+        append_lines(self.path, [json.dumps({"id": i, "output": t}, ensure_ascii=False) + "\n"
+                                 for i, t in zip(ids, outputs)])
+        self.done.update(zip(ids, outputs))
 
 
 def score_items(items: Sequence[EvalItem], outputs: dict[str, str]) -> list[dict[str, Any]]:
@@ -94,8 +83,6 @@ def score_items(items: Sequence[EvalItem], outputs: dict[str, str]) -> list[dict
             score = score_generation(text, item.answer, item.kind)
             row.update(prediction=score.prediction, correct=score.correct, correct_symbolic=score.correct_symbolic)
         else:
-            from iga_ds.metrics.answers import extract_answer
-
             row.update(prediction=extract_answer(text, item.kind), correct=None, correct_symbolic=None)
         rows.append(row)
     return rows
@@ -154,8 +141,6 @@ def evaluate(
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Generate for every item not yet done, score all, write ``out`` (eval.json); return it."""
-    from iga_ds.evaluation.generation import generate
-
     out = Path(out)
     ids = [item.id for item in items]
     if len(set(ids)) != len(ids):
@@ -166,7 +151,7 @@ def evaluate(
     todo = [item for item in items if item.id not in store.done]
     if todo:
         prompts = [format_prompt(item.as_record()) for item in todo]
-        generate(
+        generation.generate(
             model,
             tokenizer,
             prompts,

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from iga_ds.errors import ConfigError
@@ -66,14 +65,3 @@ def find_lora_modules(model: nn.Module, adapter: str | None = None) -> list[Lora
                 continue
             found.append(LoraModule(f"{name}.{ad}", len(found), lora_A, lora_B, float(layer.scaling[ad])))
     return found
-
-
-def trainable_parameter_count(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-def lora_parameters(modules: list[LoraModule]) -> list[torch.nn.Parameter]:
-    out = []
-    for m in modules:
-        out += [m.lora_A.weight, m.lora_B.weight]
-    return out

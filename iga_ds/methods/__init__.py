@@ -1,30 +1,29 @@
-"""Gradient-combination methods, one file each, registered by name.
+"""Gradient-combination methods, one file each (IGA: one package), registered by name.
 
-``get_method("iga", tau=0.5)`` builds one; ``available_methods()`` lists the names.
+``get_method("iga", tau=0.5)`` builds one; ``available_methods()`` lists the names;
+``register(cls)`` adds a method of your own (a :class:`GradientMethod` subclass).
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any
 
 from iga_ds.errors import ConfigError
-from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, module_generator
+from iga_ds.methods.and_mask import ANDMask
+from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, Statistic, module_generator
+from iga_ds.methods.erm import ERM
+from iga_ds.methods.iga import IGA, IGABinaryMask, IGALoRASpace, IGANoProjection, MeanNoMask
+from iga_ds.methods.irm import IRM
+from iga_ds.methods.pareto import ParetoGS
+from iga_ds.methods.pcgrad import PCGrad
+from iga_ds.methods.sand_mask import SANDMask
+from iga_ds.methods.vrex import VREx
 
-_REGISTRY: dict[str, type[GradientMethod]] = {}
-
-# Importing these modules registers their classes.
-_METHOD_MODULES = (
-    "erm",
-    "iga",
-    "ablations",
-    "and_mask",
-    "sand_mask",
-    "pcgrad",
-    "pareto",
-    "irm",
-    "vrex",
+BUILTIN_METHODS: tuple[type[GradientMethod], ...] = (
+    ERM, IGA, IGABinaryMask, IGANoProjection, MeanNoMask, IGALoRASpace, ANDMask, SANDMask, PCGrad, ParetoGS, IRM,
+    VREx,
 )
+_REGISTRY: dict[str, type[GradientMethod]] = {}
 
 
 def register(cls: type[GradientMethod]) -> type[GradientMethod]:
@@ -36,18 +35,15 @@ def register(cls: type[GradientMethod]) -> type[GradientMethod]:
     return cls
 
 
-def _load_all() -> None:
-    for mod in _METHOD_MODULES:
-        importlib.import_module(f"iga_ds.methods.{mod}")
+for _builtin in BUILTIN_METHODS:
+    register(_builtin)
 
 
 def available_methods() -> list[str]:
-    _load_all()
     return sorted(_REGISTRY)
 
 
 def method_class(name: str) -> type[GradientMethod]:
-    _load_all()
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -74,9 +70,11 @@ def get_method(name: str, **params: Any) -> GradientMethod:
 
 
 __all__ = [
+    "BUILTIN_METHODS",
     "GradientMethod",
     "ModuleGrads",
     "ModuleUpdate",
+    "Statistic",
     "available_methods",
     "get_method",
     "method_class",

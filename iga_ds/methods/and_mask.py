@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from iga_ds.methods import register
-from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate
+from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, Statistic
+
+AGREEMENT_STATISTICS = (
+    Statistic("mask_mean", "mean", "mean of the mask over the module's elements (1: nothing masked)"),
+    Statistic("mask_frac_below_half", "mean", "share of elements the mask damps below 1/2"),
+)
 
 
 def rescaled_masked_mean(grads: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -14,13 +18,13 @@ def rescaled_masked_mean(grads: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
     return mask * grads.mean(dim=0) / (kept + 1e-10)
 
 
-@register
 class ANDMask(GradientMethod):
     """Keep an element only where at least a fraction `threshold` of domains agree in sign."""
 
     name = "and_mask"
     scope = "module"
     paper = "Parascandolo et al., Learning explanations that are hard to vary, ICLR 2021"
+    statistics = AGREEMENT_STATISTICS
 
     def __init__(self, threshold: float = 1.0, seed: int = 0):
         super().__init__(seed)

@@ -1,7 +1,7 @@
 """The one contract every method follows.
 
 A method turns per-domain LoRA gradients into the gradient the optimizer sees. It is pure
-tensor code: no process groups, no DeepSpeed. The engine hook (``iga_ds.ds``) collects the
+tensor code: no process groups, no DeepSpeed. The engine hook (``iga_ds.engine``) collects the
 per-domain gradients, hands each method the modules it owns, and writes the result back.
 
 Three scopes, because methods differ in what they need to see at once:
@@ -21,6 +21,18 @@ from typing import ClassVar, Literal, Sequence
 import torch
 
 Scope = Literal["module", "global", "loss"]
+
+
+@dataclass(frozen=True)
+class Statistic:
+    """A figure a method reports. A module-scope method reports it per module, and ``combine``
+    says how the whole model's figure is formed from the modules': ``mean`` weighted by each
+    module's out x in elements, ``sum`` or ``min``; ``model`` marks a figure of the whole model
+    already (global methods), logged as ``method/<name>``."""
+
+    name: str
+    combine: Literal["mean", "sum", "min", "model"]
+    doc: str = ""
 
 
 @dataclass
@@ -65,11 +77,15 @@ def module_generator(seed: int, step: int, index: int, device: torch.device | st
 
 
 class GradientMethod:
-    """Base class: subclasses set ``name``, ``scope`` and ``paper`` and override one hook."""
+    """Base class: subclasses set ``name``, ``scope`` and ``paper``, declare the per-module
+    ``statistics`` they report, and override one hook."""
 
     name: ClassVar[str] = ""
     scope: ClassVar[Scope] = "module"
     paper: ClassVar[str] = ""
+    # what the method reports: module-scope methods per module (any subset; the hook carries
+    # them from owner ranks in fixed slots), global methods for the whole model
+    statistics: ClassVar[tuple[Statistic, ...]] = ()
 
     def __init__(self, seed: int = 0):
         self.seed = seed

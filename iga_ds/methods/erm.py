@@ -1,11 +1,9 @@
 """ERM: the plain mean gradient (DeepSpeed's own path, nothing captured)."""
 from __future__ import annotations
 
-from iga_ds.methods import register
 from iga_ds.methods.base import GradientMethod
 
 
-@register
 class ERM(GradientMethod):
     """Empirical risk minimization (Vapnik, 1998): mean loss over all instances."""
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import torch
 
-from iga_ds.methods import register
 from iga_ds.methods.base import GradientMethod
 from iga_ds.methods.losses import per_domain_means
 
@@ -17,7 +16,6 @@ def irm_penalty(domain_losses: torch.Tensor, dummy_scale: torch.Tensor) -> torch
     return total
 
 
-@register
 class IRM(GradientMethod):
     """Mean risk plus lambda times the squared gradient of each domain's risk w.r.t. a dummy logit scale."""
 

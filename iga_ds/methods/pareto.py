@@ -6,8 +6,7 @@ from typing import Sequence
 
 import torch
 
-from iga_ds.methods import register
-from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate
+from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, Statistic
 from iga_ds.methods.gram import domain_gram, weighted_sum
 
 
@@ -33,13 +32,13 @@ def min_norm_weights(gram: torch.Tensor, max_iter: int = 250, tol: float = 1e-10
     return w
 
 
-@register
 class ParetoGS(GradientMethod):
     """Step along the min-norm convex combination of domain gradients (a common descent direction)."""
 
     name = "pareto"
     scope = "global"
     paper = "Sener and Koltun, Multi-task learning as multi-objective optimization, NeurIPS 2018"
+    statistics = (Statistic("weight_<n>", "model", "the min-norm combination's weight of domain n (0-based)"),)
 
     def __init__(self, max_iter: int = 250, seed: int = 0):
         super().__init__(seed)

@@ -5,8 +5,7 @@ from typing import Sequence
 
 import torch
 
-from iga_ds.methods import register
-from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate
+from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, Statistic
 from iga_ds.methods.gram import domain_gram, weighted_sum
 
 
@@ -27,13 +26,14 @@ def pcgrad_weights(gram: torch.Tensor, generator: torch.Generator) -> torch.Tens
     return coeffs.mean(dim=0)
 
 
-@register
 class PCGrad(GradientMethod):
     """Project each domain's gradient off the others it conflicts with, in random order, then average."""
 
     name = "pcgrad"
     scope = "global"
     paper = "Yu et al., Gradient surgery for multi-task learning, NeurIPS 2020"
+    statistics = (Statistic("conflicting_pairs", "model", "pairs of domains whose gradients point apart "
+                            "(negative inner product)"),)
 
     def __init__(self, seed: int = 0):
         super().__init__(seed)

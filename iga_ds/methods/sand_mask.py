@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from iga_ds.methods import register
-from iga_ds.methods.and_mask import rescaled_masked_mean
+from iga_ds.methods.and_mask import AGREEMENT_STATISTICS, rescaled_masked_mean
 from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate
 
 
-@register
 class SANDMask(GradientMethod):
     """Smoothed AND-mask: max(0, tanh(k * (|mean sign| - tau) / (gamma * var)))."""
 
     name = "sand_mask"
     scope = "module"
     paper = "Shahtalebi et al., SAND-mask, ICML UDL workshop 2021"
+    statistics = AGREEMENT_STATISTICS
 
     def __init__(self, tau: float = 0.5, k: float = 10.0, gamma: float = 1.0, seed: int = 0):
         super().__init__(seed)

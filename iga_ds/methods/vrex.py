@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import torch
 
-from iga_ds.methods import register
 from iga_ds.methods.base import GradientMethod
 from iga_ds.methods.losses import per_domain_means
 
@@ -13,7 +12,6 @@ def vrex_penalty(domain_losses: torch.Tensor) -> torch.Tensor:
     return (domain_losses - domain_losses.mean()).pow(2).mean()
 
 
-@register
 class VREx(GradientMethod):
     """Mean risk plus beta times the variance of per-domain risks."""
 

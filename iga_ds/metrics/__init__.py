@@ -1,10 +1,11 @@
-"""Evaluation metrics usable outside the CLI.
+"""Evaluation metrics usable outside the CLI: pure functions of text, numbers and tensors.
 
 - answers: ``extract_answer``, ``score_generation`` (choice / number / math / text kinds)
 - math_answers: ``last_boxed``, ``normalize_math_answer``, strict and symbolic equality
 - accuracy: ``accuracy_per_domain``, ``delta_gap``, ``accuracy_per_compute_hour``, ``mean_std``
-- consistency: ``lcs``, ``lcs_of_model``, ``gir`` (paper Sec. LCS, Appendix Definition GIR)
-- mask: ``mask_statistics``, ``aggregate_module_stats``, ``read_metrics_jsonl``
+- consistency: ``lcs``, ``gir`` (paper Sec. LCS, Appendix Definition GIR); a model's LCS is
+  ``iga_ds.evaluation.consistency.lcs_of_model``
+- mask: ``mask_statistics``, ``aggregate_module_stats``, ``metric_series``, ``mask_keys``
 
 Nothing here imports torch at module load; functions that need it import it when called.
 """
@@ -29,18 +30,14 @@ from iga_ds.metrics.answers import (
 from iga_ds.metrics.consistency import (
     LCS_PAPER_SCALE,
     gir,
-    isomer_groups,
     lcs,
-    lcs_of_model,
     lcs_paper_units,
-    token_averaged_hidden_states,
 )
 from iga_ds.metrics.mask import (
     aggregate_module_stats,
     mask_keys,
     mask_statistics,
     metric_series,
-    read_metrics_jsonl,
 )
 from iga_ds.metrics.math_answers import (
     last_boxed,
@@ -63,10 +60,8 @@ __all__ = [
     "extract_answer",
     "gir",
     "infer_answer_kind",
-    "isomer_groups",
     "last_boxed",
     "lcs",
-    "lcs_of_model",
     "lcs_paper_units",
     "mask_keys",
     "mask_statistics",
@@ -75,7 +70,5 @@ __all__ = [
     "mean_std",
     "metric_series",
     "normalize_math_answer",
-    "read_metrics_jsonl",
     "score_generation",
-    "token_averaged_hidden_states",
 ]

@@ -63,3 +63,8 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
         return mean, 0.0
     var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)
     return mean, math.sqrt(var)
+
+
+def format_percent(value: float | None, missing: str = "–", suffix: str = "%", digits: int = 1) -> str:
+    """An accuracy (or a difference of accuracies) for tables and summaries; ``missing`` for None."""
+    return missing if value is None else f"{value:.{digits}f}{suffix}"

@@ -3,16 +3,12 @@
 The paper's mask M = exp(-tau V) is 1 to many digits at LLM gradient scale when V is raw
 (see the normalization options of the IGA method), so a run should show its mask statistics.
 ``mask_statistics`` summarizes one mask; ``aggregate_module_stats`` combines per-module
-statistics into one line per step (weighted by module size); ``read_metrics_jsonl`` and
-``metric_series`` read a training log back for plots.
+statistics into one line per step (weighted by module size); ``metric_series`` and
+``mask_keys`` read a training log's rows back for plots.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
-
-from iga_ds.errors import DataError
 
 if TYPE_CHECKING:
     import torch
@@ -35,59 +31,55 @@ def mask_statistics(mask: "torch.Tensor") -> dict[str, float]:
     }
 
 
+def combine_rule(key: str) -> str:
+    """How a statistic of the whole adapter follows from the modules' when no rule is given:
+    keys ending in ``_min`` take the minimum, ``_max`` the maximum, ``gir`` the sum (GIR is
+    additive over parameters), every other key the weighted mean."""
+    if key.endswith("_min"):
+        return "min"
+    if key.endswith("_max"):
+        return "max"
+    if key == "gir" or key.endswith("/gir"):
+        return "sum"
+    return "mean"
+
+
 def aggregate_module_stats(
-    per_module: Sequence[Mapping[str, float]], weights: Sequence[float] | None = None
+    per_module: Sequence[Mapping[str, float]], weights: Sequence[float] | None = None,
+    rules: Mapping[str, str] | None = None,
 ) -> dict[str, float]:
     """Combine per-module statistics into one set for the whole adapter.
 
-    Keys ending in ``_min`` take the minimum, ``_max`` the maximum, ``gir`` the sum (GIR is
-    additive over parameters); every other key is the mean weighted by ``weights`` (use the
-    module's element count so that fractions are fractions of all mask elements).
+    ``rules`` maps each key to combine to ``mean`` (weighted by ``weights``: use the module's
+    element count so that fractions are fractions of all mask elements), ``sum``, ``min`` or
+    ``max``; without it every key present is combined by :func:`combine_rule`. A module that
+    lacks a key is left out of that key's figure.
     """
     if not per_module:
         return {}
     w = [1.0] * len(per_module) if weights is None else [float(x) for x in weights]
     if len(w) != len(per_module):
         raise ValueError(f"{len(per_module)} modules but {len(w)} weights")
-    keys = sorted({k for stats in per_module for k in stats})
+    if rules is None:
+        rules = {k: combine_rule(k) for k in sorted({k for stats in per_module for k in stats})}
     out: dict[str, float] = {}
-    for key in keys:
+    for key, rule in rules.items():
         pairs = [(float(s[key]), wi) for s, wi in zip(per_module, w) if key in s]
+        if not pairs:
+            continue
         values = [v for v, _ in pairs]
-        if key.endswith("_min"):
+        if rule == "min":
             out[key] = min(values)
-        elif key.endswith("_max"):
+        elif rule == "max":
             out[key] = max(values)
-        elif key == "gir" or key.endswith("/gir"):
+        elif rule == "sum":
             out[key] = sum(values)
-        else:
+        elif rule == "mean":
             total = sum(wi for _, wi in pairs)
             out[key] = sum(v * wi for v, wi in pairs) / total if total > 0 else float("nan")
+        else:
+            raise ValueError(f"{key}: combine rule must be mean, sum, min or max, got {rule!r}")
     return out
-
-
-def read_metrics_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Read a training log (one JSON object per line).
-
-    A truncated last line (the writer was killed mid-write) is dropped; a malformed line
-    elsewhere is an error naming file and line.
-    """
-    path = Path(path)
-    lines = path.read_text(encoding="utf-8").splitlines()
-    rows: list[dict[str, Any]] = []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if lineno == len(lines):
-                break  # the log was being written when the run stopped
-            raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-        if not isinstance(row, dict):
-            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-        rows.append(row)
-    return rows
 
 
 def metric_series(rows: Iterable[Mapping[str, Any]], key: str, x_key: str = "step") -> tuple[list[float], list[float]]:

@@ -9,12 +9,12 @@ padding tokens are masked.
 """
 from __future__ import annotations
 
-import json
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from iga_ds.data.prompts import format_prompt, format_target
+from iga_ds.data.schema import read_isomer_jsonl
 from iga_ds.errors import ConfigError, DataError
 
 IGNORE_INDEX = -100
@@ -24,62 +24,16 @@ IGNORE_INDEX = -100
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """Isomer JSON Lines; the data package's reader when present (it checks the schema)."""
-    try:
-        from iga_ds.data.schema import read_isomer_jsonl
-    except ImportError:
-        read_isomer_jsonl = None
+    """Isomer JSON Lines, every record and group checked (:func:`iga_ds.data.schema.read_isomer_jsonl`)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: data file not found (data.train)")
-    if read_isomer_jsonl is not None:
-        return [r if isinstance(r, dict) else _record_to_dict(r) for r in read_isomer_jsonl(path)]
-    records = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            for key in ("group_id", "domain", "problem", "cot", "answer"):
-                if key not in rec:
-                    raise DataError(f"{path}:{lineno}: missing field {key!r}")
-            records.append(rec)
-    return records
-
-
-def _record_to_dict(rec: Any) -> dict[str, Any]:
-    if hasattr(rec, "to_dict"):
-        return rec.to_dict()
-    import dataclasses
-
-    return dataclasses.asdict(rec)
+    return read_isomer_jsonl(path)
 
 
 def format_example(record: dict[str, Any]) -> tuple[str, str]:
-    """(prompt, target); the evaluation package owns the prompt so training and decoding agree."""
-    try:
-        from iga_ds.evaluation.prompts import format_prompt, format_target
-    except ImportError:
-        return f"Problem: {record['problem']}\nSolution: ", f"{record['cot']}\nAnswer: {record['answer']}"
+    """(prompt, target): the prompt evaluation decodes from, and the target after it."""
     return format_prompt(record), format_target(record)
-
-
-def complete_groups(records: Sequence[dict[str, Any]], domains: Sequence[str], source: str = "data") -> list[list[dict]]:
-    """Groups (in first-seen order) that have exactly one instance of every domain, each
-    ordered like ``domains``; groups missing a domain are dropped (the caller reports it)."""
-    by_group: "OrderedDict[str, dict[str, dict]]" = OrderedDict()
-    wanted = set(domains)
-    for rec in records:
-        if rec["domain"] not in wanted:
-            continue
-        slot = by_group.setdefault(str(rec["group_id"]), {})
-        if rec["domain"] in slot:
-            raise DataError(f"{source}: group {rec['group_id']!r} has two {rec['domain']!r} instances")
-        slot[rec["domain"]] = rec
-    return [[slot[d] for d in domains] for slot in by_group.values() if len(slot) == len(domains)]
 
 
 # -- sampler ---------------------------------------------------------------------------------
@@ -231,7 +185,6 @@ def sequence_losses(logits, labels):
     """Each sequence's mean token cross-entropy over its target tokens, shape (B,), float32.
 
     Position t predicts token t+1, so logits drop the last position and labels the first."""
-    import torch
     import torch.nn.functional as F
 
     shift_logits = logits[:, :-1, :].float()

@@ -32,9 +32,9 @@ import signal
 from pathlib import Path
 from typing import Any, Callable
 
-from iga_ds.ds.optimizer_state import load_full_optimizer_state, save_full_optimizer_state
+from iga_ds.engine.internals import load_full_optimizer_state, save_full_optimizer_state
 from iga_ds.errors import ConfigError
-from iga_ds.utils_io import atomic_write_json
+from iga_ds.files import atomic_write_json
 
 TAG_PREFIX = "step_"
 FULL_OPTIMIZER_FILE = "optimizer_full.safetensors"

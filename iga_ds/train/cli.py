@@ -1,4 +1,8 @@
-"""`iga-ds train`, `iga-ds pretrain-tiny` and `iga-ds demo` (torch is imported inside the commands)."""
+"""``iga-ds train`` and ``iga-ds pretrain-tiny``.
+
+The commands import the training code when they run, not when the parser is built: that keeps
+``iga-ds --help`` and every other command's start-up free of torch and DeepSpeed.
+"""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +11,7 @@ import argparse
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "train",
-        help="LoRA fine-tuning on isomer groups through the DeepSpeed ZeRO-2 IGA hook",
+        help="LoRA fine-tuning on isomer groups through the DeepSpeed ZeRO-2 engine hook",
         description="One process (CPU or one GPU). For several GPUs or nodes use "
         "`deepspeed launch/train.py --config CFG.yaml --deepspeed ds_configs/zero2.json`.",
     )
@@ -29,18 +33,9 @@ def register(subparsers) -> None:
     p.add_argument("--cache-dir", default=None, help="cache root (default $IGA_DS_CACHE or ~/.cache/iga-ds)")
     p.set_defaults(func=_pretrain_tiny)
 
-    p = subparsers.add_parser(
-        "demo",
-        help="ERM vs IGA on synthetic isomers with planted shortcuts (tiny base, CPU, a few minutes)",
-    )
-    p.add_argument("--out", default="demo_out", help="output folder")
-    p.add_argument("--steps", type=int, default=None, help="LoRA steps per method")
-    p.add_argument("--methods", default="erm,iga", help="comma-separated method names")
-    p.set_defaults(func=_demo)
-
 
 def _train(args: argparse.Namespace) -> int:
-    from iga_ds.train.config import load_run_config
+    from iga_ds.config.run import load_run_config
     from iga_ds.train.trainer import train
 
     overrides = list(args.overrides)
@@ -55,27 +50,17 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _pretrain_tiny(args: argparse.Namespace) -> int:
-    import dataclasses
-
-    from iga_ds.train.model import TinyBaseConfig, ensure_tiny_base
+    from iga_ds.config.base import validate_section
+    from iga_ds.config.run import TinyBaseConfig
+    from iga_ds.train.batching import read_records
+    from iga_ds.train.model import ensure_tiny_base
     from iga_ds.train.pretrain import PRETRAIN_GROUPS, corpus_texts, generator_corpus, generator_words
 
-    cfg = TinyBaseConfig()
-    if args.steps is not None:
-        cfg = dataclasses.replace(cfg, steps=args.steps)
+    cfg = validate_section(TinyBaseConfig, {} if args.steps is None else {"steps": args.steps}, "pretrain-tiny")
     if args.data:
-        from iga_ds.train.batching import read_records
-
         texts = corpus_texts([r for path in args.data for r in read_records(path)])
     else:
         texts = generator_corpus(args.groups or PRETRAIN_GROUPS)
     # the generator's words always join the vocabulary: generated data stays readable
     print(ensure_tiny_base(texts, cfg, args.cache_dir, extra_words=generator_words()))
-    return 0
-
-
-def _demo(args: argparse.Namespace) -> int:
-    from iga_ds.train.demo import run_demo
-
-    run_demo(args.out, methods=[m for m in args.methods.split(",") if m], steps=args.steps)
     return 0

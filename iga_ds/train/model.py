@@ -10,7 +10,6 @@ then renamed), so a second call with the same inputs loads it instantly.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
@@ -18,12 +17,12 @@ import os
 import shutil
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from iga_ds.config.run import TinyBaseConfig
 from iga_ds.errors import ConfigError
-from iga_ds.utils_io import atomic_write_json
+from iga_ds.files import atomic_write_json
 
 # Word-level splitting with the leading space kept on the word: lossless, so decoding is a
 # plain concatenation and answer extraction sees the original text. Digits are single tokens
@@ -94,35 +93,6 @@ def build_word_tokenizer(vocab: Sequence[str]):
 
 
 # -- tiny base -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TinyBaseConfig:
-    """Shape of the built-in base and its pretraining; every field enters the cache key."""
-
-    hidden_size: int = 128
-    intermediate_size: int = 344
-    num_layers: int = 2
-    num_heads: int = 4
-    max_length: int = 384
-    steps: int = 150
-    batch_size: int = 16
-    lr: float = 3e-3
-    warmup_steps: int = 15
-    weight_decay: float = 0.01
-    seed: int = 0
-    # isomer groups of generator text in the pretraining corpus (iga_ds.train.pretrain)
-    corpus_groups: int = 600
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def check(self) -> None:
-        """ValueError when the shape cannot be built."""
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
-        if self.warmup_steps >= self.steps:
-            raise ValueError(f"warmup_steps {self.warmup_steps} must be below steps {self.steps}")
 
 
 def corpus_digest(texts: Sequence[str]) -> str:
@@ -280,8 +250,6 @@ def ensure_tiny_base(
     ``model.safetensors``, ``tokenizer.json``) plus ``pretrain.json`` (settings, corpus hash,
     loss curve), so ``from_pretrained`` and PEFT accept it like any local model.
     """
-    import torch
-
     if not texts:
         raise ConfigError("tiny base: the pretraining corpus is empty")
     config = config or TinyBaseConfig()
@@ -293,17 +261,34 @@ def ensure_tiny_base(
         if _is_complete(final):
             log(f"tiny base: cached at {final}")
             return final
-        # an incomplete folder (older versions could leave one behind on a rank other than 0):
-        # set it aside, then build again
-        aside = final.parent / f".{key}.incomplete.{os.getpid()}"
-        os.rename(final, aside)
-        shutil.rmtree(aside, ignore_errors=True)
+        _remove_incomplete(final, key)
         log(f"tiny base: the cached folder {final} was incomplete; building it again")
     final.parent.mkdir(parents=True, exist_ok=True)
+    # one temporary folder per process: builds of the same key in parallel do not collide
     tmp = final.parent / f".{key}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     log(f"tiny base: pretraining from scratch on {len(texts)} texts ({config.steps} steps, {device}); cached afterwards")
     start = time.perf_counter()
+    losses = _build_tiny_base(tmp, key, texts, config, extra_words, device, progress, start)
+    _move_into_place(tmp, final)
+    log(f"tiny base: done in {time.perf_counter() - start:.0f}s, loss {losses[0]:.2f} -> {losses[-1]:.2f}")
+    return final
+
+
+def _remove_incomplete(final: Path, key: str) -> None:
+    """Delete a cached base folder that lacks some of BASE_FILES."""
+    # older versions could leave one behind on a rank other than 0; renaming it first frees
+    # the name at once, even if the removal is slow or fails half-way
+    aside = final.parent / f".{key}.incomplete.{os.getpid()}"
+    os.rename(final, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _build_tiny_base(folder: Path, key: str, texts: Sequence[str], config: TinyBaseConfig,
+                     extra_words: Sequence[str], device: str, progress: bool, start: float) -> list[float]:
+    """Pretrain the tiny base and write all of BASE_FILES to ``folder``; return the loss curve."""
+    import torch
+
     tokenizer = build_word_tokenizer(build_vocab(texts, extra_words))
     special = {"pad": tokenizer.pad_token_id, "bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id}
     # CPU generators only: the initialization and batch order are the same on either device
@@ -311,10 +296,10 @@ def ensure_tiny_base(
         model = build_tiny_llama(len(tokenizer), config, special).to(device)
         losses = _pretrain(model, tokenizer, texts, config, progress, device)
     model = model.to("cpu")
-    save_model_files(model, tmp)
-    tokenizer.save_pretrained(tmp)
+    save_model_files(model, folder)
+    tokenizer.save_pretrained(folder)
     atomic_write_json(
-        tmp / "pretrain.json",
+        folder / "pretrain.json",
         {
             "key": key,
             "config": config.to_dict(),
@@ -329,6 +314,11 @@ def ensure_tiny_base(
             "device": device,
         },
     )
+    return losses
+
+
+def _move_into_place(tmp: Path, final: Path) -> None:
+    """Rename the built folder ``tmp`` to ``final`` if it is complete; otherwise delete it and fail."""
     if not _is_complete(tmp):
         shutil.rmtree(tmp, ignore_errors=True)
         raise RuntimeError(f"tiny base: not every one of {', '.join(BASE_FILES)} was written; nothing was cached")
@@ -339,8 +329,6 @@ def ensure_tiny_base(
         shutil.rmtree(tmp, ignore_errors=True)
         if not _is_complete(final):
             raise
-    log(f"tiny base: done in {time.perf_counter() - start:.0f}s, loss {losses[0]:.2f} -> {losses[-1]:.2f}")
-    return final
 
 
 # -- loading for fine-tuning -----------------------------------------------------------------

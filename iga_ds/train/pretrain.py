@@ -14,15 +14,22 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from iga_ds.train.model import TinyBaseConfig, ensure_tiny_base
+import dataclasses
+import re
 
-PRETRAIN_GROUPS = TinyBaseConfig.corpus_groups
+from iga_ds.config.run import TinyBaseConfig
+from iga_ds.data.domains import DOMAINS
+from iga_ds.data.patterns import BOOLEAN_ANSWERS
+from iga_ds.data.prompts import format_prompt, format_target
+from iga_ds.data.synth import synthesize
+from iga_ds.train.batching import format_example, read_records
+from iga_ds.train.model import ensure_tiny_base
+
+PRETRAIN_GROUPS = TinyBaseConfig().corpus_groups
 PRETRAIN_SEED = 9_001  # far from the seeds the demo and the example configs use
 
 
 def corpus_texts(records: Sequence[dict]) -> list[str]:
-    from iga_ds.train.batching import format_example
-
     out = []
     for rec in records:
         prompt, target = format_example(rec)
@@ -32,9 +39,6 @@ def corpus_texts(records: Sequence[dict]) -> list[str]:
 
 def generator_corpus(groups: int = PRETRAIN_GROUPS, seed: int = PRETRAIN_SEED) -> list[str]:
     """Texts of ``groups`` freshly generated, shortcut-free isomer groups (all splits)."""
-    from iga_ds.data.synth import synthesize
-    from iga_ds.train.batching import read_records
-
     with tempfile.TemporaryDirectory(prefix="iga-ds-corpus-") as tmp:
         synthesize(tmp, groups=groups, seed=seed, shortcut=0.0, neutral_cue=True)
         records = []
@@ -47,11 +51,6 @@ def generator_corpus(groups: int = PRETRAIN_GROUPS, seed: int = PRETRAIN_SEED) -
 def generator_words() -> list[str]:
     """Every word the procedural generator can write in any domain (sorted), so that the base's
     vocabulary covers data generated with other seeds, patterns or cues than its corpus."""
-    import dataclasses
-    import re
-
-    from iga_ds.data.domains import DOMAINS
-
     words: set[str] = set()
 
     def visit(value) -> None:
@@ -63,9 +62,6 @@ def generator_words() -> list[str]:
         elif isinstance(value, (tuple, list)):
             for v in value:
                 visit(v)
-
-    from iga_ds.data.patterns import BOOLEAN_ANSWERS
-    from iga_ds.evaluation.prompts import format_prompt, format_target
 
     visit(BOOLEAN_ANSWERS)
     visit(format_prompt({"problem": ""}) + format_target({"cot": "", "answer": ""}))

@@ -1,40 +1,55 @@
-"""The training loop: a PEFT LoRA model in a DeepSpeed ZeRO engine, driven through the IGA hook.
+"""The training loop: a PEFT LoRA model in a DeepSpeed ZeRO engine, driven through the engine hook.
 
 One loop serves one process (CPU or one GPU) and any launcher that sets the usual rank
-variables. Per optimizer step every rank runs its micro-batches of whole isomer groups::
+variables. It reads as the script it is::
+
+    session = trainer.setup()          # ranks, data, model, engine, hook, resume
+    while step < total_steps:
+        record = trainer.train_step(session, step)     # micro-batches of whole isomer groups
+        logbook.write(record)                          # rank 0: metrics.jsonl, TensorBoard, bar
+        stopping = trainer.checkpoint_if_due(session, step)
+
+and each micro-batch of a step is::
 
     with hook.micro_batch(domain_ids):
         logits = engine(...).logits * hook.dummy_scale()   # the scale only for IRM
         engine.backward(hook.objective(sequence_losses, domain_ids, scale))
     engine.step()
-
-and rank 0 logs the step (``metrics.jsonl``, TensorBoard, a progress bar).
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import random
 import shutil
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+import torch
+import yaml
+
+from iga_ds.cluster.ranks import DistEnv
+from iga_ds.config.deepspeed import build_ds_config, load_ds_json
+from iga_ds.config.hook import HookConfig
+from iga_ds.config.run import BUILTIN_TINY, RunConfig, TinyBaseConfig
+from iga_ds.data.groups import complete_groups
+from iga_ds.engine.hook import EngineHook, attach
 from iga_ds.errors import ConfigError, DataError
-from iga_ds.train.config import BUILTIN_TINY, RunConfig
+from iga_ds.files import atomic_write_text
+from iga_ds.train.batching import (GroupSampler, check_batch_layout, collate, read_records, sequence_losses,
+                                   unknown_words)
+from iga_ds.train.checkpoint import STOP_FILE, StopSignal, load_checkpoint, resolve_resume, save_checkpoint
+from iga_ds.train.distributed import init_distributed, resolve_dist
+from iga_ds.train.logbook import METRICS_FILE, Logbook, truncate_metrics
+from iga_ds.train.model import add_lora, load_base_model, load_tokenizer
+from iga_ds.train.optim import GroupStepAdamW, lr_lambda
+from iga_ds.train.pretrain import default_tiny_base
 
 log = logging.getLogger("iga_ds.train")
-
-
-@dataclass
-class DistEnv:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
 
 
 @dataclass
@@ -48,171 +63,151 @@ class TrainResult:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
-# -- distributed setup -----------------------------------------------------------------------
+@dataclass
+class Session:
+    """Everything :meth:`Trainer.setup` builds for the loop."""
+
+    dist: DistEnv
+    engine: Any
+    hook: EngineHook
+    hook_config: HookConfig
+    tokenizer: Any
+    groups: list[list[dict]]
+    sampler: GroupSampler
+    total_steps: int
+    start_step: int
+    out: Path
+    stop: StopSignal
+
+    @property
+    def domains(self) -> list[str]:
+        return list(self.hook_config.domains)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@dataclass
+class StepTotals:
+    """What one optimizer step saw, summed over micro-batches (and then over ranks)."""
 
+    loss_sums: torch.Tensor  # per domain, float64, on the engine's device until the step ends
+    sequences: torch.Tensor  # per domain, float64, on the host
+    tokens: float = 0.0
+    target_tokens: float = 0.0
 
-def resolve_dist(local_rank: int | None = None) -> DistEnv:
-    """Ranks from the launcher, Slurm or MPI (``iga_ds.launch.ranks``), exported for
-    ``env://``; a lone process becomes rank 0 of 1 on a free local port."""
-    import dataclasses
-
-    import torch.distributed
-
-    if torch.distributed.is_initialized():  # a second run in the same process reuses its group
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        # DeepSpeed reads these again at initialize, and the caller may have reset the environment
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local))
-        return DistEnv(rank, world, local)
-    try:
-        from iga_ds.launch.ranks import apply_dist_env, resolve_dist_env
-    except ImportError:  # the launch package is optional: plain launcher variables then
-        resolve_dist_env = None
-    if resolve_dist_env is not None:
-        env = resolve_dist_env(local_rank=local_rank)
-        if env.source == "single" and "MASTER_PORT" not in os.environ:
-            env = dataclasses.replace(env, master_port=_free_port())  # never collide with a neighbour
-        apply_dist_env(env)
-        return DistEnv(env.rank, env.world_size, env.local_rank)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
-            os.environ.setdefault(key, value)
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    if local_rank is not None:
-        os.environ["LOCAL_RANK"] = str(local_rank)
-    return DistEnv(int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")))
-
-
-def _use_cpu() -> bool:
-    import torch
-
-    if os.environ.get("DS_ACCELERATOR", "") == "cpu":
-        return True
-    return not torch.cuda.is_available()
-
-
-def init_distributed(dist: DistEnv) -> None:
-    cpu = _use_cpu()
-    if cpu:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must precede the first deepspeed import
-    import deepspeed
-    import torch
-
-    if not cpu:
-        torch.cuda.set_device(dist.local_rank)
-    elif not os.environ.get("IGA_DS_CPU_SHM_OP"):
-        from iga_ds.ds.compat import disable_cpu_shm_comm_op
-
-        disable_cpu_shm_comm_op()
-    if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl", auto_mpi_discovery=False, verbose=False)
-
-
-# -- configs ---------------------------------------------------------------------------------
-
-
-def load_ds_json(path: str) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"deepspeed: config {path!r} not found")
-    try:
-        return json.loads(p.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
-
-
-def build_ds_config(run: RunConfig, ds_raw: dict[str, Any], world_size: int, accum: int, source: str = "deepspeed",
-                    cpu: bool | None = None):
-    """DeepSpeed dict and IGA block for this run: batch sizes from the run YAML, method from the
-    run YAML when it names one, domains from ``data.domains`` when given."""
-    from iga_ds.ds import IGAConfig, split_config
-
-    ds, iga = split_config(ds_raw)
-    for key in ("optimizer", "scheduler"):
-        if key in ds:
-            raise ConfigError(
-                f"{source}: remove {key!r}; AdamW and its cosine schedule come from the run YAML's schedule"
-            )
-    block = iga.to_dict()
-    if run.method is not None:
-        block["method"], block["params"] = run.method.name, dict(run.method.params)
-    if run.data.domains is not None:
-        block["domains"] = list(run.data.domains)
-    iga = IGAConfig.from_dict(block, where="method" if run.method is not None else f"{source}: iga")
-    micro = run.data.groups_per_micro_batch * iga.num_domains
-    want = {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": accum,
-        "train_batch_size": micro * accum * world_size,
-    }
-    for key, value in want.items():
-        given = ds.get(key, "auto")
-        if given not in ("auto", value):
-            raise ConfigError(
-                f"{source}: {key} is {given!r} but the run YAML's data settings give {value}; "
-                f'set it to "auto" (batches are counted in isomer groups in the run YAML)'
-            )
-        ds[key] = value
-    ds.setdefault("zero_allow_untested_optimizer", True)  # a torch AdamW, built here
-    ds.setdefault("steps_per_print", 10**9)
-    zero = ds.setdefault("zero_optimization", {})
-    zero.setdefault("elastic_checkpoint", True)  # resume at another world size
-    if _use_cpu() if cpu is None else cpu:
-        for key in ("fp16", "bf16"):
-            if ds.get(key, {}).get("enabled"):
-                raise ConfigError(f"{source}: {key} is enabled but this run is on the CPU; use ds_configs/zero2_fp32.json")
-    return ds, iga
-
-
-# -- the loop --------------------------------------------------------------------------------
+    def all_reduce(self, device) -> None:
+        """Sum over ranks: one collective for all of it (NCCL reduces no host tensors)."""
+        n = len(self.sequences)
+        packed = torch.cat([self.loss_sums.to(device), self.sequences.to(device),
+                            torch.tensor([self.tokens, self.target_tokens], dtype=torch.float64, device=device)])
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(packed)
+        packed = packed.cpu()
+        self.loss_sums, self.sequences = packed[:n], packed[n:2 * n]
+        self.tokens, self.target_tokens = float(packed[-2]), float(packed[-1])
 
 
 class Trainer:
     """Build everything from a RunConfig, then ``run()``; see the module docstring."""
 
-    def __init__(
-        self,
-        config: RunConfig,
-        base_model_dir: str | None = None,
-        local_rank: int | None = None,
-        on_step_end: Callable[[int, dict[str, Any]], None] | None = None,
-        quiet: bool = False,
-    ):
+    def __init__(self, config: RunConfig, base_model_dir: str | None = None, local_rank: int | None = None,
+                 on_step_end: Callable[[int, dict[str, Any]], None] | None = None, quiet: bool = False):
         self.cfg = config
         self.base_model_dir = base_model_dir
         self.local_rank = local_rank
         self.on_step_end = on_step_end
         self.quiet = quiet
 
-    # the base model folder: a local directory, or the built-in tiny base built from the data
+    def run(self) -> TrainResult:
+        t_start = time.perf_counter()
+        s = self.setup()
+        book = Logbook(s.out, self.cfg.logging, s.start_step, s.total_steps, f"train {s.hook_config.method}",
+                       active=s.dist.rank == 0, quiet=self.quiet)
+        history: list[dict[str, Any]] = []
+        status, step = "completed", s.start_step
+        s.stop.install()
+        try:
+            s.engine.train()
+            while step < s.total_steps:
+                record = self.train_step(s, step)
+                step += 1
+                history.append(record)
+                book.write(record)
+                if self.on_step_end is not None:
+                    self.on_step_end(step, record)
+                if self.checkpoint_if_due(s, step) and step < s.total_steps:
+                    status = "stopped"
+                    break
+        finally:
+            s.stop.uninstall()
+            book.close()
+            s.hook.detach()
+        adapter_dir = self.finish(s, status)
+        return TrainResult(status, step, s.total_steps, s.out, adapter_dir, time.perf_counter() - t_start, history)
+
+    # -- setup -------------------------------------------------------------------------------------
+
+    def setup(self) -> Session:
+        cfg = self.cfg
+        self.dist = dist = resolve_dist(self.local_rank)
+        init_distributed(dist)
+        if not os.environ.get("IGA_DS_VERBOSE"):
+            logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        accum = check_batch_layout(cfg.data.groups_per_step, cfg.data.groups_per_micro_batch, dist.world_size)
+        ds_dict, hook_config = build_ds_config(cfg, load_ds_json(cfg.deepspeed), dist.world_size, accum,
+                                               cfg.deepspeed, run_source=cfg.source)
+        records, groups = self._load_groups(list(hook_config.domains))
+        sampler = GroupSampler(len(groups), cfg.data.groups_per_step, cfg.seed)
+        total_steps = cfg.schedule.max_steps or max(1, math.ceil(cfg.schedule.epochs * sampler.steps_per_epoch))
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        base_dir = self._resolve_base(records)
+        tokenizer = self._load_tokenizer(base_dir, records)
+        engine, counts = self._build_engine(base_dir, ds_dict, total_steps)
+        hook = attach(engine, hook_config)
+        out = Path(cfg.output_dir)
+        start_step = self._resume(engine, out)
+        stop = StopSignal(out / STOP_FILE)
+        if dist.rank == 0:
+            self._prepare_output(out, stop, start_step, {
+                "base_model_dir": str(base_dir), "world_size": dist.world_size, "total_steps": total_steps,
+                "trainable_parameters": counts[0], "total_parameters": counts[1], "deepspeed_config": ds_dict,
+                "iga": hook_config.to_dict()})
+        self._print(f"training LoRA r={cfg.lora.r}: {counts[0]:,} trainable of {counts[1]:,} parameters; "
+                    f"method {hook_config.method}; {len(groups)} groups, {total_steps} steps, "
+                    f"world size {dist.world_size}")
+        return Session(dist, engine, hook, hook_config, tokenizer, groups, sampler, total_steps, start_step, out, stop)
+
+    def _load_groups(self, domains: list[str]) -> tuple[list[dict], list[list[dict]]]:
+        train = self.cfg.data.train
+        if not train:
+            raise ConfigError("data.train: expected the path of an isomer JSON Lines file")
+        records = read_records(train)
+        groups = complete_groups(records, domains, train)
+        if not groups:
+            raise DataError(f"{train}: no isomer group has all of the domains {domains}")
+        dropped = len({str(r['group_id']) for r in records}) - len(groups)
+        if dropped:
+            self._print(f"note: {dropped} groups lack one of the domains {domains} and are skipped")
+        return records, groups
+
     def _resolve_base(self, records: list[dict]) -> str:
+        """The base model folder: a local directory, or the built-in tiny base (built once per node)."""
         if self.base_model_dir:
             return self.base_model_dir
         path = self.cfg.model.name_or_path
-        if path == BUILTIN_TINY:
-            from iga_ds.train.model import TinyBaseConfig
-            from iga_ds.train.pretrain import default_tiny_base
+        if path != BUILTIN_TINY:
+            return path
+        shape = TinyBaseConfig(**self.cfg.model.tiny) if self.cfg.model.tiny else None
 
-            shape = TinyBaseConfig(**self.cfg.model.tiny) if self.cfg.model.tiny else None
+        def build() -> str:
+            return str(default_tiny_base(shape, progress=self.dist.rank == 0 and not self.quiet, log=self._print))
 
-            def build() -> str:
-                return str(default_tiny_base(shape, progress=self.dist.rank == 0 and not self.quiet, log=self._print))
-
-            return self._local_rank_zero_first(build)
-        return path
+        return self._local_rank_zero_first(build)
 
     def _local_rank_zero_first(self, build):
         """Run ``build`` on each node's local rank 0 first, then on the other ranks (a cache hit
         there): one pretraining per node instead of one per rank racing for the same folder."""
-        import torch.distributed as tdist
-
+        tdist = torch.distributed
         if not (tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1):
             return build()
         first = self.dist.local_rank == 0
@@ -222,200 +217,95 @@ class Trainer:
             tdist.barrier()  # also when local rank 0 failed, so that the others do not hang here
         return result if first else build()
 
-    def _print(self, msg: str) -> None:
-        if self.dist.rank == 0 and not self.quiet:
-            print(msg, flush=True)
-
-    def run(self) -> TrainResult:
-        t_start = time.perf_counter()
-        cfg = self.cfg
-        self.dist = dist = resolve_dist(self.local_rank)
-        init_distributed(dist)
-        import deepspeed
-        import numpy as np
-        import torch
-
-        from iga_ds.ds import attach
-        from iga_ds.train.batching import (GroupSampler, check_batch_layout, collate, complete_groups, read_records,
-                                           unknown_words)
-        from iga_ds.train.batching import sequence_losses
-        from iga_ds.train.checkpoint import STOP_FILE, StopSignal, load_checkpoint, resolve_resume, save_checkpoint
-        from iga_ds.train.model import add_lora, load_base_model, load_tokenizer
-        from iga_ds.train.optim import GroupStepAdamW, lr_lambda
-
-        if not os.environ.get("IGA_DS_VERBOSE"):
-            logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-
-        out = Path(cfg.output_dir)
-        ckpt_dir = out / "checkpoints"
-        accum = check_batch_layout(cfg.data.groups_per_step, cfg.data.groups_per_micro_batch, dist.world_size)
-        ds_dict, iga = build_ds_config(cfg, load_ds_json(cfg.deepspeed), dist.world_size, accum, cfg.deepspeed)
-        domains = list(iga.domains)
-
-        if not cfg.data.train:
-            raise ConfigError("data.train: expected the path of an isomer JSON Lines file")
-        records = read_records(cfg.data.train)
-        groups = complete_groups(records, domains, cfg.data.train)
-        if not groups:
-            raise DataError(f"{cfg.data.train}: no isomer group has all of the domains {domains}")
-        dropped = len({str(r['group_id']) for r in records}) - len(groups)
-        if dropped:
-            self._print(f"note: {dropped} groups lack one of the domains {domains} and are skipped")
-        sampler = GroupSampler(len(groups), cfg.data.groups_per_step, cfg.seed)
-        total_steps = cfg.schedule.max_steps or max(1, math.ceil(cfg.schedule.epochs * sampler.steps_per_epoch))
-
-        random.seed(cfg.seed)
-        np.random.seed(cfg.seed)
-        torch.manual_seed(cfg.seed)
-        base_dir = self._resolve_base(records)
-        tokenizer = load_tokenizer(cfg.tokenizer or base_dir)
+    def _load_tokenizer(self, base_dir: str, records: list[dict]):
+        name = self.cfg.tokenizer or base_dir
+        tokenizer = load_tokenizer(name)
         unk_rate, unk_examples = unknown_words(tokenizer, records)
         if unk_rate > 0.001:
-            self._print(f"warning: {unk_rate:.1%} of the training tokens are unknown to the tokenizer of "
-                        f"{cfg.tokenizer or base_dir} (e.g. {', '.join(map(repr, unk_examples))}); "
-                        "the model cannot tell those words apart")
+            self._print(f"warning: {unk_rate:.1%} of the training tokens are unknown to the tokenizer of {name} "
+                        f"(e.g. {', '.join(map(repr, unk_examples))}); the model cannot tell those words apart")
+        return tokenizer
+
+    def _build_engine(self, base_dir: str, ds_dict: dict, total_steps: int):
+        """The LoRA model in a DeepSpeed engine, with the run YAML's AdamW and schedule; also
+        (trainable, total) parameter counts."""
+        cfg, s = self.cfg, self.cfg.schedule
         model = load_base_model(base_dir, cfg.model.dtype, cfg.model.attn_implementation)
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()
         model = add_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules, cfg.lora.rslora)
         trainable = [p for p in model.parameters() if p.requires_grad]
-        n_trainable = sum(p.numel() for p in trainable)
-        n_total = sum(p.numel() for p in model.parameters())
-        s = cfg.schedule
+        counts = (sum(p.numel() for p in trainable), sum(p.numel() for p in model.parameters()))
         optimizer = GroupStepAdamW(trainable, lr=s.lr, betas=tuple(s.betas), eps=s.eps, weight_decay=s.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, s.warmup_ratio, s.min_lr_ratio))
-        engine, _, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_dict, dist_init_required=False
-        )
-        hook = attach(engine, iga)
+        import deepspeed  # only after init_distributed has chosen the accelerator (DS_ACCELERATOR)
 
-        start_step = 0
-        resume_from = resolve_resume(cfg.resume, ckpt_dir)
-        if resume_from is not None:
-            client = load_checkpoint(engine, resume_from, dist.rank)
-            start_step = int(client.get("step", 0))
-            self._print(f"resumed from {resume_from} at step {start_step}")
-        stop = StopSignal(out / STOP_FILE)
-        if dist.rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            # before step 1, whose collectives no other rank passes without this one: no rank
-            # can read a request meant for an earlier run
-            if stop.discard_stale():
-                self._print(f"removed {out / STOP_FILE}, a stop request left by an earlier run")
-            self._write_resolved_config(out, ds_dict, iga, base_dir, dist, total_steps, n_trainable, n_total)
-            truncate_metrics(out / "metrics.jsonl", start_step)
-        self._print(
-            f"training LoRA r={cfg.lora.r}: {n_trainable:,} trainable of {n_total:,} parameters; "
-            f"method {iga.method}; {len(groups)} groups, {total_steps} steps, world size {dist.world_size}"
-        )
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                               config=ds_dict, dist_init_required=False)
+        return engine, counts
 
-        writer = self._tensorboard(out, start_step) if dist.rank == 0 else None
-        metrics_file = (out / "metrics.jsonl").open("a", encoding="utf-8") if dist.rank == 0 else None
-        stop.install()
-        from tqdm.auto import tqdm
+    def _resume(self, engine, out: Path) -> int:
+        resume_from = resolve_resume(self.cfg.resume, out / "checkpoints")
+        if resume_from is None:
+            return 0
+        start_step = int(load_checkpoint(engine, resume_from, self.dist.rank).get("step", 0))
+        self._print(f"resumed from {resume_from} at step {start_step}")
+        return start_step
 
-        bar = tqdm(
-            total=total_steps, initial=start_step, desc=f"train {iga.method}", dynamic_ncols=True,
-            disable=dist.rank != 0 or not cfg.logging.progress or self.quiet,
-        )
-        history: list[dict[str, Any]] = []
-        status = "completed"
-        step = start_step
-        client_state = lambda st: {"step": st, "world_size": dist.world_size, "total_steps": total_steps}
-        save_adapter = lambda path: save_adapter_atomic(engine.module, tokenizer, path)
-        ndom = len(domains)
-        try:
-            engine.train()
-            while step < total_steps:
-                t0 = time.perf_counter()
-                mine = sampler.rank_groups(step, dist.rank, dist.world_size)
-                per_micro = cfg.data.groups_per_micro_batch
-                sums = torch.zeros(2 * ndom + 2, dtype=torch.float64)  # loss sums, counts, tokens, targets
-                # per-domain loss sums stay on the device until the step ends: reading them per
-                # micro-batch would stall the launch queue
-                loss_sums = torch.zeros(ndom, dtype=torch.float64, device=engine.device)
-                lr = engine.get_lr()[0]
-                for i in range(0, len(mine), per_micro):
-                    mb = collate(tokenizer, [groups[g] for g in mine[i : i + per_micro]], domains, cfg.data.max_length)
-                    host_ids = mb.domain_ids  # the hook reads domain ids on the host
-                    mb = mb.to(engine.device)
-                    with hook.micro_batch(host_ids):
-                        scale = hook.dummy_scale()
-                        logits = engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-                        if scale is not None:
-                            logits = logits * scale
-                        seq = sequence_losses(logits, mb.labels)
-                        loss = hook.objective(seq, mb.domain_ids, scale)
-                        engine.backward(loss)
-                    engine.step()
-                    loss_sums.index_add_(0, mb.domain_ids, seq.detach().double())
-                    sums[ndom : 2 * ndom] += torch.bincount(host_ids, minlength=ndom).double()
-                    sums[-2] += mb.num_tokens
-                    sums[-1] += mb.num_target_tokens
-                sums[:ndom] += loss_sums.cpu()
-                if torch.distributed.is_initialized() and dist.world_size > 1:
-                    # on the engine's device: NCCL reduces no host tensors
-                    sums_dev = sums.to(engine.device)
-                    torch.distributed.all_reduce(sums_dev)
-                    sums = sums_dev.cpu()
-                step += 1
-                dt = time.perf_counter() - t0
-                record = self._step_record(step, sums, ndom, domains, lr, engine, hook, dt)
-                history.append(record)
-                if dist.rank == 0:
-                    if step % cfg.logging.every_steps == 0 or step == total_steps:
-                        metrics_file.write(json.dumps(record) + "\n")
-                        metrics_file.flush()
-                        if writer is not None:
-                            for k, v in record.items():
-                                if k != "step" and isinstance(v, (int, float)):
-                                    writer.add_scalar(k.replace(".", "/"), v, step)
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{lr:.2e}")
-                if self.on_step_end is not None:
-                    self.on_step_end(step, record)
-                every = cfg.checkpoint.every_steps
-                stopping = stop.requested(engine.device) or step == cfg.checkpoint.stop_at_step
-                if stopping or step == total_steps or (every and step % every == 0):
-                    save_checkpoint(
-                        engine, ckpt_dir, step, client_state(step), dist.rank, cfg.checkpoint.keep_last, save_adapter
-                    )
-                if stopping and stop.reason is not None and dist.rank == 0:
-                    stop.consume()  # done: the next run must not stop on it
-                if stopping and step < total_steps:
-                    status = "stopped"
-                    why = stop.reason or "checkpoint.stop_at_step"
-                    self._print(f"stopping ({why}): checkpoint saved at step {step}; rerun with resume: auto to continue")
-                    break
-        finally:
-            stop.uninstall()
-            bar.close()
-            if metrics_file is not None:
-                metrics_file.close()
-            if writer is not None:
-                writer.close()
-            hook.detach()
+    def _prepare_output(self, out: Path, stop: StopSignal, start_step: int, resolved: dict[str, Any]) -> None:
+        """Rank 0, before step 1 (whose collectives no other rank passes without it): a stale stop
+        request removed, the resolved config written, metric lines past the resumed step dropped."""
+        out.mkdir(parents=True, exist_ok=True)
+        if stop.discard_stale():
+            self._print(f"removed {out / STOP_FILE}, a stop request left by an earlier run")
+        atomic_write_text(out / "config.resolved.yaml",
+                          yaml.safe_dump({**self.cfg.to_dict(), "resolved": resolved}, sort_keys=False))
+        truncate_metrics(out / METRICS_FILE, start_step)
 
-        adapter_dir = None
-        if status == "completed":
-            adapter_dir = out / "adapter"
-            if dist.rank == 0:
-                save_adapter_atomic(engine.module, tokenizer, adapter_dir)
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
-        self.engine = engine
-        return TrainResult(status, step, total_steps, out, adapter_dir, time.perf_counter() - t_start, history)
+    # -- one step ----------------------------------------------------------------------------------
 
-    def _step_record(self, step, sums, ndom, domains, lr, engine, hook, dt) -> dict[str, Any]:
-        loss_sums, counts = sums[:ndom], sums[ndom : 2 * ndom]
+    def train_step(self, s: Session, step: int) -> dict[str, Any]:
+        """One optimizer step: this rank's micro-batches of the step's groups; returns its record."""
+        t0 = time.perf_counter()
+        engine, hook, domains = s.engine, s.hook, s.domains
+        mine = s.sampler.rank_groups(step, s.dist.rank, s.dist.world_size)
+        per_micro = self.cfg.data.groups_per_micro_batch
+        # per-domain loss sums stay on the device until the step ends: reading them per
+        # micro-batch would stall the launch queue
+        totals = StepTotals(torch.zeros(len(domains), dtype=torch.float64, device=engine.device),
+                            torch.zeros(len(domains), dtype=torch.float64))
+        lr = engine.get_lr()[0]
+        for i in range(0, len(mine), per_micro):
+            mb = collate(s.tokenizer, [s.groups[g] for g in mine[i: i + per_micro]], domains, self.cfg.data.max_length)
+            host_ids = mb.domain_ids  # the hook reads domain ids on the host
+            mb = mb.to(engine.device)
+            with hook.micro_batch(host_ids):
+                scale = hook.dummy_scale()
+                logits = engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+                if scale is not None:
+                    logits = logits * scale
+                seq = sequence_losses(logits, mb.labels)
+                engine.backward(hook.objective(seq, mb.domain_ids, scale))
+            engine.step()
+            totals.loss_sums.index_add_(0, mb.domain_ids, seq.detach().double())
+            totals.sequences += torch.bincount(host_ids, minlength=len(domains)).double()
+            totals.tokens += mb.num_tokens
+            totals.target_tokens += mb.num_target_tokens
+        totals.all_reduce(engine.device)
+        return self._step_record(step + 1, totals, domains, lr, engine, hook, time.perf_counter() - t0)
+
+    @staticmethod
+    def _step_record(step: int, totals: StepTotals, domains: list[str], lr: float, engine, hook,
+                     seconds: float) -> dict[str, Any]:
+        losses, counts = totals.loss_sums, totals.sequences
         record: dict[str, Any] = {
             "step": step,
-            "loss": float(loss_sums.sum() / counts.sum().clamp(min=1)),
+            "loss": float(losses.sum() / counts.sum().clamp(min=1)),
             "lr": float(lr),
         }
         for i, d in enumerate(domains):
-            record[f"loss.{d}"] = float(loss_sums[i] / counts[i].clamp(min=1))
+            record[f"loss.{d}"] = float(losses[i] / counts[i].clamp(min=1))
         norm = engine.get_global_grad_norm()
         record["grad_norm"] = float(norm) if norm is not None else None
         for k, v in (hook.pop_stats() or {}).items():
@@ -423,52 +313,44 @@ class Trainer:
                 v = v.item()
             if isinstance(v, (int, float, bool)):
                 record[f"hook.{k}"] = float(v)
-        record["step_time_s"] = dt
-        record["tokens_per_s"] = float(sums[-2]) / dt if dt > 0 else None
-        record["target_tokens"] = int(sums[-1])
+        record["step_time_s"] = seconds
+        record["tokens_per_s"] = totals.tokens / seconds if seconds > 0 else None
+        record["target_tokens"] = int(totals.target_tokens)
         return record
 
-    def _tensorboard(self, out: Path, start_step: int):
-        if not self.cfg.logging.tensorboard:
-            return None
-        from torch.utils.tensorboard import SummaryWriter
+    # -- checkpoints and the end -------------------------------------------------------------------
 
-        # purge_step drops events after the resumed step, so a resumed curve has no duplicates
-        return SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+    def checkpoint_if_due(self, s: Session, step: int) -> bool:
+        """Save when a stop is asked for, at the end, and every ``checkpoint.every_steps``;
+        True when the run should stop here (every rank agrees: the check is collective)."""
+        every = self.cfg.checkpoint.every_steps
+        stopping = s.stop.requested(s.engine.device) or step == self.cfg.checkpoint.stop_at_step
+        if stopping or step == s.total_steps or (every and step % every == 0):
+            state = {"step": step, "world_size": s.dist.world_size, "total_steps": s.total_steps}
+            save_checkpoint(s.engine, s.out / "checkpoints", step, state, s.dist.rank, self.cfg.checkpoint.keep_last,
+                            lambda path: save_adapter_atomic(s.engine.module, s.tokenizer, path))
+        if stopping and s.stop.reason is not None and s.dist.rank == 0:
+            s.stop.consume()  # done: the next run must not stop on it
+        if stopping and step < s.total_steps:
+            why = s.stop.reason or "checkpoint.stop_at_step"
+            self._print(f"stopping ({why}): checkpoint saved at step {step}; rerun with resume: auto to continue")
+        return stopping
 
-    def _write_resolved_config(self, out, ds_dict, iga, base_dir, dist, total_steps, n_trainable, n_total) -> None:
-        import yaml
+    def finish(self, s: Session, status: str) -> Path | None:
+        """The final adapter (rank 0) once every step ran; the engine stays for callers that test it."""
+        adapter_dir = None
+        if status == "completed":
+            adapter_dir = s.out / "adapter"
+            if s.dist.rank == 0:
+                save_adapter_atomic(s.engine.module, s.tokenizer, adapter_dir)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        self.engine = s.engine
+        return adapter_dir
 
-        from iga_ds.utils_io import atomic_write_text
-
-        resolved = self.cfg.to_dict()
-        resolved["resolved"] = {
-            "base_model_dir": str(base_dir),
-            "world_size": dist.world_size,
-            "total_steps": total_steps,
-            "trainable_parameters": n_trainable,
-            "total_parameters": n_total,
-            "deepspeed_config": ds_dict,
-            "iga": iga.to_dict(),
-        }
-        atomic_write_text(out / "config.resolved.yaml", yaml.safe_dump(resolved, sort_keys=False))
-
-
-def truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop metric lines after ``last_step`` (left by a run killed after its last checkpoint),
-    so a resumed run's metrics.jsonl has each step once."""
-    from iga_ds.utils_io import atomic_write_text
-
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= last_step:
-                kept.append(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by the kill
-    atomic_write_text(path, "".join(k + "\n" for k in kept))
+    def _print(self, msg: str) -> None:
+        if self.dist.rank == 0 and not self.quiet:
+            print(msg, flush=True)
 
 
 def save_adapter_atomic(peft_model, tokenizer, path: Path) -> None:

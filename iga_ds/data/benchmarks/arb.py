@@ -27,12 +27,11 @@ from iga_ds.data.benchmarks.base import (
     EvalItem,
     check_options,
     format_choice_problem,
-    iter_json_lines,
     missing_benchmark,
-    read_json,
     strip_option_prefix,
 )
 from iga_ds.errors import DataError
+from iga_ds.files import iter_jsonl, read_json
 
 NAME = "arb"
 SOURCE = BenchmarkSource(
@@ -58,7 +57,7 @@ def _field(obj: dict[str, Any], name: str) -> Any:
 
 def _records(path: Path) -> list[tuple[str, dict[str, Any]]]:
     if path.suffix == ".jsonl":
-        return [(f"{path}:{lineno}", obj) for lineno, obj in iter_json_lines(path)]
+        return [(f"{path}:{lineno}", obj) for lineno, obj in iter_jsonl(path)]
     data = read_json(path)
     if isinstance(data, dict):  # some API answers wrap the list
         lists = [v for v in data.values() if isinstance(v, list)]

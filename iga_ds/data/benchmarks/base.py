@@ -6,11 +6,10 @@ is in-distribution (``"id"``) or out-of-distribution (``"ood"``) under the confi
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from iga_ds.errors import DataError
 
@@ -40,7 +39,7 @@ class EvalItem:
         return self.answer != ""
 
     def as_record(self) -> dict[str, Any]:
-        """The fields ``iga_ds.evaluation.prompts.format_prompt`` reads."""
+        """The fields ``iga_ds.data.prompts.format_prompt`` reads."""
         return {"problem": self.problem, "domain": self.domain, "answer": self.answer}
 
 
@@ -75,28 +74,6 @@ def format_choice_problem(context: str, question: str, options: list[str]) -> st
     lines += [f"{letters[i]}. {strip_option_prefix(opt)}" for i, opt in enumerate(options)]
     lines += ["", "Choose the letter of the correct option."]
     return "\n".join(lines)
-
-
-def iter_json_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, object) for each non-empty line; malformed lines name file and line."""
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            yield lineno, obj
-
-
-def read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
 
 
 def require(obj: dict[str, Any], key: str, types: type | tuple[type, ...], where: str, expected: str) -> Any:

@@ -21,11 +21,11 @@ from iga_ds.data.benchmarks.base import (
     EvalItem,
     check_options,
     format_choice_problem,
-    iter_json_lines,
     missing_benchmark,
     require,
 )
 from iga_ds.errors import DataError
+from iga_ds.files import iter_jsonl
 
 NAME = "logiqa2"
 SOURCE = BenchmarkSource(
@@ -66,7 +66,7 @@ def load(
     items: list[EvalItem] = []
     for name, split in wanted:
         path = data / name
-        for lineno, obj in iter_json_lines(path):
+        for lineno, obj in iter_jsonl(path):
             where = f"{path}:{lineno}"
             answer = require(obj, "answer", int, where, "an option index 0-3")
             options = check_options(require(obj, "options", list, where, "a list of 4 strings"), where, "options")

@@ -18,8 +18,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from iga_ds.data.benchmarks.base import BenchmarkSource, EvalItem, missing_benchmark, read_json, require
+from iga_ds.data.benchmarks.base import BenchmarkSource, EvalItem, missing_benchmark, require
 from iga_ds.errors import DataError
+from iga_ds.files import read_json
 from iga_ds.metrics.math_answers import last_boxed
 
 NAME = "math"

@@ -20,10 +20,10 @@ from iga_ds.data.benchmarks.base import (
     check_options,
     format_choice_problem,
     missing_benchmark,
-    read_json,
     require,
 )
 from iga_ds.errors import DataError
+from iga_ds.files import read_json
 
 NAME = "reclor"
 SOURCE = BenchmarkSource(

@@ -22,23 +22,21 @@ neither file and are retried by the next run.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import threading
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from iga_ds.data.domains import DEFAULT_DOMAINS
-from iga_ds.data.schema import answer_type, iter_jsonl
+from iga_ds.data.schema import answer_type
 from iga_ds.data.teacher.clients import ChatClient, Counters, TeacherError, TeacherRejected
 from iga_ds.data.teacher.parse import (Instance, MalformedOutput, parse_dag, parse_instance,
                                        parse_verification)
 from iga_ds.data.teacher.prompts import Prompts
 from iga_ds.errors import DataError, UserError
-from iga_ds.utils_io import atomic_write_json
+from iga_ds.files import append_lines, atomic_write_json, cut_torn_tail, iter_jsonl, torn_tail_start
 
 KEPT_FILE, DROPPED_FILE, STATS_FILE, SETTINGS_FILE = "isomers.jsonl", "dropped.jsonl", "stats.json", "build.json"
 PAPER_RETENTION = 0.78
@@ -207,13 +205,12 @@ def _repair_tail(path: Path, complete_group=None) -> None:
     if not path.exists():
         return
     data = path.read_bytes()
-    end = data.rfind(b"\n") + 1
+    end = torn_tail_start(data)
     if complete_group is not None and end:
-        lines = data[:end].splitlines(keepends=True)
         # a group is written in one write(): only the last group can be short
         last_gid, tail_start, tail_count = None, 0, 0
         offset = 0
-        for line in lines:
+        for line in data[:end].splitlines(keepends=True):
             try:
                 gid = json.loads(line)["group_id"]
             except (ValueError, KeyError, TypeError):
@@ -225,11 +222,7 @@ def _repair_tail(path: Path, complete_group=None) -> None:
             offset += len(line)
         if tail_count < complete_group:
             end = tail_start
-    if end != len(data):
-        with path.open("r+b") as f:
-            f.truncate(end)
-            f.flush()
-            os.fsync(f.fileno())
+    cut_torn_tail(path, keep=end)
 
 
 def _done_seeds(out: Path) -> dict[str, int]:
@@ -247,18 +240,6 @@ def _done_seeds(out: Path) -> dict[str, int]:
         for _, rec in iter_jsonl(dropped):
             seen[rec["seed_id"]] += 1
     return dict(seen)
-
-
-def _append(path: Path, lines: Sequence[str]) -> None:
-    data = "".join(lines).encode("utf-8")
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _check_settings(out: Path, settings: BuildSettings) -> None:
@@ -306,6 +287,95 @@ def compute_stats(out: Path, seeds_total: int, counters: Counters, failed: int) 
     }
 
 
+class _Recorder:
+    """Appends each finished seed to the kept or dropped file and tallies the run for the bar."""
+
+    def __init__(self, out: Path, counters: Counters, bar=None):
+        self.out, self.counters, self.bar = out, counters, bar
+        self.tally: Counter = Counter()  # kept, dropped, failed (this run)
+        self._lock = threading.Lock()
+
+    def __call__(self, outcome: GroupOutcome) -> None:
+        """Append the kept group, or the drop reason, of one finished seed."""
+        with self._lock:
+            if outcome.records is not None:
+                append_lines(self.out / KEPT_FILE,
+                             [json.dumps(r, ensure_ascii=False) + "\n" for r in outcome.records])
+                self.tally["kept"] += 1
+            else:
+                append_lines(self.out / DROPPED_FILE, [json.dumps(
+                    {"seed_id": outcome.seed_id, "reason": outcome.reason,
+                     "regenerations": outcome.regenerations, "malformed": outcome.malformed},
+                    ensure_ascii=False) + "\n"])
+                self.tally["dropped"] += 1
+            self._show()
+
+    def _show(self) -> None:
+        """Advance the progress bar, if any, by one seed and refresh its counts."""
+        if self.bar is None:
+            return
+        self.bar.update(1)
+        self.bar.set_postfix(kept=self.tally["kept"], dropped=self.tally["dropped"],
+                             retried=self.counters.get("http_retries") + self.counters.get("regenerations"),
+                             failed=self.tally["failed"], refresh=False)
+
+    def close(self) -> None:
+        """Close the progress bar, if any."""
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _seeds_to_do(out: Path, seeds: list[dict], settings: BuildSettings) -> list[dict]:
+    """Prepare ``out`` for a new or resumed build; return the seeds in neither output file."""
+    out.mkdir(parents=True, exist_ok=True)
+    _check_settings(out, settings)
+    _repair_tail(out / KEPT_FILE, complete_group=len(settings.domains))
+    _repair_tail(out / DROPPED_FILE)
+    done = _done_seeds(out)
+    return [s for s in seeds if s["seed_id"] not in done]
+
+
+def _process_seeds(todo: list[dict], processor: SeedProcessor, recorder: _Recorder,
+                   concurrency: int) -> list[BaseException]:
+    """Run ``processor`` on ``todo`` in threads, recording each outcome as it finishes.
+
+    Returns the fatal errors: after the first, no seed is started and queued ones are cancelled.
+    A seed whose requests failed after all retries is counted as failed and left unrecorded.
+    """
+    fatal: list[BaseException] = []
+    pending: set[Future] = set()
+    it = iter(todo)
+    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="teacher") as pool:
+        try:
+            while True:
+                # submit lazily, a bounded number ahead, so a fatal error stops the rest early
+                while len(pending) < 2 * concurrency and not fatal:
+                    seed = next(it, None)
+                    if seed is None:
+                        break
+                    pending.add(pool.submit(processor, seed))
+                if not pending:
+                    break
+                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    try:
+                        recorder(fut.result())
+                    except TeacherError:
+                        recorder.tally["failed"] += 1  # not recorded: the next run retries this seed
+                    except UserError as exc:
+                        fatal.append(exc)
+                if fatal:
+                    for fut in pending:
+                        fut.cancel()
+        except KeyboardInterrupt:
+            for fut in pending:
+                fut.cancel()
+            raise
+        finally:
+            recorder.close()
+    return fatal
+
+
 def build(seeds_path: str | Path, out_dir: str | Path, client: ChatClient, settings: BuildSettings,
           prompts: Prompts | None = None, concurrency: int = 4, counters: Counters | None = None,
           progress: bool = True) -> dict:
@@ -318,12 +388,7 @@ def build(seeds_path: str | Path, out_dir: str | Path, client: ChatClient, setti
         settings.templates_sha256 = prompts.fingerprint()
     counters = counters or getattr(client, "counters", None) or Counters()
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    _check_settings(out, settings)
-    _repair_tail(out / KEPT_FILE, complete_group=len(settings.domains))
-    _repair_tail(out / DROPPED_FILE)
-    done = _done_seeds(out)
-    todo = [s for s in seeds if s["seed_id"] not in done]
+    todo = _seeds_to_do(out, seeds, settings)
 
     processor = SeedProcessor(client, prompts, settings, counters)
     bar = None
@@ -331,58 +396,10 @@ def build(seeds_path: str | Path, out_dir: str | Path, client: ChatClient, setti
         from tqdm import tqdm
 
         bar = tqdm(total=len(seeds), initial=len(seeds) - len(todo), unit="seed", desc="build")
-    tally = Counter()
-    fatal: list[BaseException] = []
-    write_lock = threading.Lock()
-
-    def record(outcome: GroupOutcome) -> None:
-        with write_lock:
-            if outcome.records is not None:
-                _append(out / KEPT_FILE, [json.dumps(r, ensure_ascii=False) + "\n" for r in outcome.records])
-                tally["kept"] += 1
-            else:
-                _append(out / DROPPED_FILE, [json.dumps(
-                    {"seed_id": outcome.seed_id, "reason": outcome.reason,
-                     "regenerations": outcome.regenerations, "malformed": outcome.malformed},
-                    ensure_ascii=False) + "\n"])
-                tally["dropped"] += 1
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(kept=tally["kept"], dropped=tally["dropped"],
-                                retried=counters.get("http_retries") + counters.get("regenerations"),
-                                failed=tally["failed"], refresh=False)
-
-    pending: set[Future] = set()
-    it = iter(todo)
-    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="teacher") as pool:
-        try:
-            while True:
-                while len(pending) < 2 * concurrency and not fatal:
-                    seed = next(it, None)
-                    if seed is None:
-                        break
-                    pending.add(pool.submit(processor, seed))
-                if not pending:
-                    break
-                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-                for fut in finished:
-                    try:
-                        record(fut.result())
-                    except TeacherError:
-                        tally["failed"] += 1  # not recorded: the next run retries this seed
-                    except UserError as exc:
-                        fatal.append(exc)
-                if fatal:
-                    for fut in pending:
-                        fut.cancel()
-        except KeyboardInterrupt:
-            for fut in pending:
-                fut.cancel()
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
-    stats = compute_stats(out, len(seeds), counters, tally["failed"])
+    recorder = _Recorder(out, counters, bar)
+    fatal = _process_seeds(todo, processor, recorder, concurrency)
+    # written after a fatal error too: the stats count what this run did record
+    stats = compute_stats(out, len(seeds), counters, recorder.tally["failed"])
     atomic_write_json(out / STATS_FILE, stats)
     if fatal:
         raise fatal[0]

@@ -1,0 +1,100 @@
+"""The ``"iga"`` block of a DeepSpeed JSON config: what the engine hook does at each step.
+
+Example block (every field optional)::
+
+    "iga": {
+      "method": "iga",
+      "params": {"tau": 0.5, "normalize": "snr"},
+      "domains": ["math", "medical", "legal", "science"],
+      "seed": 0,
+      "skip_nonfinite": true,
+      "timeout_s": 600,
+      "owner_balance": "out_x_in",
+      "overlap_waves": 1
+    }
+
+``iga-ds train`` also takes ``method`` and ``domains`` from the run YAML (``method.name``,
+``method.params``, ``data.domains``); the shipped DeepSpeed configs leave them to it, and a
+value set differently in both files is an error naming both (:mod:`iga_ds.config.deepspeed`).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal
+
+from pydantic import field_validator
+
+from iga_ds.config.base import Number, Section, config_problem, setting, validate_section
+from iga_ds.data.domains import DEFAULT_DOMAINS
+from iga_ds.errors import ConfigError
+from iga_ds.methods import get_method, method_parameters
+
+BLOCK = "iga"
+
+
+class HookConfig(Section):
+    """The engine hook's settings: which method combines the per-domain gradients, and how."""
+
+    describe_by_rule = True
+
+    method: str = setting("erm", "a method name (the list, with each method's parameters, is below); `erm` (the "
+                          "default) captures nothing and leaves DeepSpeed's gradient as it is", expected="a method name")
+    params: dict[str, Any] = setting(dict, "keyword arguments of the method, e.g. `{tau: 0.5, normalize: snr}` "
+                                     "for `iga` (each method's are listed below)",
+                                     expected="an object of method parameters")
+    domains: list[str] = setting(lambda: list(DEFAULT_DOMAINS), "the domains, in the order the method sees them; "
+                                 "each optimizer step needs every one", expected="a list of domain names")
+    seed: int = setting(0, "seeds each module's random sketch with (seed, step, module index): the same result at "
+                        "any world size")
+    skip_nonfinite: bool = setting(True, "a NaN or Inf in the loss or the combined gradient skips the step on every "
+                                   "rank (false: stop the run with an error)")
+    timeout_s: Number = setting(600.0, "the hook's collectives fail after this many seconds, so that a dead rank "
+                                "stops the others", expected="a positive number of seconds", gt=0)
+    owner_balance: Literal["out_x_in", "round_robin"] = setting(
+        "out_x_in", "how modules are assigned to the ranks that combine them: by their out x in size, or in turn")
+    overlap_waves: int = setting(1, "above 1: modules go in this many waves, one wave's collectives running while "
+                                 "another's method does (measured slower so far: docs/PERFORMANCE.md)",
+                                 expected="a whole number of waves, at least 1", ge=1)
+
+    @field_validator("domains")
+    @classmethod
+    def _unique_domains(cls, domains: list[str]) -> list[str]:
+        if len(set(domains)) != len(domains):
+            raise config_problem(f"names must be unique, got {domains}")
+        return domains
+
+    @property
+    def num_domains(self) -> int:
+        return len(self.domains)
+
+    @classmethod
+    def from_dict(cls, block: Any, where: str = BLOCK) -> "HookConfig":
+        cfg = validate_section(cls, copy.deepcopy(block), where)
+        cfg.validate(where)
+        return cfg
+
+    def validate(self, where: str = BLOCK) -> None:
+        """Checks across fields: the method exists, takes these parameters, has enough domains."""
+        if len(self.domains) < 2 and self.method != "erm":
+            raise ConfigError(f"{where}.domains: method {self.method!r} needs at least 2 domains")
+        try:
+            get_method(self.method, **self.params)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{where}.params: {exc}") from None
+
+    def build_method(self):
+        params = dict(self.params)
+        if "seed" in method_parameters(self.method) and "seed" not in params:
+            params["seed"] = self.seed
+        return get_method(self.method, **params)
+
+
+def split_config(ds_config: dict[str, Any]) -> tuple[dict[str, Any], HookConfig]:
+    """Separate the ``"iga"`` block from a DeepSpeed config dict (DeepSpeed ignores keys it does
+    not know, but keeping it out avoids surprises); a config without one means ERM."""
+    ds = copy.deepcopy(ds_config)
+    block = ds.pop(BLOCK, None)
+    return ds, (HookConfig.from_dict(block) if block is not None else HookConfig())
+

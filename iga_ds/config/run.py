@@ -1,0 +1,247 @@
+"""The run YAML of ``iga-ds train``: model, tokenizer, LoRA, data, schedule, method, outputs.
+
+Defaults follow the paper's implementation details (LoRA r 16, alpha 32 on q, k, v, o; AdamW
+lr 2e-4, cosine decay with 3% linear warmup, weight decay 0.01, betas 0.9/0.999). Every key is
+typed and documented on its field (docs/CONFIG.md is generated from them); a wrong key or type
+raises ``ConfigError`` naming the file, the dotted key and what was expected.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import PrivateAttr, field_validator, model_validator
+
+from iga_ds.config.base import Number, Section, config_problem, error_line, setting, validate_section
+from iga_ds.errors import ConfigError
+from iga_ds.files import read_yaml_file
+
+BUILTIN_TINY = "builtin:tiny"
+
+
+class TinyBaseConfig(Section):
+    """Shape of the built-in base and its pretraining; every field enters the cache key."""
+
+    model_config = Section.model_config | {"frozen": True}
+    describe_by_rule = True
+
+    hidden_size: int = setting(128, "width of the model", expected="a positive integer", gt=0)
+    intermediate_size: int = setting(344, "width of the MLP", expected="a positive integer", gt=0)
+    num_layers: int = setting(2, "transformer layers", expected="a positive integer", gt=0)
+    num_heads: int = setting(4, "attention heads (they divide hidden_size)", expected="a positive integer", gt=0)
+    max_length: int = setting(384, "tokens per pretraining text", expected="a positive integer", gt=0)
+    steps: int = setting(150, "pretraining steps", expected="a positive integer", gt=0)
+    batch_size: int = setting(16, "pretraining texts per step", expected="a positive integer", gt=0)
+    lr: Number = setting(3e-3, "AdamW learning rate of pretraining", expected="a positive number", gt=0)
+    warmup_steps: int = setting(15, "linear warm-up steps (fewer than steps)", expected="a non-negative integer",
+                                ge=0)
+    weight_decay: Number = setting(0.01, "AdamW weight decay of pretraining", expected="a non-negative number", ge=0)
+    seed: int = setting(0, "initialization and text order", expected="a non-negative integer", ge=0)
+    corpus_groups: int = setting(600, "isomer groups of generator text in the pretraining corpus",
+                                 expected="a positive integer", gt=0)
+
+    @model_validator(mode="after")
+    def _buildable(self) -> "TinyBaseConfig":
+        if self.hidden_size % self.num_heads:
+            raise config_problem(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+        if self.warmup_steps >= self.steps:
+            raise config_problem(f"warmup_steps {self.warmup_steps} must be below steps {self.steps}")
+        return self
+
+
+class ModelConfig(Section):
+    name_or_path: str = setting(BUILTIN_TINY, "a local Hugging Face causal-LM folder (never downloaded, no remote "
+                                "code), or `builtin:tiny`: the built-in tiny LLaMA, pretrained here and cached")
+    dtype: Literal["float32", "bfloat16", "float16"] = setting(
+        "float32", "the weights' dtype when loaded (the DeepSpeed JSON decides the training precision)")
+    gradient_checkpointing: bool = setting(False, "activation checkpointing (non-reentrant), for large models")
+    attn_implementation: Optional[str] = setting("eager", "Hugging Face attention implementation, e.g. `sdpa`; "
+                                                 "null: the library's default")
+    tiny: dict[str, Any] = setting(dict, "with `builtin:tiny` only: the base's shape and pretraining, fields of "
+                                   "`TinyBaseConfig` below, e.g. `{hidden_size: 256, num_layers: 4, steps: 1500}`; "
+                                   "each setting is a base of its own in the cache")
+
+    @field_validator("tiny")
+    @classmethod
+    def _tiny_fields(cls, tiny: dict[str, Any]) -> dict[str, Any]:
+        if tiny:
+            try:
+                TinyBaseConfig.model_validate(tiny)
+            except ConfigError:
+                raise
+            except Exception as exc:  # pydantic's ValidationError: said as one nested key
+                line = error_line(TinyBaseConfig, exc.errors(include_url=False)[0])
+                raise config_problem(line, nested=line.split(" ")[0].endswith(":")) from None
+        return tiny
+
+
+class LoraSettings(Section):
+    r: int = setting(16, "LoRA rank", expected="a positive integer", ge=1)
+    alpha: Number = setting(32.0, "LoRA alpha: dW = (alpha / r) B A", expected="a positive number", gt=0)
+    dropout: Number = setting(0.0, "dropout on the LoRA input", expected="a number in [0, 1)", ge=0, lt=1)
+    target_modules: list[str] = setting(lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+                                        "names of the linear layers to adapt", expected="a non-empty list of module "
+                                        "names", min_length=1)
+    rslora: bool = setting(False, "rank-stabilized scaling alpha / sqrt(r)")
+
+
+class DataConfig(Section):
+    train: str = setting("", "isomer JSON Lines to train on (one record per domain instance)")
+    domains: Optional[list[str]] = setting(None, "the domains, in the order the method sees them; null: the "
+                                           "DeepSpeed config's `iga.domains` (default math, medical, legal, science)")
+    groups_per_step: int = setting(8, "K whole isomer groups per optimizer step, over all ranks",
+                                   expected="a positive integer", ge=1)
+    groups_per_micro_batch: int = setting(2, "groups per forward pass on one rank; the rest is gradient accumulation",
+                                          expected="a positive integer", ge=1)
+    max_length: int = setting(512, "prompt + target tokens; longer sequences lose prompt tokens first",
+                              expected="an integer >= 8", ge=8)
+
+    @field_validator("domains")
+    @classmethod
+    def _unique(cls, domains: Optional[list[str]]) -> Optional[list[str]]:
+        if domains is not None and len(set(domains)) != len(domains):
+            raise config_problem(f"names must be unique, got {domains}")
+        return domains
+
+
+class ScheduleConfig(Section):
+    lr: Number = setting(2e-4, "AdamW learning rate", expected="a positive number", gt=0)
+    warmup_ratio: Number = setting(0.03, "share of the steps with a linear warm-up", expected="a number in [0, 1)",
+                                   ge=0, lt=1)
+    min_lr_ratio: Number = setting(0.0, "the cosine decays to lr x this", expected="a number in [0, 1]", ge=0, le=1)
+    weight_decay: Number = setting(0.01, "AdamW weight decay", expected="a non-negative number", ge=0)
+    betas: list[Number] = setting(lambda: [0.9, 0.999], "AdamW betas", expected="two numbers in [0, 1)")
+    eps: Number = setting(1e-8, "AdamW epsilon", expected="a positive number", gt=0)
+    epochs: Number = setting(1.0, "passes over the groups (an incomplete last batch is dropped)",
+                             expected="a positive number", gt=0)
+    max_steps: Optional[int] = setting(None, "optimizer steps; wins over epochs when set",
+                                       expected="a positive integer or null", ge=1)
+
+    @field_validator("betas")
+    @classmethod
+    def _two_betas(cls, betas: list[float]) -> list[float]:
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            raise ValueError("two numbers in [0, 1)")
+        return betas
+
+
+class MethodConfig(Section):
+    name: str = setting("erm", "a method name (see `iga.method`)", expected="a method name", min_length=1)
+    params: dict[str, Any] = setting(dict, "keyword arguments of the method")
+
+
+class CheckpointConfig(Section):
+    every_steps: int = setting(0, "save every this many steps; 0: only at the end and on a stop request (signal or "
+                               "`output_dir/STOP`)", expected="an integer >= 0", ge=0)
+    keep_last: int = setting(2, "checkpoints kept; older ones are deleted", expected="an integer >= 1", ge=1)
+    stop_at_step: Optional[int] = setting(None, "save and exit 0 at this step, as a signal would (splits a run over "
+                                          "time-boxed jobs)", expected="a positive integer or null", ge=1)
+
+
+class LoggingConfig(Section):
+    every_steps: int = setting(1, "write metrics.jsonl and TensorBoard every this many steps",
+                               expected="a positive integer", ge=1)
+    tensorboard: bool = setting(True, "TensorBoard events under output_dir/tensorboard")
+    progress: bool = setting(True, "a progress bar with ETA on rank 0")
+
+
+class RunConfig(Section):
+    """The run YAML: what ``iga-ds train`` and ``launch/train.py`` read."""
+
+    output_dir: str = setting("runs/default", "every output: adapter, metrics, checkpoints", expected="a directory path",
+                              min_length=1)
+    deepspeed: str = setting("ds_configs/zero2_fp32.json", "the DeepSpeed JSON; its `iga` block holds the hook's "
+                             "settings (the `iga` section below)")
+    model: ModelConfig = setting(ModelConfig, "the base model")
+    tokenizer: Optional[str] = setting(None, "a local tokenizer folder; null: the model folder's")
+    lora: LoraSettings = setting(LoraSettings, "the adapters")
+    data: DataConfig = setting(DataConfig, "training data and batches")
+    schedule: ScheduleConfig = setting(ScheduleConfig, "optimizer and learning-rate schedule")
+    method: Optional[MethodConfig] = setting(None, "the gradient method; null: the DeepSpeed config's `iga.method` "
+                                             "(default erm)")
+    checkpoint: CheckpointConfig = setting(CheckpointConfig, "checkpoints and stopping")
+    logging: LoggingConfig = setting(LoggingConfig, "metrics and progress")
+    seed: int = setting(0, "LoRA initialization, data order and the random state")
+    resume: str = setting("auto", "`auto` (the latest checkpoint in output_dir, if any), `never`, or a checkpoint "
+                          "folder")
+    # the file it was read from, for messages that name it
+    _source: str = PrivateAttr("the run YAML")
+
+    @property
+    def source(self) -> str:
+        return self._source
+
+    @model_validator(mode="after")
+    def _tiny_needs_builtin(self) -> "RunConfig":
+        if self.model.tiny and self.model.name_or_path != BUILTIN_TINY:
+            raise config_problem(f"model.tiny: shapes the built-in base only; model.name_or_path is "
+                                 f"{self.model.name_or_path!r}")
+        return self
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``schedule.lr=1e-4`` -> (["schedule", "lr"], 1e-4); the value is read as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. schedule.max_steps=100")
+    key, raw = text.split("=", 1)
+    if not key or any(not p for p in key.split(".")):
+        raise ConfigError(f"override {text!r}: expected a dotted key such as data.train")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    raw = copy.deepcopy(raw)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = raw
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {part} is not a mapping")
+            node = child
+        node[path[-1]] = value
+    return raw
+
+
+def resolve_relative(path: str, base: Path) -> str:
+    """Paths in a config are relative to the working directory; fall back to the config's folder."""
+    if not path or path.startswith("builtin:") or os.path.isabs(path) or os.path.exists(path):
+        return path
+    candidate = base / path
+    return str(candidate) if candidate.exists() else path
+
+
+def load_run_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a run YAML (or only overrides when ``path`` is None), check every key and type."""
+    raw: dict[str, Any] = {}
+    base = Path.cwd()
+    if path is not None:
+        path = Path(path)
+        raw = read_yaml_file(path, "config file") or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
+        base = path.parent
+    raw = apply_overrides(raw, overrides or [])
+    try:
+        cfg = config_from_dict(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}" if path is not None else str(exc)) from None
+    if path is not None:
+        cfg._source = str(path)
+    cfg.deepspeed = resolve_relative(cfg.deepspeed, base)
+    cfg.data.train = resolve_relative(cfg.data.train, base)
+    cfg.model.name_or_path = resolve_relative(cfg.model.name_or_path, base)
+    return cfg
+
+
+def config_from_dict(raw: dict[str, Any]) -> RunConfig:
+    return validate_section(RunConfig, raw)

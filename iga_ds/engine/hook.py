@@ -1,0 +1,394 @@
+"""The ZeRO engine hook: per-domain LoRA gradients in, the method's gradient out, before the step.
+
+Flow of one optimizer step (K isomer groups over R ranks and G accumulation micro-steps):
+
+1. Each micro-batch's forward and backward run inside ``micro_batch(domain_ids)``; the
+   capture adds each domain's LoRA weight-gradient sums into one flat fp32 buffer laid out
+   by owner rank (DeepSpeed's own reduction of the plain gradient goes on untouched).
+2. At the accumulation boundary DeepSpeed calls the optimizer's ``step``, which this hook
+   wraps: domain counts are summed over ranks; the buffer is reduce-scattered so that each
+   module's N sums land on its owner; owners divide by the counts and run the method with a
+   sketch seeded by (step, module index), so the result does not depend on the world size;
+   an all-gather brings every module's new factor gradients to every rank. With
+   ``overlap_waves`` above 1 this happens wave by wave, one wave's collectives in flight
+   while another's method runs (:func:`run_waves`).
+3. The new gradients replace the reduced ones in ZeRO's partitions, then the original step
+   runs (clipping and AdamW see the method's gradient).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from typing import Iterator
+
+import torch
+
+from iga_ds.config.hook import HookConfig
+from iga_ds.engine.collectives import Collectives
+from iga_ds.engine.internals import (check_engine, lora_gradients_can_be_left_out, prepare_backward,
+                                     skip_optimizer_step, write_full_grad)
+from iga_ds.engine.layout import Wave, build_layout, run_waves
+from iga_ds.errors import ConfigError
+from iga_ds.lora.capture import DomainGradientCapture
+from iga_ds.lora.modules import LoraModule, find_lora_modules
+from iga_ds.methods.base import ModuleGrads
+from iga_ds.metrics.mask import aggregate_module_stats
+
+log = logging.getLogger(__name__)
+
+
+class EngineHook:
+    """Attach with :func:`attach`; see the package docstring for the training loop."""
+
+    def __init__(self, engine, config: HookConfig):
+        self.engine = engine
+        self.config = config
+        self.method = config.build_method()
+        # the per-module statistics the method declares, carried back from owners in fixed slots
+        self.stat_keys = tuple(stat.name for stat in self.method.statistics if stat.combine != "model")
+        check_engine(engine, self.method.needs_domain_gradients)
+        self.num_domains = config.num_domains
+        self.device = torch.device(engine.device)
+        self._stats: dict = {}
+        self._loss_finite: torch.Tensor | None = None  # device flag: no host sync per micro-batch
+        self.skipped_last_step = False
+        self.skipped_steps = 0
+        self._micro_batch_seconds = 0.0
+        self.comm = Collectives(timeout_s=config.timeout_s)
+        self.capture: DomainGradientCapture | None = None
+        self.modules: list[LoraModule] = []
+        if self.method.needs_domain_gradients:
+            self._setup_capture()
+        self._original_step = engine.optimizer.step
+        engine.optimizer.step = self._boundary_step
+
+    # -- setup -----------------------------------------------------------------------------
+    def _setup_capture(self) -> None:
+        self.modules = find_lora_modules(self.engine.module)
+        if not self.modules:
+            raise ConfigError("the model has no trainable LoRA linear layers: wrap it with peft.get_peft_model first")
+        lora_ids = {id(p) for m in self.modules for p in (m.lora_A.weight, m.lora_B.weight)}
+        others = [n for n, p in self.engine.module.named_parameters() if p.requires_grad and id(p) not in lora_ids]
+        if others:
+            log.warning("%s acts on LoRA factors only; %d other trainable tensors (e.g. %s) keep the plain gradient",
+                        self.method.name, len(others), others[0])
+        N, W = self.num_domains, self.comm.world_size
+        # waves overlap the method with collectives; one rank has none to overlap
+        waves = self.config.overlap_waves if W > 1 and self.method.scope == "module" else 1
+        self.layout = build_layout(self.modules, W, N, waves, self.config.owner_balance, num_stats=len(self.stat_keys))
+        self.flat_in = torch.zeros(self.layout.in_size, dtype=torch.float32, device=self.device)
+        buffers = []
+        for m in self.modules:
+            off = self.layout.in_offsets[m.index]
+            nA, nB = N * m.rank * m.in_features, N * m.out_features * m.rank
+            gA = self.flat_in[off: off + nA].view(N, m.rank, m.in_features)
+            gB = self.flat_in[off + nA: off + nA + nB].view(N, m.out_features, m.rank)
+            buffers.append((gA, gB))
+        self.buffers = buffers
+        # the capture owns the factors' gradients where DeepSpeed copes with none from backward:
+        # the method's result replaces them at the boundary, so computing and reducing them
+        # every micro-batch would be wasted
+        self.capture = DomainGradientCapture(self.modules, buffers, N,
+                                             owns_gradients=lora_gradients_can_be_left_out(self.engine),
+                                             before_backward=lambda: prepare_backward(self.engine.optimizer))
+        # where each module's statistics sit in the gathered output: read back only those
+        S = len(self.stat_keys)
+        self._stat_index = torch.tensor(
+            [self.layout.out_offsets[m.index] + m.rank * m.in_features + m.out_features * m.rank + j
+             for m in self.modules for j in range(S)], dtype=torch.long, device=self.device)
+        # the modules this rank combines, per wave: fixed for the hook's life
+        self._owned_by_wave = [[m for m in wave.modules if self.layout.owners[m.index] == self.comm.rank]
+                               for wave in self.layout.waves]
+
+    @property
+    def owned(self) -> list[LoraModule]:
+        """The modules this rank combines, in wave order."""
+        return [m for mine in self._owned_by_wave for m in mine]
+
+    # -- per micro-batch -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def micro_batch(self, domain_ids: torch.Tensor) -> Iterator["EngineHook"]:
+        """Run one micro-batch's forward and backward inside this context."""
+        if self.capture is None:
+            yield self
+            return
+        batch = int(torch.as_tensor(domain_ids).numel())
+        # the loss is a mean over the micro-batch and DeepSpeed divides it by the accumulation steps
+        scale = 1.0 / (batch * self.engine.gradient_accumulation_steps())
+        start = time.perf_counter()
+        with self.capture.micro_batch(domain_ids, scale):
+            yield self
+        self._micro_batch_seconds += time.perf_counter() - start
+
+    def dummy_scale(self) -> torch.Tensor | None:
+        if self.method.needs_dummy_scale():
+            return torch.ones((), requires_grad=True, device=self.device)
+        return None
+
+    def objective(self, sequence_losses: torch.Tensor, domain_ids: torch.Tensor, dummy_scale=None) -> torch.Tensor:
+        loss = self.method.objective(sequence_losses, domain_ids.to(sequence_losses.device, non_blocking=True),
+                                     self.num_domains, dummy_scale)
+        # kept on the device and read once at the boundary: a host read here would stall the
+        # launch queue before every backward
+        finite = torch.isfinite(loss.detach()).all()
+        self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
+        return loss
+
+    # -- at the accumulation boundary ------------------------------------------------------
+    def _boundary_step(self, *args, **kwargs):
+        step = int(self.engine.global_steps)
+        stats: dict = {"step": step}
+        t0 = time.perf_counter()
+        updates = None
+        bad = self._loss_finite is not None and not bool(self._loss_finite)
+        if self.capture is not None:
+            updates, bad_local, stats_comm = self._combine(step)
+            bad = bad or bad_local
+            stats.update(stats_comm)
+        flag = torch.tensor([1.0 if bad else 0.0], device=self.device)
+        bad = bool(self.comm.all_reduce_max(flag).item() > 0)
+        self._loss_finite = None
+        self.skipped_last_step = bad
+        if bad and not self.config.skip_nonfinite:
+            raise FloatingPointError(
+                f"step {step}: non-finite loss or gradient (set iga.skip_nonfinite: true to skip such steps)")
+        if bad:
+            self.skipped_steps += 1
+            log.warning("step %d: non-finite loss or gradient; skipping the optimizer step", step)
+            skip_optimizer_step(self.engine.optimizer)
+            result = None
+        else:
+            if updates is not None:
+                for m, (gA, gB) in zip(self.modules, updates):
+                    write_full_grad(m.lora_A.weight, gA)
+                    write_full_grad(m.lora_B.weight, gB)
+            result = self._original_step(*args, **kwargs)
+        if self.capture is not None:
+            self.capture.reset()
+        stats["skipped"] = bad
+        # forward and backward of the step's micro-batches, capture included: the capture runs
+        # inside autograd and has no clock of its own (bench_step.py derives its cost)
+        stats["time/micro_batches_s"] = self._micro_batch_seconds
+        stats["time/boundary_s"] = time.perf_counter() - t0
+        self._micro_batch_seconds = 0.0
+        self._stats = stats
+        return result
+
+    def _combine(self, step: int):
+        """Reduce to owners, run the method, gather: returns per-module (gA, gB), a non-finite flag, stats."""
+        t0 = self._now()
+        counts = self.comm.all_reduce_sum(self.capture.counts.to(self.device)).cpu()
+        if bool((counts == 0).any()):
+            missing = [d for d, c in zip(self.config.domains, counts.tolist()) if c == 0]
+            raise RuntimeError(f"step {step}: no sequence of domain(s) {missing} in the global batch; "
+                               "each optimizer step needs every domain (whole isomer groups)")
+        method_stats = {}
+        if self.method.scope == "global":  # every rank needs every module: all-reduce, compute redundantly
+            summed = self.comm.all_reduce_sum(self.flat_in)
+            t1 = self._now()
+            results, bad = self._run_method(summed, self.modules, 0, counts, step)
+            t2 = t3 = self._now()
+            updates = [(u.gA, u.gB) for u in results] or None
+            per_module = {m.name: u.stats for m, u in zip(self.modules, results)}
+            method_stats = {f"method/{k}": v for k, v in (results[0].stats if results else {}).items()}
+        elif self.comm.world_size == 1:  # this rank owns every module: no collective, no packing
+            t1 = t0
+            results, bad = self._run_method(self.flat_in, self.modules, 0, counts, step)
+            t2 = t3 = self._now()
+            updates, per_module = self._results_direct(self.modules, results)
+        else:
+            updates, per_module, bad, (t1, t2) = self._combine_in_waves(step, counts)
+            t3 = self._now()
+        bad = bad or (updates is not None and not _all_finite([t for pair in updates for t in pair]))
+        stats = {
+            # communication not hidden behind the method: until the first wave's sums have
+            # arrived, and after the last wave's method has finished
+            "time/comm_s": (t1 - t0) + (t3 - t2),
+            "time/method_s": t2 - t1,
+            "domain_counts": counts.tolist(),
+            "modules": per_module,
+            **method_stats,
+        }
+        stats.update(self._summarize(per_module))
+        return updates, bad, stats
+
+    def _run_method(self, summed: torch.Tensor, mine: list[LoraModule], base: int, counts: torch.Tensor, step: int):
+        """The method on the modules in ``mine``, whose sums start at ``base`` in ``summed``:
+        (results, non-finite flag); no results when the sums are not finite."""
+        if not mine:
+            return [], False
+        # the summed buffer holds exactly these modules: one check for all
+        if not bool(torch.isfinite(summed).all()):
+            return [], True
+        return self.method.combine(self._module_grads(summed, mine, base, counts), step), False
+
+    def _combine_in_waves(self, step: int, counts: torch.Tensor):
+        """Owners combine their modules wave by wave (:func:`run_waves`).
+
+        Returns every module's (gA, gB) and statistics, a non-finite flag, and the host times
+        at which the first wave's sums had arrived and the last wave's method had finished.
+        """
+        lay, W, rank = self.layout, self.comm.world_size, self.comm.rank
+        gathered = torch.empty(lay.out_size, dtype=torch.float32, device=self.device)
+        marks: dict[str, float] = {}
+        bad = False
+
+        def exchange(k: int):
+            wave = lay.waves[k]
+            return self.comm.start_reduce_scatter_sum(self.flat_in[wave.in_start: wave.in_start + W * wave.in_chunk])
+
+        def compute(k: int, summed: torch.Tensor) -> torch.Tensor:
+            nonlocal bad
+            if k == 0:  # wave 1's sums are in flight: wait for wave 0's alone
+                marks["received"] = self._now(this_stream_only=True)
+            wave, mine = lay.waves[k], self._owned_by_wave[k]
+            results, wave_bad = self._run_method(summed, mine, wave.in_start + rank * wave.in_chunk, counts, step)
+            bad = bad or wave_bad
+            return self._pack(wave, mine, results)
+
+        def gather(k: int, packed: torch.Tensor):
+            wave = lay.waves[k]
+            return self.comm.start_all_gather(packed, gathered[wave.out_start: wave.out_start + W * wave.out_chunk])
+
+        in_flight = run_waves(len(lay.waves), exchange, compute, gather)
+        computed = self._now(this_stream_only=True)
+        for pending in in_flight:
+            pending.wait()
+        updates, per_module = self._unpack(gathered)
+        return updates, per_module, bad, (marks["received"], computed)
+
+    def _module_grads(self, summed: torch.Tensor, mine: list[LoraModule], base: int, counts: torch.Tensor):
+        """Per-domain means (sums / global sequence counts) of the modules in ``mine``, as views.
+
+        Scales ``summed`` in place (the buffer is reset after the step). Whole isomer groups give
+        every domain the same count: then one multiply covers every module.
+        """
+        N = self.num_domains
+        equal = bool((counts == counts[0]).all())
+        if equal:
+            summed.mul_(1.0 / float(counts[0]))
+        else:
+            scale = (1.0 / counts).to(torch.float32).to(self.device).view(-1, 1, 1)
+        weights = _as_float32([w for m in mine for w in (m.lora_A.weight.detach(), m.lora_B.weight.detach())])
+        grads = []
+        for j, m in enumerate(mine):
+            off = self.layout.in_offsets[m.index] - base
+            nA, nB = N * m.rank * m.in_features, N * m.out_features * m.rank
+            gA = summed[off: off + nA].view(N, m.rank, m.in_features)
+            gB = summed[off + nA: off + nA + nB].view(N, m.out_features, m.rank)
+            if not equal:
+                gA, gB = gA * scale, gB * scale
+            grads.append(ModuleGrads(m.name, m.index, weights[2 * j], weights[2 * j + 1], gA, gB, m.scaling))
+        return grads
+
+    def _results_direct(self, mine: list[LoraModule], results):
+        """World size 1: this rank owns every module, so packing would be pure copying."""
+        if not results:
+            return None, {}
+        # the packed path carries statistics as float32; round the same way on the host (they are
+        # host floats already: no device copy), so both paths report the same numbers
+        table = self._stat_table(results).tolist()
+        updates, per_module = [], {}
+        for m, u, vals in zip(mine, results, table):
+            # reshape and float are no-ops for the methods' float32 (r, in) and (out, r) results
+            updates.append((u.gA.reshape(m.rank, m.in_features).float(),
+                            u.gB.reshape(m.out_features, m.rank).float()))
+            per_module[m.name] = self._stat_dict(vals)
+        return updates, per_module
+
+    def _pack(self, wave: Wave, mine: list[LoraModule], results) -> torch.Tensor:
+        """This rank's chunk of a wave's output: its modules' new gradients and statistics
+        (zeros where the method did not run)."""
+        lay, S = self.layout, len(self.stat_keys)
+        out = torch.zeros(wave.out_chunk, dtype=torch.float32, device=self.device)
+        if not results:
+            return out
+        base = wave.out_start + self.comm.rank * wave.out_chunk
+        # statistics are host floats: one host-to-device copy for all of them
+        table = self._stat_table(results).to(self.device)
+        for j, (m, u) in enumerate(zip(mine, results)):
+            off = lay.out_offsets[m.index] - base
+            nA, nB = m.rank * m.in_features, m.out_features * m.rank
+            out[off: off + nA] = u.gA.reshape(-1)
+            out[off + nA: off + nA + nB] = u.gB.reshape(-1)
+            out[off + nA + nB: off + nA + nB + S] = table[j]
+        return out
+
+    def _unpack(self, gathered: torch.Tensor):
+        """Every module's new (gA, gB), as views of the gathered output, and its statistics."""
+        lay, S = self.layout, len(self.stat_keys)
+        # one small device-to-host copy: the statistics, not the gradients
+        host = gathered[self._stat_index].view(len(self.modules), S).tolist()
+        updates, per_module = [], {}
+        for m, vals in zip(self.modules, host):
+            off = lay.out_offsets[m.index]
+            nA, nB = m.rank * m.in_features, m.out_features * m.rank
+            updates.append((gathered[off: off + nA].view(m.rank, m.in_features),
+                            gathered[off + nA: off + nA + nB].view(m.out_features, m.rank)))
+            per_module[m.name] = self._stat_dict(vals)
+        return updates, per_module
+
+    def _now(self, this_stream_only: bool = False) -> float:
+        """Host time after the device has caught up, so that phases are timed, not launched;
+        ``this_stream_only``: after the current stream has, with collectives left in flight."""
+        if self.device.type == "cuda":
+            if this_stream_only:
+                torch.cuda.current_stream(self.device).synchronize()
+            else:
+                torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _stat_table(self, results) -> torch.Tensor:
+        """The results' declared statistics as one float32 host table (rows: modules; NaN where
+        a module reports no such statistic)."""
+        return torch.tensor([[float(u.stats.get(k, math.nan)) for k in self.stat_keys] for u in results],
+                            dtype=torch.float32)
+
+    def _stat_dict(self, values: list[float]) -> dict[str, float]:
+        """One row of the table back to a statistics dict, without the statistics it lacks."""
+        return {k: v for k, v in zip(self.stat_keys, values) if not math.isnan(v)}
+
+    def _summarize(self, per_module: dict[str, dict[str, float]]) -> dict[str, float]:
+        """Model-level figures, each combined from the modules' as the method declares."""
+        mine = [m for m in self.modules if m.name in per_module]
+        rules = {stat.name: stat.combine for stat in self.method.statistics if stat.combine != "model"}
+        return aggregate_module_stats([per_module[m.name] for m in mine], [m.full_rank_cost for m in mine], rules)
+
+    # -- results ---------------------------------------------------------------------------
+    def pop_stats(self) -> dict:
+        """Statistics of the last optimizer step ({} if none happened since the last call)."""
+        stats, self._stats = self._stats, {}
+        return stats
+
+    def detach(self) -> None:
+        """Restore the engine: remove capture hooks and the step wrapper, and release the
+        hook's own process group (left alive, its threads can abort the process at exit)."""
+        if self.capture is not None:
+            self.capture.remove()
+            self.capture = None
+        self.engine.optimizer.step = self._original_step
+        self.comm.destroy()
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """One device-to-host sync and a few multi-tensor kernels for the whole list: the total
+    2-norm is finite exactly when every element is (short of float32 overflow of the sum of
+    squares, at gradients above about 1e19)."""
+    if not tensors:
+        return True
+    return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all())
+
+
+def _as_float32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """float32 versions of ``tensors``: bf16 weights are cast with one copy for all, not one each."""
+    if all(t.dtype == torch.float32 for t in tensors):
+        return tensors
+    flat = torch.cat([t.reshape(-1) for t in tensors]).float()
+    return [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+
+def attach(engine, config: HookConfig) -> EngineHook:
+    """Hook a method into a DeepSpeed engine made by deepspeed.initialize over a PEFT LoRA model."""
+    return EngineHook(engine, config)

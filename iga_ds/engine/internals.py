@@ -1,0 +1,179 @@
+"""Every use of DeepSpeed's internals, in one place: the seam the rest of iga-ds goes through.
+
+- what the hook needs from an engine, checked once, with messages users can act on;
+- writing a full gradient into ZeRO's partitions, leaving the LoRA factors' gradients out of
+  backward, and skipping a step as DeepSpeed's own overflow path does;
+- optimizer state that does not depend on the world size (for resuming at another size).
+
+The private names used here (``_hp_mapping``, ``setup_buckets``, ``micro_step_id``, ...) are
+those of DeepSpeed's ZeRO-1/2 optimizer; the suite exercises each against the installed
+DeepSpeed, and ``MIN_DEEPSPEED`` is the oldest release with the public helpers used. DeepSpeed
+is imported inside the functions: on a CPU machine ``DS_ACCELERATOR`` must be set before its
+first import, which the trainer does when it starts.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from iga_ds.errors import ConfigError
+
+MIN_DEEPSPEED = (0, 15, 3)  # safe_set_full_grad for ZeRO-1/2
+
+
+def check_engine(engine, needs_domain_gradients: bool) -> None:
+    import deepspeed
+
+    version = tuple(int(p) for p in deepspeed.__version__.split("+")[0].split(".")[:3] if p.isdigit())
+    if version < MIN_DEEPSPEED:
+        raise ConfigError(f"deepspeed {deepspeed.__version__} is too old: the IGA hook needs >= 0.15.3")
+    stage = engine.zero_optimization_stage()
+    if stage == 3:
+        raise ConfigError(
+            "zero_optimization.stage: 3 is not supported by the IGA hook yet (parameters are partitioned); use 0, 1 or 2"
+        )
+    if engine.zero_cpu_offload() if hasattr(engine, "zero_cpu_offload") else False:
+        raise ConfigError("zero_optimization.offload_optimizer: CPU offload is not supported by the IGA hook yet")
+    if needs_domain_gradients and engine.fp16_enabled():
+        raise ConfigError("fp16.enabled: the IGA hook supports bf16 and fp32 (dynamic loss scaling is not handled); use bf16")
+    if needs_domain_gradients and getattr(engine, "pipeline_parallelism", False):
+        raise ConfigError("pipeline parallelism is not supported by the IGA hook")
+
+
+def write_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Write a full gradient (same on every rank) into the optimizer's view of it.
+
+    ZeRO-1/2 keep gradients as fragments of flat partitions; DeepSpeed's tensor-fragment
+    mapping writes this rank's fragment (what deepspeed.utils.safe_set_full_grad does),
+    without communication. Without ZeRO the gradient lives in param.grad.
+    """
+    if hasattr(param, "_hp_mapping"):
+        if param._hp_mapping is not None:
+            param.set_full_hp_grad(value)
+        return  # this rank holds no fragment of the parameter
+    if param.grad is None:
+        param.grad = value.to(param.dtype).clone()
+    else:
+        param.grad.copy_(value)
+
+
+def lora_gradients_can_be_left_out(engine) -> bool:
+    """Whether the capture may own the LoRA factors' gradients, so that backward gives them none.
+
+    Checked for ZeRO-2's optimizer, which then fills the factors' partitions with zeros at the
+    boundary (the hook writes the method's result over them) but must be told to set up its
+    reduction buckets itself (:func:`prepare_backward`). Elsewhere the factors keep their plain
+    gradients: correct, only slower.
+    """
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    optimizer = engine.optimizer
+    return (engine.zero_optimization_stage() == 2 and isinstance(optimizer, DeepSpeedZeroOptimizer)
+            and hasattr(optimizer, "setup_buckets") and hasattr(optimizer, "ready_for_gradients"))
+
+
+def prepare_backward(optimizer) -> None:
+    """ZeRO-2 sets up its reduction buckets (and counts the micro-step) at the first gradient
+    a backward produces, and its end-of-backward reduction indexes them. With the LoRA factors
+    left out, a backward may produce no gradient at all, so the capture calls this at its first
+    backward, where that first gradient would have come (not before forward: the buckets would
+    then add to the activations' peak); a no-op when they are already set up."""
+    if not optimizer.ready_for_gradients:
+        optimizer.setup_buckets()
+
+
+def skip_optimizer_step(optimizer) -> None:
+    """Discard the accumulated gradients as DeepSpeed's own overflow path does, so that the
+    engine counts a skipped step: parameters, optimizer state and LR schedule stay put."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        optimizer.micro_step_id = -1  # INITIAL_MICRO_STEP_ID, as step() sets it
+        optimizer.overflow = True
+        optimizer.zero_grad(set_to_none=True)
+        if hasattr(optimizer, "_release_preflattened_grad_buffers"):
+            optimizer._release_preflattened_grad_buffers()
+        for k in list(optimizer.averaged_gradients.keys()):
+            optimizer.averaged_gradients[k] = None
+            optimizer.all_grad_tensors[k] = None
+        return
+    optimizer.zero_grad(set_to_none=True)
+
+
+def disable_cpu_shm_comm_op() -> None:
+    """Skip DeepSpeed's shared-memory all-reduce op on the CPU.
+
+    Training collectives go through gloo; the op only speeds up inference all-reduce and costs
+    a C++ build of about a minute on a fresh machine.
+    """
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+# -- optimizer state that does not depend on the world size --------------------------------------
+#
+# DeepSpeed refuses to load ZeRO optimizer partitions saved at a different world size. Each
+# checkpoint therefore also keeps every LoRA parameter's full Adam moments, gathered with
+# ``deepspeed.utils.safe_get_full_optimizer_state``; on a size change they are written back
+# into the new partitions. The write needs DeepSpeed's private link between parameters and
+# optimizer-state slices.
+
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _trainable(engine):
+    return [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+
+
+def save_full_optimizer_state(engine, file: Path, rank: int) -> None:
+    """Gather every LoRA parameter's Adam moments to full size (collective); rank 0 writes."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, param in _trainable(engine):
+        for key in ADAM_MOMENTS:
+            full = safe_get_full_optimizer_state(param, key)
+            if full is None:
+                return  # not a ZeRO-partitioned optimizer: its own checkpoint suffices
+            if rank == 0:
+                tensors[f"{name}/{key}"] = full.detach().float().cpu().contiguous()
+    if rank == 0:
+        groups = engine.optimizer.param_groups
+        tmp = file.with_suffix(".tmp")
+        save_file(tensors, str(tmp), metadata={"adam_step": str(int(groups[0].get("step", 0)))})
+        os.replace(tmp, file)
+
+
+def load_full_optimizer_state(engine, file: Path) -> None:
+    """Set the Adam moments and step of ``file`` into this run's ZeRO partitions."""
+    from deepspeed.utils import safe_set_full_optimizer_state
+    from safetensors import safe_open
+
+    if not file.is_file():
+        raise ConfigError(f"resume: {file} is missing; this checkpoint cannot change the world size")
+    zero = engine.optimizer
+    opt = zero.optimizer  # the torch AdamW over this rank's flat fp32 partitions
+    link = getattr(zero, "_lazy_init_hp_params_optimizer_state", None)
+    if link is None:
+        raise ConfigError("resume: this DeepSpeed version cannot change the world size on resume (ZeRO-1/2 only)")
+    with safe_open(str(file), framework="pt") as f:
+        step = int(f.metadata()["adam_step"])
+        # A fresh engine has no Adam state yet (torch creates it at the first step) and
+        # DeepSpeed links each parameter to its slice of that state only then: create the
+        # state the way AdamW would, link, then write the gathered moments into the slices.
+        for group in opt.param_groups:
+            group["step"] = step
+            for flat in group["params"]:
+                opt.state[flat] = {
+                    "step": torch.tensor(float(step), dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(flat, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(flat, memory_format=torch.preserve_format),
+                }
+        link()
+        for name, param in _trainable(engine):
+            for key in ADAM_MOMENTS:
+                safe_set_full_optimizer_state(param, f.get_tensor(f"{name}/{key}").to(param.device), key)

@@ -1,0 +1,133 @@
+"""The Logical Consistency Score of a model: hidden states of isomer groups, then
+:func:`iga_ds.metrics.consistency.lcs` at each layer asked for."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+from iga_ds.data.groups import isomer_groups
+from iga_ds.data.prompts import format_prompt
+from iga_ds.metrics.consistency import lcs, lcs_paper_units
+
+if TYPE_CHECKING:  # torch is imported when a model runs
+    import torch
+
+
+def _resolve_layers(layers: Sequence[int] | None, num_hidden_states: int) -> list[int]:
+    """Layer indices into ``hidden_states`` (0 = embeddings, L = last layer); negatives count back.
+
+    The default is the penultimate layer, ``hidden_states[L - 1]`` (layer 31 of a 32-layer model,
+    as in the paper's Table 6).
+    """
+    if layers is None:
+        layers = [-2]
+    resolved = []
+    for layer in layers:
+        idx = layer + num_hidden_states if layer < 0 else layer
+        if not 0 <= idx < num_hidden_states:
+            raise ValueError(
+                f"layer {layer} out of range: the model has hidden states 0..{num_hidden_states - 1} "
+                "(0 = embeddings)"
+            )
+        resolved.append(idx)
+    return resolved
+
+
+def token_averaged_hidden_states(
+    model: Any,
+    tokenizer: Any,
+    texts: Sequence[str],
+    layers: Sequence[int] | None = None,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    progress: bool = False,
+) -> dict[int, "torch.Tensor"]:
+    """``{layer: len(texts) x H}`` float64 means of hidden states over non-padding tokens."""
+    import torch
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    # Right padding keeps every real token at the position it has unpadded (causal attention
+    # never looks right), so a text's hidden states do not depend on its batch neighbours.
+    padding_side, tokenizer.padding_side = tokenizer.padding_side, "right"
+    out: dict[int, list[torch.Tensor]] = {}
+    resolved: list[int] | None = None
+    try:
+        with torch.no_grad():
+            for start in tqdm(range(0, len(texts), batch_size), desc="hidden states", disable=not progress):
+                batch = tokenizer(
+                    list(texts[start:start + batch_size]),
+                    return_tensors="pt",
+                    padding=True,
+                    truncation=max_length is not None,
+                    max_length=max_length,
+                )
+                batch = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+                hidden = model(**batch, output_hidden_states=True).hidden_states
+                if resolved is None:
+                    resolved = _resolve_layers(layers, len(hidden))
+                mask = batch["attention_mask"].to(torch.float64).unsqueeze(-1)
+                for idx in resolved:
+                    h = hidden[idx].to(torch.float64)
+                    mean = (h * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)
+                    out.setdefault(idx, []).append(mean.cpu())
+    finally:
+        model.train(was_training)
+        tokenizer.padding_side = padding_side
+    return {idx: torch.cat(chunks) for idx, chunks in out.items()}
+
+
+def lcs_of_model(
+    model: Any,
+    tokenizer: Any,
+    groups: Sequence[Sequence[Mapping[str, Any]]] | Sequence[Mapping[str, Any]],
+    layers: Sequence[int] | None = None,
+    text_fn: Callable[[Mapping[str, Any]], str] | None = None,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    progress: bool = False,
+) -> dict[int, float]:
+    """LCS of a model on isomer groups at each layer: ``{layer index: LCS}`` (raw, not x1e-2).
+
+    ``groups`` is a list of groups (each the N domain instances of one problem, same domain
+    order in every group) or a flat list of isomer records, grouped here by ``group_id``.
+    Each instance is rendered by ``text_fn`` (default: the evaluation prompt, so LCS sees what
+    the model sees at test time) and its hidden states are averaged over non-padding tokens.
+    """
+    if groups and isinstance(groups[0], Mapping):
+        groups, _ = isomer_groups(groups)  # type: ignore[arg-type]
+    if not groups:
+        raise ValueError("lcs_of_model needs at least one complete isomer group")
+    n = len(groups[0])
+    if any(len(g) != n for g in groups):
+        raise ValueError("every isomer group must hold the same number of domain instances")
+    if text_fn is None:
+        text_fn = format_prompt
+    texts = [text_fn(rec) for group in groups for rec in group]
+    states = token_averaged_hidden_states(
+        model, tokenizer, texts, layers=layers, batch_size=batch_size, max_length=max_length, progress=progress
+    )
+    return {idx: lcs(h.reshape(len(groups), n, -1)) for idx, h in states.items()}
+
+
+def lcs_block(model: Any, tokenizer: Any, records: list[dict], layers: list[int] | None, max_groups: int,
+              batch_size: int, progress: bool) -> dict[str, Any] | None:
+    """The ``lcs`` entry of eval.json: LCS at ``layers`` (default penultimate) over the first
+    ``max_groups`` complete isomer groups of ``records``; None without two domains."""
+    groups, domains = isomer_groups(records)
+    groups = groups[:max_groups]
+    if not groups or len(domains) < 2:
+        return None
+    values = lcs_of_model(model, tokenizer, groups, layers=layers, batch_size=batch_size, progress=progress)
+    num_layers = getattr(model.config, "num_hidden_layers", None)
+    return {
+        "groups": len(groups),
+        "domains": domains,
+        "num_layers": num_layers,
+        "default_layer": num_layers - 1 if num_layers else None,
+        "layers": {str(k): v for k, v in sorted(values.items())},
+        "layers_x1e-2": {str(k): lcs_paper_units(v) for k, v in sorted(values.items())},
+    }

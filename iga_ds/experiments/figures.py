@@ -1,0 +1,154 @@
+"""PNG figures for the report: OOD accuracy per method, LCS per layer, mask statistics over
+training, OOD accuracy against training time. matplotlib with the Agg backend (no display)."""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Sequence
+
+from iga_ds.experiments.results import Cell, benchmarks_of, cell_avg_headline, cell_lcs, headline_accuracy, row_order
+from iga_ds.metrics.accuracy import mean_std
+from iga_ds.metrics.mask import mask_keys, metric_series
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=120, bbox_inches="tight")
+    tmp.replace(path)  # atomic: a reader never sees half a PNG
+    return str(path)
+
+
+def ood_accuracy_figure(cells: Sequence[Cell], path: Path) -> str | None:
+    main = [c for c in cells if not c.ablation]
+    benches = benchmarks_of(main)
+    if not benches:
+        return None
+    by_label: dict[str, list[Cell]] = defaultdict(list)
+    for c in main:
+        by_label[c.label].append(c)
+    labels = row_order(list(by_label))
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(5, 1.4 * len(benches) * max(1, len(labels)) / 3), 3.5))
+    width = 0.8 / max(1, len(labels))
+    for i, label in enumerate(labels):
+        means, stds = [], []
+        for bench in benches:
+            vals = [headline_accuracy(c.evals[bench]) for c in by_label[label] if bench in c.evals]
+            vals = [v for v in vals if v is not None]
+            m, s = mean_std(vals) if vals else (float("nan"), 0.0)
+            means.append(m)
+            stds.append(s)
+        xs = [j + (i - (len(labels) - 1) / 2) * width for j in range(len(benches))]
+        ax.bar(xs, means, width, yerr=stds, capsize=2, label=label)
+    ax.set_xticks(range(len(benches)), benches)
+    ax.set_ylabel("OOD accuracy (%)")
+    ax.set_title("OOD accuracy per method (mean ± std over seeds)")
+    ax.legend(fontsize=7, ncol=2)
+    out = _save(fig, path)
+    plt.close(fig)
+    return out
+
+
+def lcs_layer_figure(cells: Sequence[Cell], path: Path) -> str | None:
+    by_label: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for c in cells:
+        for layer, value in cell_lcs(c).items():
+            by_label[c.label][layer].append(value)
+    if not by_label:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for label, layers in sorted(by_label.items()):
+        xs = sorted(layers)
+        ax.plot(xs, [mean_std(layers[x])[0] for x in xs], marker="o", label=label)
+    ax.set_xlabel("layer (hidden_states index)")
+    ax.set_ylabel("LCS (×1e-2)")
+    ax.set_title("LCS per layer (lower is more domain-invariant)")
+    ax.legend(fontsize=7)
+    out = _save(fig, path)
+    plt.close(fig)
+    return out
+
+
+def _seed_mean_series(cells: Sequence[Cell], key: str, window: int) -> tuple[list[float], list[float]]:
+    """Per step, the mean of ``key`` over the cells (seeds) that logged it, then a trailing
+    moving average over ``window`` steps: one readable line per table row."""
+    by_step: dict[float, list[float]] = {}
+    for c in cells:
+        for x, y in zip(*metric_series(c.metrics, key)):
+            by_step.setdefault(x, []).append(y)
+    xs = sorted(by_step)
+    ys = [sum(by_step[x]) / len(by_step[x]) for x in xs]
+    smooth = []
+    for i in range(len(ys)):
+        part = ys[max(0, i - window + 1): i + 1]
+        smooth.append(sum(part) / len(part))
+    return xs, smooth
+
+
+def mask_figure(cells: Sequence[Cell], path: Path, window: int = 25) -> str | None:
+    keys = mask_keys(row for c in cells for row in c.metrics)
+    if not keys:
+        return None
+    keys = keys[:4]
+    rows: dict[str, list[Cell]] = {}
+    for c in sorted(cells, key=lambda c: (c.label, c.seed)):
+        rows.setdefault(c.label, []).append(c)
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys) + 3, 3.2), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for label, group in rows.items():
+            xs, ys = _seed_mean_series(group, key, window)
+            if xs:
+                ax.plot(xs, ys, label=label, linewidth=1.2)
+        ax.set_xlabel("step")
+        ax.set_title(key.removeprefix("hook."))
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="center right")
+    fig.suptitle(f"Mask statistics over training (mean over seeds, {window}-step moving average)")
+    fig.tight_layout(rect=(0, 0, 0.78, 0.95))
+    out = _save(fig, path)
+    plt.close(fig)
+    return out
+
+
+def accuracy_vs_time_figure(cells: Sequence[Cell], path: Path) -> str | None:
+    benches = benchmarks_of(cells)
+    points = [(c.train_hours_per_epoch, cell_avg_headline(c, benches), c.label) for c in cells if not c.ablation]
+    points = [p for p in points if p[0] is not None and p[1] is not None]
+    if not points:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for label in row_order(sorted({p[2] for p in points})):
+        mine = [p for p in points if p[2] == label]
+        ax.scatter([p[0] for p in mine], [p[1] for p in mine], label=label)
+    ax.set_xlabel("training time per epoch (h)")
+    ax.set_ylabel("average OOD accuracy (%)")
+    ax.set_title("OOD accuracy against training time")
+    ax.legend(fontsize=7)
+    out = _save(fig, path)
+    plt.close(fig)
+    return out
+
+
+def make_figures(cells: Sequence[Cell], folder: str | Path) -> dict[str, str]:
+    """Write the figures that the data supports; returns {title: path}."""
+    folder = Path(folder)
+    made = {
+        "OOD accuracy per method": ood_accuracy_figure(cells, folder / "ood_accuracy.png"),
+        "LCS per layer": lcs_layer_figure(cells, folder / "lcs_layers.png"),
+        "Mask statistics over training": mask_figure(cells, folder / "mask_stats.png"),
+        "OOD accuracy against training time": accuracy_vs_time_figure(cells, folder / "ood_vs_time.png"),
+    }
+    return {title: p for title, p in made.items() if p}

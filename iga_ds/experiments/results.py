@@ -1,0 +1,197 @@
+"""Reading a results folder: one sub-folder per experiment cell.
+
+Layout (one cell = one method x seed x ablation run)::
+
+    DIR/<cell>/cell.json       {"method": "iga", "seed": 0, "ablation": null, "label": "IGA",
+                                "wall_time_s": 5400, "epochs": 1, "peak_mem_gb": 41.2,
+                                "trainable_params": 16777216, "num_devices": 8}
+    DIR/<cell>/eval.json       one ``iga-ds eval`` output, and/or
+    DIR/<cell>/eval/<name>.json  several (one per benchmark)
+    DIR/<cell>/metrics.jsonl   the training log (optional): one JSON object per step with
+                               ``step``, ``time_s`` and mask statistics such as ``mask_mean``
+
+Only ``method`` and ``seed`` are required in cell.json. Cells with the same label (default:
+the method's display name, or the ablation's) are seeds of one table row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from iga_ds.errors import DataError
+from iga_ds.files import read_json, read_jsonl
+from iga_ds.metrics.mask import metric_series
+
+# paper names of the methods (Table 2 order); unknown names are shown as given
+METHOD_LABELS = {
+    "erm": "ERM-SFT",
+    "lora_sft": "LoRA-SFT",
+    "cot_distill": "CoT-Distill",
+    "irm": "IRM",
+    "vrex": "V-REx",
+    "pcgrad": "PCGrad",
+    "and_mask": "AND-mask",
+    "sand_mask": "SAND-Mask",
+    "pareto": "Pareto-GS",
+    "iga": "IGA",
+}
+# Table 3 variants; the grid names its ablations with these keys
+ABLATION_LABELS = {
+    "iga_no_projection": "w/o subspace projection (chain rule)",
+    "iga_lora_space": "mask in LoRA space only",
+    "iga_binary": "binary mask (AND-style)",
+    "tau_0.1": "tau = 0.1",
+    "tau_2.0": "tau = 2.0",
+    "random_pairing": "w/o isomer sets (random pairing)",
+    "single_domain": "w/o isomer sets (single domain)",
+    "instance_split": "w/o seed-level split (leakage)",
+    "n2": "N = 2 domains",
+    "mean_no_mask": "all domains, plain mean (no mask)",
+}
+
+
+@dataclass
+class Cell:
+    name: str
+    method: str
+    seed: int
+    ablation: str | None
+    label: str
+    info: dict[str, Any]
+    evals: dict[str, dict[str, Any]] = field(default_factory=dict)
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def train_hours_per_epoch(self) -> float | None:
+        wall = self.info.get("wall_time_s")
+        if not isinstance(wall, (int, float)) or wall <= 0:
+            return None
+        epochs = self.info.get("epochs") or 1
+        return float(wall) / float(epochs) / 3600.0
+
+
+def _label(method: str, ablation: str | None, given: Any) -> str:
+    if isinstance(given, str) and given.strip():
+        return given.strip()
+    if ablation:
+        return ABLATION_LABELS.get(ablation, ablation)
+    return METHOD_LABELS.get(method, method)
+
+
+def _read_cell(folder: Path) -> Cell:
+    path = folder / "cell.json"
+    info = read_json(path, objects=True)
+    method, seed, ablation = info.get("method"), info.get("seed"), info.get("ablation")
+    if not isinstance(method, str) or not method:
+        raise DataError(f"{path}: field 'method': expected a method name, got {method!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise DataError(f"{path}: field 'seed': expected an integer, got {seed!r}")
+    if ablation is not None and not isinstance(ablation, str):
+        raise DataError(f"{path}: field 'ablation': expected a name or null, got {ablation!r}")
+    ablation = ablation or None
+    cell = Cell(folder.name, method, seed, ablation, _label(method, ablation, info.get("label")), info)
+    eval_files = [folder / "eval.json"] if (folder / "eval.json").is_file() else []
+    eval_files += sorted((folder / "eval").glob("*.json")) if (folder / "eval").is_dir() else []
+    for eval_path in eval_files:
+        result = read_json(eval_path, objects=True)
+        name = str(result.get("benchmark") or eval_path.stem)
+        if name in cell.evals:
+            raise DataError(f"{eval_path}: a second evaluation named {name!r} in cell {folder.name}")
+        result.pop("items", None)  # per-item rows are not needed for tables
+        cell.evals[name] = result
+    if (folder / "metrics.jsonl").is_file():
+        cell.metrics = read_jsonl(folder / "metrics.jsonl")
+    return cell
+
+
+def load_results(root: str | Path) -> list[Cell]:
+    """Every cell under ``root`` (folders holding a cell.json), sorted by name."""
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(f"{root}: no such results folder")
+    cells = [_read_cell(p) for p in sorted(root.iterdir()) if (p / "cell.json").is_file()]
+    if not cells:
+        raise DataError(f"{root}: no <cell>/cell.json found; see docs/EVALUATION.md for the results layout")
+    return cells
+
+
+def row_order(labels: list[str]) -> list[str]:
+    """Paper order (baselines, then IGA), unknown labels alphabetically before IGA."""
+    paper = list(METHOD_LABELS.values())
+    known = [lab for lab in paper if lab in labels and lab != "IGA"]
+    other = sorted(lab for lab in labels if lab not in paper)
+    return known + other + (["IGA"] if "IGA" in labels else [])
+
+
+# -- what a table reads from one cell ------------------------------------------------------------
+
+PAPER_BENCHMARK_ORDER = ("arb", "logiqa2", "reclor", "math")
+
+
+def headline_accuracy(result: dict) -> float | None:
+    """OOD accuracy when the evaluation has an OOD split, else overall accuracy."""
+    ood = result.get("ood_accuracy")
+    return ood if ood is not None else result.get("accuracy")
+
+
+def cell_lcs(cell: Cell) -> dict[int, float]:
+    """LCS (x1e-2) per layer from the first evaluation of the cell that computed it."""
+    for result in cell.evals.values():
+        lcs = result.get("lcs")
+        if lcs and lcs.get("layers_x1e-2"):
+            return {int(k): float(v) for k, v in lcs["layers_x1e-2"].items()}
+    return {}
+
+
+def cell_default_lcs(cell: Cell) -> float | None:
+    values = cell_lcs(cell)
+    if not values:
+        return None
+    for result in cell.evals.values():
+        default = (result.get("lcs") or {}).get("default_layer")
+        if default in values:
+            return values[default]
+    return values[max(values)]  # the deepest layer computed
+
+
+def cell_avg_delta_gap(cell: Cell) -> float | None:
+    gaps = [r["delta_gap"] for r in cell.evals.values() if r.get("delta_gap") is not None]
+    return sum(gaps) / len(gaps) if gaps else None
+
+
+def cell_median_step_ms(cell: Cell) -> float | None:
+    """Median optimizer-step wall time of the training log, in ms."""
+    times = sorted(metric_series(cell.metrics, "step_time_s")[1])
+    return 1000.0 * times[len(times) // 2] if times else None
+
+
+def cell_metric_mean(cell: Cell, key: str, tail: float = 1.0) -> float | None:
+    """Mean of a numeric training-log entry over the last ``tail`` fraction of its steps."""
+    vals = metric_series(cell.metrics, key)[1]
+    if not vals:
+        return None
+    vals = vals[len(vals) - max(1, int(round(tail * len(vals)))):]
+    return sum(vals) / len(vals)
+
+
+def cell_final_loss(cell: Cell) -> float | None:
+    """Mean training loss over the last 10% of logged steps: how far a row fit its training data
+    (a row that resists a shortcut by fitting less shows here)."""
+    return cell_metric_mean(cell, "loss", 0.1)
+
+
+def cell_cue_follow(cell: Cell, bench: str) -> float | None:
+    """Share (%) of the evaluation's wrong-cue OOD items answered as the cue signals."""
+    return cell.evals.get(bench, {}).get("ood_cue_follow")
+
+
+def cell_avg_headline(cell: Cell, benchmarks: Sequence[str]) -> float | None:
+    values = [headline_accuracy(cell.evals[b]) for b in benchmarks if b in cell.evals]
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def benchmarks_of(cells: Sequence[Cell]) -> list[str]:
+    names = {b for c in cells for b in c.evals}
+    return [b for b in PAPER_BENCHMARK_ORDER if b in names] + sorted(names - set(PAPER_BENCHMARK_ORDER))

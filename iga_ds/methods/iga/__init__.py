@@ -1,0 +1,19 @@
+"""Invariant Gradient Alignment, the whole method in one package.
+
+- ``common``: the options and input checks both paths share;
+- ``reference``: the update of one module step by step (:func:`iga_update`), the reference;
+- ``rsvd``: truncated SVD, exact, randomized and single-pass;
+- ``fused``: the same update for many modules at once, without the N full-rank gradients
+  (:func:`batched_iga`), and ``triton_kernels``, its CUDA tile pass;
+- ``method``: the registered ``iga`` method, which picks the path;
+- ``ablations``: the paper's Table 3 variants, each changing one step.
+"""
+from __future__ import annotations
+
+from iga_ds.methods.iga.ablations import IGABinaryMask, IGALoRASpace, IGANoProjection, MeanNoMask
+from iga_ds.methods.iga.fused import batched_iga
+from iga_ds.methods.iga.method import IGA, MaskedProjectionMethod
+from iga_ds.methods.iga.reference import chain_rule_factors, iga_update
+
+__all__ = ["IGA", "IGABinaryMask", "IGALoRASpace", "IGANoProjection", "MaskedProjectionMethod", "MeanNoMask",
+           "batched_iga", "chain_rule_factors", "iga_update"]

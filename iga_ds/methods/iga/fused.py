@@ -1,0 +1,513 @@
+"""IGA for many LoRA modules at once, without the N full-rank per-domain gradients.
+
+Same result as :func:`iga_ds.methods.iga.reference.iga_update` (continuous mask, randomized SVD
+projection), computed differently:
+
+- Each per-domain reconstruction is a rank-2r product,
+  ``G[n] = s * (gB[n] @ A + B @ gA[n]) = [s gB[n], s B] @ [A; gA[n]]``, so the mean Gbar and
+  the deviations ``D[n] = G[n] - Gbar`` are rebuilt one row tile at a time from the factors;
+  only the masked matrix ``Gbar * exp(-tau V')`` (out x in per module) is ever stored.
+- The module-wide scales the mask needs before any element is masked (mean of V for
+  ``normalize="mean"``, mean of Gbar^2 for ``"snr"``) come from r x r Gram matrices:
+  ``||L @ R||_F^2 = <L^T L, R R^T>``, in float64.
+- Modules of equal (r, in, out) are stacked and handled by batched matmuls, QR and SVD.
+- The first sketch ``Y = masked @ omega`` of the randomized SVD (Halko, Martinsson and
+  Tropp, SIAM Review 2011, Alg. 4.4) is taken inside the tile pass; omega is drawn from each
+  module's own generator exactly as :func:`iga_ds.methods.iga.rsvd.randomized_svd` draws it, so
+  both paths agree up to float rounding.
+- With ``svd="single_pass"`` (:func:`iga_ds.methods.iga.rsvd.single_pass_svd`) the tile pass also
+  takes the co-range sketch ``W = psi @ masked`` and the masked matrix is not stored at all:
+  no pass over it after the tile pass, and no out x in matrix per module in memory.
+
+On CUDA, the tile pass can run as one Triton kernel (:mod:`iga_ds.methods.iga.triton_kernels`)
+when Triton is installed; everywhere else it is plain PyTorch, and this file is the
+reference for that kernel.
+
+Stages. :func:`batched_iga` is the entry point; the stages it runs are public too, so that
+benchmarks (``bench/tune_method.py``, ``bench/probe_overlap.py``) can time one at a time and
+tests can check one against its reference. In order:
+
+1. :func:`stack_modules`: modules of one shape stacked into :class:`Stack` batches that fit
+   ``batch_bytes`` (:func:`resolve_batch_bytes` checks and resolves that argument);
+2. :func:`stack_factors`: the rank-2r factors of the mean and the deviations;
+3. :func:`mask_scales`: the module-wide scalars the mask needs up front;
+4. the tile pass: :func:`tile_pass_torch` or :func:`iga_ds.methods.iga.triton_kernels.tile_pass_triton`
+   (masked matrices or co-range sketch, first sketch, mask statistics);
+5. :func:`project`: CholeskyQR (:func:`orthonormalize`), power iterations, ``Q^T M``;
+   :func:`project_stack` runs stages 2 to 5 on one stack;
+6. :func:`svd_from_projection`: the small SVD that finishes the truncated SVD.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from iga_ds.methods.base import ModuleGrads
+from iga_ds.methods.iga import triton_kernels
+from iga_ds.methods.iga.common import FACTOR_MAPS, NORMALIZATIONS, SNR_EPS, check_choice, check_module, check_tau
+from iga_ds.methods.iga.reference import chain_rule_factors
+from iga_ds.methods.iga.rsvd import canonical_signs, single_pass_widths
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+# the stacked masked matrices of one batch of equal-shape modules stay under this many bytes
+DEFAULT_BATCH_BYTES = 1 << 30
+# batch_bytes="auto" on CUDA grows stacks up to this into memory the step has already peaked at
+# (LLaMA-2-7B's 128 modules: 4 GiB stacks took 10-15% less time than 1 GiB,
+# docs/results/h100-h200-2026-11-26-evening/README.md)
+MAX_AUTO_BATCH_BYTES = 4 << 30
+# row tiles are sized so that the per-tile temporaries stay under this many elements
+DEFAULT_TILE_ELEMENTS = 1 << 24
+
+
+@dataclass
+class Stack:
+    """A batch of modules with the same (r, in, out), stacked along a leading module axis
+    (built by :func:`stack_modules`)."""
+
+    positions: list[int]  # where each module sits in the caller's list
+    A: torch.Tensor  # M x r x in
+    B: torch.Tensor  # M x out x r
+    gA: torch.Tensor  # M x N x r x in
+    gB: torch.Tensor  # M x N x out x r
+    scaling: torch.Tensor  # M
+    generators: list[torch.Generator | None]
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
+def auto_batch_bytes(headroom: int) -> int:
+    """Stack size for ``batch_bytes="auto"``: half of ``headroom``, the bytes between the
+    device's peak so far and what is allocated now, within [1 GiB, 4 GiB].
+
+    A stack's extra memory measured about 1.12 times its masked matrices plus a part that grows
+    with the number of modules (0.4 GiB for LLaMA-2-7B's 128), so half the headroom keeps the
+    method under the peak that forward and backward already set; with less than 2 GiB of
+    headroom the 1 GiB default stays."""
+    return int(min(MAX_AUTO_BATCH_BYTES, max(DEFAULT_BATCH_BYTES, headroom // 2)))
+
+
+def resolve_batch_bytes(batch_bytes, device: torch.device) -> int:
+    """The stack size in bytes that :func:`batched_iga` uses for its ``batch_bytes`` argument:
+    ``"auto"`` as :func:`auto_batch_bytes` on CUDA (1 GiB elsewhere), else the positive whole
+    number given. Raises ValueError for anything else (benchmarks check their option with it)."""
+    if batch_bytes == "auto":
+        if device.type != "cuda":
+            return DEFAULT_BATCH_BYTES
+        return auto_batch_bytes(torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device))
+    if isinstance(batch_bytes, bool) or not isinstance(batch_bytes, int) or batch_bytes < 1:
+        raise ValueError(f"batch_bytes must be 'auto' or a positive number of bytes, got {batch_bytes!r}")
+    return batch_bytes
+
+
+def stack_modules(modules: Sequence[ModuleGrads], generators, batch_bytes: int) -> list[Stack]:
+    """Stage 1: group modules of equal shape, dtype and device, then split groups to fit
+    ``batch_bytes`` (bytes of the stacked masked matrices, work dtype). ``generators``: one per
+    module, kept with it. Returns the stacks, each knowing its modules' positions."""
+    groups: dict[tuple, list[int]] = {}
+    for i, m in enumerate(modules):
+        key = (tuple(m.A.shape), tuple(m.B.shape), m.num_domains, m.gA.dtype, str(m.gA.device))
+        groups.setdefault(key, []).append(i)
+    out = []
+    for key, idx in groups.items():
+        (r, d_in), (d_out, _), _, dtype, _ = key
+        per_module = d_out * d_in * torch.empty((), dtype=_work_dtype(dtype)).element_size()
+        size = max(1, batch_bytes // max(per_module, 1))
+        for start in range(0, len(idx), size):
+            part = idx[start: start + size]
+            wd = _work_dtype(dtype)
+            out.append(Stack(
+                positions=part,
+                A=torch.stack([modules[i].A for i in part]).to(wd),
+                B=torch.stack([modules[i].B for i in part]).to(wd),
+                gA=torch.stack([modules[i].gA for i in part]).to(wd),
+                gB=torch.stack([modules[i].gB for i in part]).to(wd),
+                scaling=torch.tensor([float(modules[i].scaling) for i in part], dtype=wd, device=modules[part[0]].gA.device),
+                generators=[generators[i] for i in part],
+            ))
+    return out
+
+
+def _check(modules: Sequence[ModuleGrads], generators, rank: int | None, normalize: str, tau: float,
+           factors: str, svd: str) -> None:
+    check_choice(normalize, NORMALIZATIONS, "normalize")
+    check_tau(tau)
+    check_choice(factors, FACTOR_MAPS, "factors")
+    if svd not in ("randomized", "single_pass"):
+        raise ValueError(f"svd must be 'randomized' or 'single_pass' (the fused forms), got {svd!r}")
+    if len(generators) != len(modules):
+        raise ValueError(f"one generator per module: got {len(generators)} for {len(modules)} modules")
+    for m in modules:
+        check_module(m.A, m.B, m.gA, m.gB, rank, m.name)
+
+
+def _frobenius_sq(L: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+    """||L @ R||_F^2 over the last two dims without forming L @ R: <L^T L, R R^T>, in float64."""
+    L, R = L.double(), R.double()
+    return ((L.mT @ L) * (R @ R.mT)).sum(dim=(-2, -1))
+
+
+def stack_factors(st: Stack):
+    """Stage 2: left and right factors of Gbar and of the deviations D[n] (each a rank-2r
+    product): ``(left_mean M x out x 2r, right_mean M x 2r x in, left_dev M x N x out x 2r,
+    right_dev M x N x 2r x in)``, the inputs of both tile passes."""
+    N = st.gA.shape[1]
+    s = st.scaling.view(-1, 1, 1)
+    gA_mean, gB_mean = st.gA.mean(dim=1), st.gB.mean(dim=1)
+    left_mean = torch.cat([gB_mean, st.B], dim=-1) * s  # M x out x 2r
+    right_mean = torch.cat([st.A, gA_mean], dim=-2)  # M x 2r x in
+    B_n = st.B.unsqueeze(1).expand(-1, N, -1, -1)
+    A_n = st.A.unsqueeze(1).expand(-1, N, -1, -1)
+    left_dev = torch.cat([st.gB - gB_mean.unsqueeze(1), B_n], dim=-1) * s.unsqueeze(1)  # M x N x out x 2r
+    right_dev = torch.cat([A_n, st.gA - gA_mean.unsqueeze(1)], dim=-2)  # M x N x 2r x in
+    return left_mean, right_mean, left_dev, right_dev
+
+
+def mask_scales(left_mean, right_mean, left_dev, right_dev, numel: int):
+    """Stage 3: per-module scalars the mask needs before the tile pass, float64, from r x r
+    Grams of the factors of :func:`stack_factors`: ``(mean of V, mean of Gbar^2)`` over the
+    ``numel`` (out x in) elements."""
+    N = left_dev.shape[1]
+    mean_var = _frobenius_sq(left_dev, right_dev).sum(dim=1) / (N * numel)
+    mean_sq = _frobenius_sq(left_mean, right_mean) / numel
+    return mean_var, mean_sq
+
+
+def _masked_tile(G, var, normalize, tau, mean_var, mean_sq, dtype):
+    """mask = exp(-tau V') for one tile; V' as in iga_ds.methods.iga.reference.normalize_variance."""
+    if normalize == "none":
+        vn = var
+    elif normalize == "mean":
+        scale = mean_var.to(dtype).view(-1, 1, 1)
+        vn = torch.where(scale > 0, var / torch.where(scale > 0, scale, 1), torch.zeros_like(var))
+    else:  # snr
+        eps = (SNR_EPS * mean_sq).to(dtype).view(-1, 1, 1) + torch.finfo(dtype).tiny
+        vn = var / (G * G + eps)
+    return torch.exp(-tau * vn)
+
+
+def tile_pass_torch(left_mean, right_mean, left_dev, right_dev, omega, *, tau, normalize, mean_var,
+                    mean_sq, tile_elements, psi=None):
+    """Stage 4 in PyTorch: masked matrices, first sketch and mask statistics, one row tile at a time.
+
+    Returns ``(masked M x out x in, sketch masked @ omega, stats, sum of masked^2 per module)``;
+    the reference of :func:`iga_ds.methods.iga.triton_kernels.tile_pass_triton`, which has the
+    same contract. With ``psi`` (M x l x out) the co-range sketch ``psi @ masked`` is
+    accumulated tile by tile and returned in place of the masked matrices, which are then
+    never stored."""
+    M, N, d_out, _ = left_dev.shape
+    d_in = right_mean.shape[-1]
+    dtype, device = right_mean.dtype, right_mean.device
+    if psi is None:
+        masked = torch.empty(M, d_out, d_in, dtype=dtype, device=device)
+    else:
+        co_sketch = torch.zeros(M, psi.shape[1], d_in, dtype=dtype, device=device)
+    sketch = torch.empty(M, d_out, omega.shape[-1], dtype=dtype, device=device)
+    acc = torch.zeros(4, M, dtype=torch.float64, device=device)  # mask sum, count below 0.5, sum of V, sum of g^2
+    mask_min = torch.full((M,), math.inf, dtype=torch.float64, device=device)
+    rows = max(1, min(d_out, tile_elements // max(1, M * d_in)))
+    for start in range(0, d_out, rows):
+        sl = slice(start, min(d_out, start + rows))
+        G = torch.bmm(left_mean[:, sl], right_mean)
+        var = torch.zeros_like(G)
+        for n in range(N):
+            dev = torch.bmm(left_dev[:, n, sl], right_dev[:, n])
+            var.addcmul_(dev, dev)
+        var.div_(N)
+        mask = _masked_tile(G, var, normalize, tau, mean_var, mean_sq, dtype)
+        acc[0] += mask.sum(dim=(1, 2), dtype=torch.float64)
+        acc[1] += (mask < 0.5).sum(dim=(1, 2)).double()
+        acc[2] += var.sum(dim=(1, 2), dtype=torch.float64)
+        mask_min = torch.minimum(mask_min, mask.amin(dim=(1, 2)).double())
+        tile = torch.mul(G, mask, out=masked[:, sl] if psi is None else None)
+        acc[3] += tile.pow(2).sum(dim=(1, 2), dtype=torch.float64)
+        torch.bmm(tile, omega, out=sketch[:, sl])
+        if psi is not None:
+            co_sketch.baddbmm_(psi[:, :, sl], tile)
+    numel = d_out * d_in
+    stats = {
+        "mask_mean": acc[0] / numel,
+        "mask_frac_below_half": acc[1] / numel,
+        "mask_min": mask_min,
+        "gir": acc[2],
+    }
+    return (masked if psi is None else co_sketch), sketch, stats, acc[3]
+
+
+def orthonormalize(Y: torch.Tensor, final: bool = True) -> torch.Tensor:
+    """Orthonormal basis of the columns of each Y (M x m x k, k small) by CholeskyQR in float64
+    (part of stage 5; benchmarks time it with one pass and with two).
+
+    Householder QR of tall-skinny matrices is a chain of small kernels on GPUs (it dominated
+    the method's time); CholeskyQR needs one k x k Gram matrix, a batched Cholesky and a
+    triangular solve. Run twice (CholeskyQR2), with the Gram in float64 and a tiny shift for
+    rank-deficient sketches, it is orthonormal to float64 rounding for the condition numbers a
+    few power iterations produce.
+
+    ``final=False`` marks a basis that only feeds the next power iteration: there any basis
+    of the same span will do, and one pass suffices for float32 data, whose float64 Gram
+    leaves a loss of orthogonality near cond(Y)^2 * 1e-16, under float32 rounding up to a
+    condition number of 1e4 (and the next pass repairs what a worse one leaves). float64
+    data have no such headroom and keep two passes.
+    """
+    Q = Y.double()
+    k = Q.shape[-1]
+    eye = torch.eye(k, dtype=Q.dtype, device=Q.device)
+    passes = 1 if not final and Y.dtype == torch.float32 else 2
+    for _ in range(passes):
+        gram = Q.mT @ Q
+        trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(torch.finfo(Q.dtype).tiny)
+        shift = (1e-13 * trace / k).view(-1, 1, 1)
+        L, _ = torch.linalg.cholesky_ex(gram + shift * eye)
+        Q = torch.linalg.solve_triangular(L, Q.mT, upper=False).mT  # Q L^-T
+    return Q.to(Y.dtype)
+
+
+def _gram_eigh(smalls: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Eigendecompositions of the w x w Grams of several stacks of short-wide matrices, float64.
+
+    ``torch.linalg.eigh`` checks its result on the host, so each call stalls the device until
+    its queue drains; stacks of equal w share one call, so a method call stalls once, not once
+    per stack."""
+    grams = [s64 @ s64.mT for s64 in (small.double() for small in smalls)]
+    by_width: dict[int, list[int]] = {}
+    for i, gram in enumerate(grams):
+        by_width.setdefault(gram.shape[-1], []).append(i)
+    out: list = [None] * len(grams)
+    for idx in by_width.values():
+        evals, evecs = torch.linalg.eigh(torch.cat([grams[i] for i in idx]))  # ascending
+        sizes = [grams[i].shape[0] for i in idx]
+        for i, values, vectors in zip(idx, evals.split(sizes), evecs.split(sizes)):
+            out[i] = (values, vectors)
+    return out
+
+
+def _small_svd(small: torch.Tensor, rank: int, eig=None):
+    """Top-`rank` SVD of short-wide matrices (M x w x n, w small) from the w x w Gram, in float64.
+    ``eig``: the Gram's eigendecomposition from :func:`_gram_eigh`, when already computed."""
+    S64 = small.double()
+    evals, evecs = eig if eig is not None else _gram_eigh([small])[0]
+    evals, evecs = evals.flip(-1)[..., :rank], evecs.flip(-1)[..., :rank]
+    S = evals.clamp_min(0).sqrt()
+    safe = torch.where(S > 0, S, torch.ones_like(S))
+    Vh = (evecs.mT @ S64) / safe.unsqueeze(-1)
+    Vh = torch.where((S > 0).unsqueeze(-1), Vh, torch.zeros_like(Vh))
+    return evecs.to(small.dtype), S.to(small.dtype), Vh.to(small.dtype)
+
+
+@contextlib.contextmanager
+def _tf32_matmuls(enabled: bool):
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled or previous
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def project(masked, sketch, power_iters: int, tf32: bool = False):
+    """Stage 5, HMT Alg. 4.4 up to the small matrix: orthonormalize the first sketch, power
+    iterations, then ``small = Q^T M``; returns ``(Q, small)``, and the SVD of ``small``
+    finishes it (:func:`svd_from_projection`).
+
+    With ``tf32`` the power iterations (which only refine the range estimate) use TF32
+    tensor cores; the final projection Q^T M stays in float32.
+    """
+    Q = orthonormalize(sketch, final=power_iters == 0)
+    with _tf32_matmuls(tf32):
+        for i in range(power_iters):
+            Z = orthonormalize(masked.mT @ Q, final=False)
+            Q = orthonormalize(masked @ Z, final=i == power_iters - 1)
+    return Q, Q.mT @ masked  # M x width x in
+
+
+def _project_single_pass(sketch, co_sketch, psi):
+    """Tropp et al. 2017 from both sketches: Q = orth(Y), X = (psi Q)^+ W; the SVD of the
+    small X finishes it.
+
+    psi Q (l x k, l = 2k + 1, Gaussian times orthonormal) is well conditioned, so the least
+    squares solve goes through its normal equations, in float64."""
+    Q = orthonormalize(sketch)
+    P = psi.double() @ Q.double()  # M x l x k
+    gram = P.mT @ P
+    L, _ = torch.linalg.cholesky_ex(gram)
+    return Q, torch.cholesky_solve(P.mT @ co_sketch.double(), L)  # M x k x in
+
+
+def svd_from_projection(Q, small, rank: int, eig=None):
+    """Stage 6, the small SVD: U S Vh of Q @ small, truncated to ``rank``, in Q's dtype, signs
+    made canonical. ``eig``: the w x w Gram's eigendecomposition of ``small`` when already
+    computed (:func:`batched_iga` computes those of all stacks in one call)."""
+    Ub, S, Vh = _small_svd(small, rank, eig)
+    U = Q @ Ub.to(Q.dtype)
+    U, Vh = canonical_signs(U, Vh.to(Q.dtype))
+    return U, S.to(Q.dtype), Vh
+
+
+def _draw_sketches(generators, d_in: int, width: int, dtype, device, d_out: int | None = None,
+                   co_width: int = 0):
+    """Gaussian test matrices per module, drawn as the reference draws them (same generator,
+    same calls, same order): omega (in x width), then psi (co_width x out) when co_width > 0."""
+    omegas, psis = [], []
+    for g in generators:
+        omegas.append(torch.randn(d_in, width, dtype=dtype, device=device, generator=g))
+        if co_width:
+            psis.append(torch.randn(co_width, d_out, dtype=dtype, device=device, generator=g))
+    return torch.stack(omegas), (torch.stack(psis) if co_width else None)
+
+
+@dataclass
+class Projected:
+    """A stack after its pass over the masked matrices (:func:`project_stack`): all that the
+    small SVD and the factor gradients still need."""
+
+    Q: torch.Tensor  # M x out x width, orthonormal columns
+    small: torch.Tensor  # M x width x in: Q^T masked (single pass: its least-squares estimate)
+    rank: int
+    stats: dict
+    energy_total: torch.Tensor  # M: ||masked||_F^2, float64
+
+
+def project_stack(st: Stack, *, tau, normalize, rank, oversample, power_iters, tile_elements, use_triton,
+                  triton_precision, svd) -> Projected:
+    """Stages 2 to 5 on one stack: factors, mask scales, tile pass (Triton with
+    ``use_triton``), projection; what a stack costs up to the small SVD, which waits for
+    nothing on the host. Keywords as :func:`batched_iga`'s."""
+    M, N, r, d_in = st.gA.shape
+    d_out = st.B.shape[1]
+    k = r if rank is None else int(rank)
+    width, co_width = single_pass_widths(k, oversample, d_out, d_in)
+    if svd != "single_pass":
+        co_width = 0
+    dtype, device = st.A.dtype, st.A.device
+    left_mean, right_mean, left_dev, right_dev = stack_factors(st)
+    mean_var, mean_sq = mask_scales(left_mean, right_mean, left_dev, right_dev, d_out * d_in)
+    omega, psi = _draw_sketches(st.generators, d_in, width, dtype, device, d_out, co_width)
+    kwargs = dict(tau=tau, normalize=normalize, mean_var=mean_var, mean_sq=mean_sq, psi=psi)
+    if use_triton:
+        masked, sketch, stats, energy_total = triton_kernels.tile_pass_triton(
+            left_mean, right_mean, left_dev, right_dev, omega, precision=triton_precision, **kwargs)
+    else:
+        masked, sketch, stats, energy_total = tile_pass_torch(
+            left_mean, right_mean, left_dev, right_dev, omega, tile_elements=tile_elements, **kwargs)
+    if psi is None:
+        Q, small = project(masked, sketch, power_iters, tf32=use_triton and triton_precision == "tf32")
+    else:  # `masked` holds the co-range sketch here
+        Q, small = _project_single_pass(sketch, masked, psi)
+    return Projected(Q, small, k, stats, energy_total)
+
+
+def _factor_gradients(st: Stack, proj: Projected, eig) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    U, S, Vh = svd_from_projection(proj.Q, proj.small, proj.rank, eig)
+    M, _, r, d_in = st.gA.shape
+    d_out, k = st.B.shape[1], proj.rank
+    stats = dict(proj.stats)
+    kept = S.double().pow(2).sum(dim=-1)
+    total = proj.energy_total
+    stats["energy_kept"] = torch.where(total > 0, kept / torch.where(total > 0, total, 1), 1.0)
+    # gB = U S^1/2 / sqrt(s), gA = S^1/2 Vh / sqrt(s): s * gB @ gA = U S Vh (factors_from_svd)
+    root = S.clamp_min(0).sqrt() / st.scaling.sqrt().view(-1, 1)
+    gB_new = U * root.unsqueeze(-2)
+    gA_new = root.unsqueeze(-1) * Vh
+    if k < r:
+        gB_new = torch.cat([gB_new, gB_new.new_zeros(M, d_out, r - k)], dim=-1)
+        gA_new = torch.cat([gA_new, gA_new.new_zeros(M, r - k, d_in)], dim=-2)
+    return gA_new, gB_new, stats
+
+
+def batched_iga(
+    modules: Sequence[ModuleGrads],
+    *,
+    tau: float = 0.5,
+    normalize: str = "snr",
+    rank: int | None = None,
+    oversample: int = 10,
+    power_iters: int = 2,
+    generators: Sequence[torch.Generator | None],
+    batch_bytes: int | str = "auto",
+    tile_elements: int = DEFAULT_TILE_ELEMENTS,
+    use_triton: bool | None = None,
+    triton_precision: str = "ieee",
+    factors: str = "split",
+    svd: str = "randomized",
+) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, float]]]:
+    """IGA (continuous mask, randomized SVD) for every module, in the order given.
+
+    Returns one ``(gA_new, gB_new, stats)`` per module, as
+    :func:`iga_ds.methods.iga.reference.iga_update` with the same ``svd`` and the module's generator
+    would. Peak memory per module is one out x in matrix plus row-tile temporaries, not N
+    (``single_pass``: the temporaries only).
+    ``batch_bytes`` caps the bytes of masked matrices stacked at once (modules of one shape);
+    ``"auto"`` takes 1 GiB on the CPU and, on CUDA, up to 4 GiB of memory that the device's
+    peak so far leaves free (:func:`auto_batch_bytes`): the result does not depend on it.
+    ``tile_elements`` caps a row tile's temporaries. ``use_triton``: None picks the Triton
+    tile pass for float32 CUDA tensors when Triton imports, False forces PyTorch;
+    ``triton_precision`` is the kernel's ``tl.dot`` precision, "ieee", "tf32x3" or "tf32"
+    (the last also runs the power iterations on TF32 tensor cores; measured error in
+    docs/PERFORMANCE.md). float16/bfloat16 inputs are computed in float32 and returned in
+    their own dtype. ``factors``: ``split`` returns the SVD split as ``iga_update`` does;
+    ``chain_rule`` maps it through :func:`iga_ds.methods.iga.reference.chain_rule_factors` on the whole
+    stack (one batched product instead of one per module). ``svd``: ``randomized`` (power
+    iterations over the stored masked matrices) or ``single_pass`` (both sketches in the tile
+    pass, nothing stored; as :func:`iga_ds.methods.iga.rsvd.single_pass_svd`).
+    """
+    _check(modules, generators, rank, normalize, tau, factors, svd)
+    device = modules[0].gA.device if modules else torch.device("cpu")
+    stacks = stack_modules(modules, generators, resolve_batch_bytes(batch_bytes, device))
+    projected = []
+    for st in stacks:  # the masked matrices of one stack are freed before the next is built
+        # the kernel computes in float32; float64 stays on the PyTorch path
+        triton_ok = _triton_wanted(use_triton, st.A.device) and st.A.dtype == torch.float32
+        projected.append(project_stack(
+            st, tau=float(tau), normalize=normalize, rank=rank, oversample=int(oversample),
+            power_iters=int(power_iters), tile_elements=int(tile_elements), use_triton=triton_ok,
+            triton_precision=triton_precision, svd=svd,
+        ))
+    done, keys, table = _finish_stacks(stacks, projected, factors)
+    return _in_caller_order(modules, done, keys, table)
+
+
+def _finish_stacks(stacks: Sequence[Stack], projected: Sequence[Projected], factors: str):
+    """The small SVDs and the factor gradients of every stack, and all statistics in one table
+    on the host: ``(done, keys, table)``, ``done`` one ``(positions, gA_new, gB_new)`` per stack,
+    ``table[i][column]`` statistic ``keys[i]`` of the column-th module in stack order."""
+    eigs = _gram_eigh([proj.small for proj in projected])
+    done, tables, keys = [], [], []
+    for st, proj, eig in zip(stacks, projected, eigs):
+        gA_new, gB_new, stats = _factor_gradients(st, proj, eig)
+        if factors == "chain_rule":
+            gA_new, gB_new = chain_rule_factors(st.A, st.B, gA_new, gB_new, st.scaling.view(-1, 1, 1))
+        keys = list(stats)
+        tables.append(torch.stack([stats[key].double() for key in keys]))
+        done.append((st.positions, gA_new, gB_new))
+    # one device-to-host copy for all statistics: a copy per stack would stall the device per stack
+    table = torch.cat(tables, dim=1).cpu().tolist() if tables else []
+    return done, keys, table
+
+
+def _in_caller_order(modules: Sequence[ModuleGrads], done, keys: list[str], table) -> list:
+    """One ``(gA_new, gB_new, stats)`` per module in the caller's order, each in its module's dtype."""
+    results: list = [None] * len(modules)
+    column = 0
+    for positions, gA_new, gB_new in done:
+        for j, pos in enumerate(positions):
+            dtype = modules[pos].gA.dtype
+            results[pos] = (gA_new[j].to(dtype), gB_new[j].to(dtype),
+                            {key: table[i][column] for i, key in enumerate(keys)})
+            column += 1
+    return results
+
+
+def _triton_wanted(use_triton: bool | None, device: torch.device) -> bool:
+    if use_triton is False or device.type != "cuda":
+        if use_triton and device.type != "cuda":
+            raise ValueError("use_triton=True needs CUDA tensors")
+        return False
+    if use_triton and not triton_kernels.available():
+        raise ValueError("use_triton=True but Triton is not installed")
+    return triton_kernels.available()

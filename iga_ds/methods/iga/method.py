@@ -1,0 +1,120 @@
+"""IGA as a registered method: the reference path module by module, or the batched path on GPUs.
+
+Invariant Gradient Alignment (the paper this package implements; not DomainBed's
+Inter-environmental Gradient Alignment of Koyama and Yamaguchi, 2020).
+"""
+from __future__ import annotations
+
+from typing import ClassVar, Sequence
+
+from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, Statistic, module_generator
+from iga_ds.methods.iga.common import FACTOR_MAPS, NORMALIZATIONS, check_choice, check_tau
+from iga_ds.methods.iga.fused import batched_iga
+from iga_ds.methods.iga.reference import Normalize, masked_projection
+from iga_ds.methods.iga.rsvd import SVD_METHODS
+
+IMPLEMENTATIONS = ("auto", "reference", "fused")
+PRECISIONS = ("ieee", "tf32")
+
+# what IGA and its ablations report per module, and how a whole model's figure is formed
+MASK_STATISTICS = (
+    Statistic("mask_mean", "mean", "mean of the mask over the module's elements (1: nothing masked)"),
+    Statistic("mask_frac_below_half", "mean", "share of elements the mask damps below 1/2"),
+    Statistic("mask_min", "min", "smallest mask value"),
+    Statistic("gir", "sum", "gradient invariance residual: the sum of the per-element variance V"),
+    Statistic("energy_kept", "mean", "share of the masked matrix's squared norm the rank-r truncation keeps"),
+)
+
+
+class MaskedProjectionMethod(GradientMethod):
+    """IGA and the ablations that share its parameters; subclasses pick mask and projection.
+
+    ``factors``: how the rank-r matrix g~ becomes factor gradients. ``chain_rule`` (default)
+    maps g~ through dW = s B A like a gradient; ``split`` is the paper's (gB = U S^1/2,
+    gA = S^1/2 V^T, scaled so that s gB gA = g~). In this project's runs ``split`` made
+    training diverge on every seed (the loss rose after about 100 steps, also without the
+    mask) while ``chain_rule`` trained like ERM: see docs/METHOD_NOTES.md.
+    """
+
+    scope = "module"
+    statistics = MASK_STATISTICS
+    mask_kind: ClassVar[str] = "continuous"
+    projection: ClassVar[str] = "svd"
+
+    def __init__(
+        self,
+        tau: float = 0.5,
+        normalize: Normalize = "snr",
+        rank: int | None = None,
+        svd: str = "randomized",
+        oversample: int = 10,
+        power_iters: int = 2,
+        seed: int = 0,
+        factors: str = "chain_rule",
+    ):
+        super().__init__(seed)
+        check_choice(factors, FACTOR_MAPS, "factors")
+        check_choice(normalize, NORMALIZATIONS, "normalize")
+        check_choice(svd, SVD_METHODS, "svd")
+        check_tau(tau)
+        self.factors = factors
+        self.tau, self.normalize, self.rank = float(tau), normalize, rank
+        self.svd, self.oversample, self.power_iters = svd, int(oversample), int(power_iters)
+
+    def combine_module(self, module: ModuleGrads, step: int) -> ModuleUpdate:
+        gen = None
+        if self.svd != "exact" and self.projection == "svd":  # sketched: seeded per step and module
+            gen = module_generator(self.seed, step, module.index, module.gA.device)
+        gA, gB, stats = masked_projection(
+            module.A, module.B, module.gA, module.gB, scaling=module.scaling, tau=self.tau, rank=self.rank,
+            normalize=self.normalize, svd=self.svd, oversample=self.oversample, power_iters=self.power_iters,
+            generator=gen, mask_kind=self.mask_kind, projection=self.projection, factors=self.factors,
+        )
+        return ModuleUpdate(gA, gB, stats)
+
+
+class IGA(MaskedProjectionMethod):
+    """Invariant Gradient Alignment: exp(-tau V') mask on reconstructed gradients, rank-r SVD projection.
+
+    ``implementation``: ``reference`` runs :func:`~iga_ds.methods.iga.reference.masked_projection`
+    module by module; ``fused`` runs :func:`~iga_ds.methods.iga.fused.batched_iga` (same result up
+    to rounding, no N full-rank matrices, modules of equal shape batched); ``auto`` takes
+    ``fused`` on CUDA.
+    ``precision``: ``tf32`` lets the fused CUDA path use TF32 tensor cores for the
+    reconstruction and the power iterations (faster, about 1e-3 relative error; see
+    docs/PERFORMANCE.md); ``ieee`` keeps float32 throughout.
+    ``svd``: ``randomized`` (default; HMT with ``power_iters`` power iterations), ``exact``
+    (full SVD, reference path only) or ``single_pass`` (Tropp et al. 2017: both sketches in
+    one pass, no power iterations; on the fused path the masked matrices are never stored,
+    at a larger rank-r error unless ``oversample`` is raised; docs/PERFORMANCE.md).
+    """
+
+    name = "iga"
+    paper = "Invariant Gradient Alignment (IGA) for logical isomers (this package's paper)"
+
+    def __init__(self, tau: float = 0.5, normalize: Normalize = "snr", rank: int | None = None,
+                 svd: str = "randomized", oversample: int = 10, power_iters: int = 2, seed: int = 0,
+                 implementation: str = "auto", precision: str = "ieee", factors: str = "chain_rule"):
+        super().__init__(tau, normalize, rank, svd, oversample, power_iters, seed, factors)
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be 'ieee' or 'tf32', got {precision!r}")
+        check_choice(implementation, IMPLEMENTATIONS, "implementation")
+        if implementation == "fused" and svd == "exact":
+            raise ValueError("implementation 'fused' needs a sketched svd, 'randomized' or 'single_pass' "
+                             "(the exact SVD has no fused form)")
+        self.precision = precision
+        self.implementation = implementation
+
+    def _fused(self, modules: Sequence[ModuleGrads]) -> bool:
+        if self.implementation == "auto":
+            return self.svd != "exact" and bool(modules) and modules[0].gA.device.type == "cuda"
+        return self.implementation == "fused"
+
+    def combine(self, modules, step):
+        if not self._fused(modules):
+            return super().combine(modules, step)
+        gens = [module_generator(self.seed, step, m.index, m.gA.device) for m in modules]
+        out = batched_iga(modules, tau=self.tau, normalize=self.normalize, rank=self.rank,
+                          oversample=self.oversample, power_iters=self.power_iters, generators=gens,
+                          triton_precision=self.precision, factors=self.factors, svd=self.svd)
+        return [ModuleUpdate(gA, gB, stats) for gA, gB, stats in out]

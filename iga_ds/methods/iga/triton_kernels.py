@@ -1,0 +1,245 @@
+"""Triton kernels for the IGA tile pass on CUDA: reconstruct, mean, variance, mask, in registers.
+
+Each program owns a BM x BN tile of one module's out x in matrix. From the rank-2r factors it
+forms the tile of Gbar and, for every domain n, the tile of the deviation D[n] (the last as
+minus the sum of the others: they sum to zero); it squares and sums them into V, applies
+exp(-tau V'), writes only ``Gbar * mask`` and per-tile partial sums for the mask statistics.
+The N full-rank gradients never exist in device memory. The sketching kernel
+(``svd="single_pass"``) writes not even that: only each tile's share of the two sketches of
+the single-pass SVD. The PyTorch tile pass in :mod:`iga_ds.methods.iga.fused` is the reference this
+kernel is tested against.
+
+Import-guarded: without Triton, :func:`available` is False and nothing here is compiled.
+Only float32 runs here (float64 stays on the PyTorch path). ``precision`` is Triton's
+``input_precision`` of ``tl.dot``: ``"ieee"`` (default, true float32) or ``"tf32x3"``
+(three TF32 products, close to float32 and faster on tensor cores); plain TF32 loses about
+three digits and is not offered.
+"""
+from __future__ import annotations
+
+import torch
+
+from iga_ds.methods.iga.common import SNR_EPS
+
+try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs lack it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = None
+    tl = None
+
+_NORM_CODE = {"none": 0, "mean": 1, "snr": 2}
+PRECISIONS = ("ieee", "tf32x3", "tf32")
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _load_factor(ptr, rows, cols, n_rows, n_cols, row_stride):
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+        return tl.load(ptr + rows[:, None] * row_stride + cols[None, :], mask=mask, other=0.0)
+
+    @triton.jit
+    def _masked_tile(left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, mod, rows, cols,
+                     d_out, d_in, k2, tau, N: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr):
+        """One BM x BN tile of Gbar * exp(-tau V'), its mask and V, from the rank-2r factors."""
+        ks = tl.arange(0, KP)  # 2r padded to a power of two >= 16 (tl.dot's minimum); pads load as 0
+        lhs = _load_factor(left_mean + mod * d_out * k2, rows, ks, d_out, k2, k2)
+        rhs = _load_factor(right_mean + mod * k2 * d_in, ks, cols, k2, d_in, d_in)
+        gbar = tl.dot(lhs, rhs, input_precision=PRECISION)
+        var = tl.zeros((BM, BN), dtype=tl.float32)
+        total = tl.zeros((BM, BN), dtype=tl.float32)
+        # the deviations from the mean sum to zero, so the last is minus the sum of the others:
+        # one product of N + 1 fewer (the products are the kernel's arithmetic)
+        for n in tl.static_range(N - 1):
+            lhs = _load_factor(left_dev + (mod * N + n) * d_out * k2, rows, ks, d_out, k2, k2)
+            rhs = _load_factor(right_dev + (mod * N + n) * k2 * d_in, ks, cols, k2, d_in, d_in)
+            dev = tl.dot(lhs, rhs, input_precision=PRECISION)
+            var += dev * dev
+            total += dev
+        var = (var + total * total) / N
+        if NORM == 0:
+            vn = var
+        elif NORM == 1:
+            scale = tl.load(scale_ptr + mod)
+            vn = tl.where(scale > 0, var / tl.where(scale > 0, scale, 1.0), 0.0)
+        else:
+            vn = var / (gbar * gbar + tl.load(eps_ptr + mod))
+        mask = tl.exp(-tau * vn)
+        valid = (rows[:, None] < d_out) & (cols[None, :] < d_in)
+        masked = tl.where(valid, gbar * mask, 0.0)
+        return masked, mask, var, valid
+
+    @triton.jit
+    def _program_tile(left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, d_out, d_in, k2, tau,
+                      N: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      PRECISION: tl.constexpr):
+        """This program's tile: grid (row tiles, column tiles, modules)."""
+        pid_r = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        mod = tl.program_id(2).to(tl.int64)
+        rows = pid_r * BM + tl.arange(0, BM)
+        cols = pid_c * BN + tl.arange(0, BN)
+        masked, mask, var, valid = _masked_tile(
+            left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, mod, rows, cols, d_out, d_in, k2, tau,
+            N, NORM, KP, BM, BN, PRECISION)
+        return pid_r, pid_c, mod, rows, cols, masked, mask, var, valid
+
+    @triton.jit
+    def _store_tile_stats(part_ptr, min_ptr, mod, masked, mask, var, valid, pid_r, pid_c):
+        # per-tile partial sums, reduced in float64 on the host side of the kernel: deterministic
+        tile = pid_r * tl.num_programs(1) + pid_c
+        n_tiles = tl.num_programs(0) * tl.num_programs(1)
+        base = part_ptr + (mod * n_tiles + tile) * 4
+        tl.store(base + 0, tl.sum(tl.sum(tl.where(valid, mask, 0.0), axis=1), axis=0))
+        tl.store(base + 1, tl.sum(tl.sum(tl.where(valid & (mask < 0.5), 1.0, 0.0), axis=1), axis=0))
+        tl.store(base + 2, tl.sum(tl.sum(tl.where(valid, var, 0.0), axis=1), axis=0))
+        tl.store(base + 3, tl.sum(tl.sum(masked * masked, axis=1), axis=0))
+        tl.store(min_ptr + mod * n_tiles + tile, tl.min(tl.min(tl.where(valid, mask, float("inf")), axis=1), axis=0))
+
+    @triton.jit
+    def _iga_tile_kernel(
+        left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, out_ptr, part_ptr, min_ptr,
+        d_out, d_in, k2, tau,
+        N: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+        PRECISION: tl.constexpr, STATS: tl.constexpr = True,
+    ):
+        """Writes Gbar * mask tile by tile (the randomized SVD reads it afterwards). ``STATS``
+        False skips the statistics (bench/tune_method.py times their cost)."""
+        pid_r, pid_c, mod, rows, cols, masked, mask, var, valid = _program_tile(
+            left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, d_out, d_in, k2, tau,
+            N, NORM, KP, BM, BN, PRECISION)
+        tl.store(out_ptr + mod * d_out * d_in + rows[:, None] * d_in + cols[None, :], masked, mask=valid)
+        if STATS:
+            _store_tile_stats(part_ptr, min_ptr, mod, masked, mask, var, valid, pid_r, pid_c)
+
+    @triton.jit
+    def _iga_sketch_kernel(
+        left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, omega_ptr, psi_ptr, y_part, w_part,
+        part_ptr, min_ptr, d_out, d_in, k2, width, co_width, tau,
+        N: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+        WP: tl.constexpr, LP: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """Single pass: both sketches of the tile, nothing of the masked matrix stored.
+
+        The tile's share of Y = masked @ omega goes to slot pid_c of ``y_part`` (modules x
+        column tiles x out x width) and its share of W = psi @ masked to slot pid_r of
+        ``w_part`` (modules x row tiles x co_width x in); the host sums the slots, so the result
+        does not depend on the order programs run in (no atomics).
+        """
+        pid_r, pid_c, mod, rows, cols, masked, mask, var, valid = _program_tile(
+            left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, d_out, d_in, k2, tau,
+            N, NORM, KP, BM, BN, PRECISION)
+        ws = tl.arange(0, WP)  # width padded to a power of two >= 16; pads load as 0
+        omega = _load_factor(omega_ptr + mod * d_in * width, cols, ws, d_in, width, width)
+        y = tl.dot(masked, omega, input_precision=PRECISION)  # BM x WP
+        n_col_tiles = tl.num_programs(1)
+        y_base = y_part + (mod * n_col_tiles + pid_c) * d_out * width
+        tl.store(y_base + rows[:, None] * width + ws[None, :], y,
+                 mask=(rows[:, None] < d_out) & (ws[None, :] < width))
+        ls = tl.arange(0, LP)
+        psi = _load_factor(psi_ptr + mod * co_width * d_out, ls, rows, co_width, d_out, d_out)
+        w = tl.dot(psi, masked, input_precision=PRECISION)  # LP x BN
+        n_row_tiles = tl.num_programs(0)
+        w_base = w_part + (mod * n_row_tiles + pid_r) * co_width * d_in
+        tl.store(w_base + ls[:, None] * d_in + cols[None, :], w,
+                 mask=(ls[:, None] < co_width) & (cols[None, :] < d_in))
+        _store_tile_stats(part_ptr, min_ptr, mod, masked, mask, var, valid, pid_r, pid_c)
+
+
+def launch_tile_kernel(left_mean, right_mean, left_dev, right_dev, scale, eps, out, parts, mins, *, tau,
+                       normalize, block_m: int = 64, block_n: int = 64, precision: str = "ieee", num_warps: int = 4,
+                       stats: bool = True) -> None:
+    """The tile kernel alone: writes ``Gbar * exp(-tau V')`` into ``out`` (M x out x in) and, with
+    ``stats``, each tile's partial sums (mask, mask below 0.5, V, masked^2) into ``parts``
+    (M x tiles x 4) and its smallest mask into ``mins`` (M x tiles), tiles numbered row-major.
+
+    Inputs as :func:`tile_pass_triton` prepares them: contiguous float32 factors, ``scale`` the
+    mean of V per module (``normalize="mean"``), ``eps`` the floor of the ``"snr"``
+    denominator per module. :func:`tile_pass_triton` is the stage to call; this launch is public
+    so that benchmarks can time the kernel without the allocations, the sketch and the
+    reduction around it, with and without its statistics (``bench/tune_method.py``)."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    M, N, d_out, k2 = left_dev.shape
+    d_in = right_mean.shape[-1]
+    kp = max(16, triton.next_power_of_2(k2))
+    grid = (triton.cdiv(d_out, block_m), triton.cdiv(d_in, block_n), M)
+    _iga_tile_kernel[grid](
+        left_mean, right_mean, left_dev, right_dev, scale, eps, out, parts, mins, d_out, d_in, k2, float(tau),
+        N=N, NORM=_NORM_CODE[normalize], KP=kp, BM=block_m, BN=block_n, PRECISION=precision, STATS=stats,
+        num_warps=num_warps)
+
+
+def tile_pass_triton(left_mean, right_mean, left_dev, right_dev, omega, *, tau, normalize, mean_var, mean_sq,
+                     psi=None, block_m: int = 64, block_n: int = 64, precision: str = "ieee", num_warps: int = 4,
+                     partial_bytes: int = 1 << 30):
+    """Stage 4 of :mod:`iga_ds.methods.iga.fused` on CUDA, same contract as its PyTorch
+    reference :func:`iga_ds.methods.iga.fused.tile_pass_torch`: (masked, or with ``psi`` the
+    co-range sketch psi @ masked), first sketch, stats, sum of masked^2. With ``psi`` the
+    modules go through the sketching kernel in chunks whose per-tile partial sketches stay
+    under ``partial_bytes``."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if left_mean.dtype != torch.float32:
+        raise ValueError(f"the Triton tile pass runs in float32, got {left_mean.dtype}")
+    M, N, d_out, k2 = left_dev.shape
+    d_in = right_mean.shape[-1]
+    kp = max(16, triton.next_power_of_2(k2))
+    left_mean, right_mean = left_mean.contiguous(), right_mean.contiguous()
+    left_dev, right_dev = left_dev.contiguous(), right_dev.contiguous()
+    scale = mean_var.float().contiguous()
+    eps = (SNR_EPS * mean_sq + torch.finfo(torch.float32).tiny).float().contiguous()
+    device = left_mean.device
+    rows_t, cols_t = triton.cdiv(d_out, block_m), triton.cdiv(d_in, block_n)
+    n_tiles = rows_t * cols_t
+    parts = torch.empty(M, n_tiles, 4, dtype=torch.float32, device=device)
+    mins = torch.empty(M, n_tiles, dtype=torch.float32, device=device)
+    consts = dict(N=N, NORM=_NORM_CODE[normalize], KP=kp, BM=block_m, BN=block_n, PRECISION=precision,
+                  num_warps=num_warps)
+    if psi is None:
+        masked = torch.empty(M, d_out, d_in, dtype=torch.float32, device=device)
+        launch_tile_kernel(left_mean, right_mean, left_dev, right_dev, scale, eps, masked, parts, mins, tau=tau,
+                           normalize=normalize, block_m=block_m, block_n=block_n, precision=precision,
+                           num_warps=num_warps)
+        first, sketch = masked, torch.bmm(masked, omega)
+    else:
+        width, co_width = omega.shape[-1], psi.shape[1]
+        omega, psi = omega.float().contiguous(), psi.float().contiguous()
+        sketch = torch.empty(M, d_out, width, dtype=torch.float32, device=device)
+        first = torch.empty(M, co_width, d_in, dtype=torch.float32, device=device)
+        per_module = 4 * (cols_t * d_out * width + rows_t * co_width * d_in)
+        chunk = max(1, partial_bytes // per_module)
+        for lo in range(0, M, chunk):
+            hi = min(M, lo + chunk)
+            y_part = torch.empty(hi - lo, cols_t, d_out, width, dtype=torch.float32, device=device)
+            w_part = torch.empty(hi - lo, rows_t, co_width, d_in, dtype=torch.float32, device=device)
+            _iga_sketch_kernel[(rows_t, cols_t, hi - lo)](
+                left_mean[lo:hi], right_mean[lo:hi], left_dev[lo:hi], right_dev[lo:hi], scale[lo:hi], eps[lo:hi],
+                omega[lo:hi], psi[lo:hi], y_part, w_part, parts[lo:hi], mins[lo:hi],
+                d_out, d_in, k2, width, co_width, float(tau),
+                WP=max(16, triton.next_power_of_2(width)), LP=max(16, triton.next_power_of_2(co_width)), **consts)
+            torch.sum(y_part, dim=1, out=sketch[lo:hi])
+            torch.sum(w_part, dim=1, out=first[lo:hi])
+    stats, energy = _reduce_tile_stats(parts, mins, d_out * d_in)
+    return first, sketch, stats, energy
+
+
+def _reduce_tile_stats(parts, mins, numel: int):
+    """The mask statistics and the sum of masked^2 per module from the kernels' per-tile parts,
+    in float64 (a fixed order: deterministic)."""
+    sums = parts.double().sum(dim=1)  # M x 4
+    stats = {
+        "mask_mean": sums[:, 0] / numel,
+        "mask_frac_below_half": sums[:, 1] / numel,
+        "mask_min": mins.double().amin(dim=1),
+        "gir": sums[:, 2],
+    }
+    return stats, sums[:, 3]
