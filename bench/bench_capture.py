@@ -9,7 +9,7 @@ micro-batch whatever the card. The capture's extra is the time with
 ``DomainGradientCapture`` attached minus the time without, per micro-batch and per LoRA
 layer. On a GPU each of the capture's operators is also a kernel launch, so this is a lower
 bound of its host cost there; when the host is the bottleneck (several ranks that wait for
-one another every micro-batch, docs/PERFORMANCE.md), this is time the step pays.
+one another every micro-batch, docs/results/h200x2-2026-11-26-method-syncs/README.md), this is time the step pays.
 
 Rounds alternate the two variants; the medians of the rounds are printed.
 """
@@ -18,9 +18,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import torch
+
+from common import LORA_TARGETS, environment, environment_line, time_ms
+from iga_ds.lora.capture import DomainGradientCapture
+from iga_ds.lora.modules import find_lora_modules
 
 
 def build(layers: int):
@@ -30,7 +33,7 @@ def build(layers: int):
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=2,
                       num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS))
     return get_peft_model(LlamaForCausalLM(cfg), lora)
 
 
@@ -43,9 +46,7 @@ def main(argv=None) -> int:
                    help="the capture that owns the factors' gradients (ZeRO-2's path): the plain "
                         "variant's LoRA weight gradients are then work the captured one skips")
     args = p.parse_args(argv)
-    from iga_ds.lora.capture import DomainGradientCapture
-    from iga_ds.lora.modules import find_lora_modules
-
+    print(environment_line(environment("cpu")), flush=True)
     torch.set_num_threads(1)
     model = build(args.layers)
     ids = torch.randint(0, 64, (4, 8))
@@ -54,14 +55,15 @@ def main(argv=None) -> int:
     domains = torch.arange(4)
 
     def micro_batches(capture) -> float:
-        start = time.perf_counter()
-        for _ in range(args.iters):
+        """Mean ms of ``--iters`` micro-batches' forward and backward, captured or not."""
+        def one():
             if capture is None:
                 model(input_ids=ids, labels=ids).loss.backward()
             else:
                 with capture.micro_batch(domains, 0.25):
                     model(input_ids=ids, labels=ids).loss.backward()
-        return (time.perf_counter() - start) / args.iters * 1e3
+
+        return statistics.fmean(time_ms(one, "cpu", warmup=0, reps=args.iters))
 
     times: dict[bool, list[float]] = {False: [], True: []}
     for r in range(args.rounds + 1):  # round 0 warms up

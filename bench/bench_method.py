@@ -13,7 +13,7 @@ Variants, all on the same random factors and per-domain gradients:
 - ``per_module``: the registered ``iga`` method (``iga_update`` module by module), the float32
   reference the fast path must match;
 - ``batched_torch`` / ``batched_triton`` / ``batched_triton_tf32x3``:
-  :func:`iga_ds.lora.fused.batched_iga` with the PyTorch tile pass / the Triton kernel in
+  :func:`iga_ds.methods.iga.fused.batched_iga` with the PyTorch tile pass / the Triton kernel in
   true float32 / the Triton kernel with three-pass TF32 products (CUDA with Triton only);
 - ``single_pass_*``: the same with ``svd="single_pass"`` (both sketches taken in the tile pass,
   the masked matrices never stored, no power iterations), checked against the per-module
@@ -30,53 +30,18 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import platform
-import statistics
 import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from iga_ds.lora.fused import _resolve_batch_bytes, batched_iga  # noqa: E402
-from iga_ds.methods import ModuleGrads, get_method, module_generator  # noqa: E402
-from iga_ds.methods.iga import normalize_variance  # noqa: E402
-
-SMALL = dict(layers=2, hidden=256, rank=8, reps=3, warmup=1)
-
-
-def lora_shapes(config: dict) -> list[tuple[str, int, int]]:
-    """(name, in, out) of q, k, v, o for every layer of a LLaMA-style config (grouped-query aware)."""
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    kv = config.get("num_key_value_heads") or heads
-    per_layer = [("q_proj", hidden, heads * head_dim), ("k_proj", hidden, kv * head_dim),
-                 ("v_proj", hidden, kv * head_dim), ("o_proj", heads * head_dim, hidden)]
-    return [(f"layers.{i}.{n}", d_in, d_out) for i in range(config["num_hidden_layers"]) for n, d_in, d_out in per_layer]
-
-
-def make_modules(shapes, *, rank, alpha, domains, device, seed=0, dtype=torch.float32) -> list[ModuleGrads]:
-    """Factors and per-domain gradients at the scale of a LoRA run some steps in.
-
-    A as PEFT initialises it (uniform, bound 1/sqrt(in)); B small but non-zero; per-domain
-    gradients near 1e-4 with a part shared by all domains (isomers agree on much) and a part
-    of their own.
-    """
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def randn(*size):
-        return torch.randn(*size, generator=gen, device=device, dtype=dtype)
-
-    mods = []
-    for index, (name, d_in, d_out) in enumerate(shapes):
-        A = (torch.rand(rank, d_in, generator=gen, device=device, dtype=dtype) * 2 - 1) / math.sqrt(d_in)
-        B = randn(d_out, rank) * 2e-3
-        gA = 1e-4 * (randn(1, rank, d_in) + randn(domains, rank, d_in))
-        gB = 1e-4 * (randn(1, d_out, rank) + randn(domains, d_out, rank))
-        mods.append(ModuleGrads(name, index, A, B, gA, gB, alpha / rank))
-    return mods
+from common import (
+    SMALL, environment, environment_line, lora_shapes, make_modules, model_config, peak_extra_mib, spread, time_ms,
+)
+from iga_ds.files import atomic_write_json
+from iga_ds.methods import ModuleGrads, get_method, module_generator
+from iga_ds.methods.iga import triton_kernels
+from iga_ds.methods.iga.fused import batched_iga, resolve_batch_bytes
+from iga_ds.methods.iga.reference import iga_update, mean_and_variance, normalize_variance
 
 
 def naive(modules, *, tau, normalize, oversample, power_iters):
@@ -124,8 +89,6 @@ def build_variants(modules, args, device):
     variants = {"per_module": per_module, "batched_torch": batched(False)}
     if not args.skip_naive:
         variants = {"naive": lambda: naive(modules, **params), **variants}
-    from iga_ds.lora import triton_kernels
-
     triton_ok = device.type == "cuda" and triton_kernels.available()
     if triton_ok:
         variants["batched_triton"] = batched(True)
@@ -147,8 +110,6 @@ def single_pass_reference(modules, args):
 def approximation_quality(modules, args, count: int) -> dict:
     """float64, first ``count`` modules: ||M - result|| / ||M - M_r|| for each algorithm, where M
     is the masked matrix and M_r its exact rank-r truncation (1.0 is the best possible)."""
-    from iga_ds.methods.iga import iga_update, mean_and_variance
-
     out: dict = {"modules": count}
     for name in ("randomized", "single_pass"):
         out[name] = []
@@ -165,40 +126,6 @@ def approximation_quality(modules, args, count: int) -> dict:
             err = float((masked - m.scaling * b @ a).norm())
             out[name].append(err / optimal if optimal > 0 else 1.0)
     return out
-
-
-def time_it(fn, device, warmup: int, reps: int) -> list[float]:
-    """Milliseconds per call: CUDA events on GPU, perf_counter on CPU."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return times
-
-
-def peak_extra_mib(fn, device) -> float | None:
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    result = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del result
-    return peak / 2**20
 
 
 def product_errors(results, reference, modules) -> list[float]:
@@ -224,27 +151,12 @@ def float64_check(modules, args, device, count: int) -> dict:
             "batched_torch_f32_vs_f64_max": max(product_errors(fast, ref64, sub))}
 
 
-def environment(device) -> dict:
-    import importlib.metadata as md
-
-    def version(pkg):
-        try:
-            return md.version(pkg)
-        except md.PackageNotFoundError:
-            return None
-
-    env = {"python": platform.python_version(), "torch": torch.__version__, "triton": version("triton"),
-           "cuda": torch.version.cuda, "device": str(device)}
-    env["card"] = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    return env
-
-
-def _batch_bytes(text: str):
+def batch_bytes_option(text: str):
     """--batch-bytes: 'auto' or a byte count, checked by the fused path's own rule."""
     if text == "auto":
         return text
     try:
-        return _resolve_batch_bytes(int(text), torch.device("cpu"))
+        return resolve_batch_bytes(int(text), torch.device("cpu"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected 'auto' or a positive number of bytes, got {text!r}") from None
 
@@ -261,7 +173,7 @@ def parse_args(argv=None):
     p.add_argument("--normalize", default="mean", choices=["none", "mean", "snr"])
     p.add_argument("--oversample", type=int, default=10)
     p.add_argument("--power-iters", type=int, default=2)
-    p.add_argument("--batch-bytes", type=_batch_bytes, default=1 << 30,
+    p.add_argument("--batch-bytes", type=batch_bytes_option, default=1 << 30,
                    help="bytes of masked matrices stacked at once by the batched variants, or 'auto' "
                         "(training's default: it depends on the process's memory peak, so the default "
                         "here is a fixed 1 GiB, which keeps runs comparable)")
@@ -287,19 +199,6 @@ def parse_args(argv=None):
     return args
 
 
-def model_config(args) -> dict:
-    from bench_step import LLAMA2_7B, load_config
-
-    config = load_config(args.config) if args.config else dict(LLAMA2_7B)
-    if args.hidden:
-        heads = max(1, args.hidden // 64)
-        config.update(hidden_size=args.hidden, num_attention_heads=heads, num_key_value_heads=heads)
-        config.pop("head_dim", None)
-    if args.layers:
-        config["num_hidden_layers"] = args.layers
-    return config
-
-
 def tolerances(variants, args) -> dict[str, float]:
     """Each batched variant's pass mark: float32 (and tf32x3) ``--tol``; TF32 ``--tol-tf32``,
     or ``--tol-tf32-single-pass`` for the single pass, which no power iteration refines."""
@@ -314,25 +213,26 @@ def tolerances(variants, args) -> dict[str, float]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
-    shapes = lora_shapes(model_config(args))
+    shapes = lora_shapes(model_config(args.config, layers=args.layers, hidden=args.hidden))
     modules = make_modules(shapes, rank=args.rank, alpha=args.alpha, domains=args.domains, device=device)
     variants = build_variants(modules, args, device)
+    env = environment(device)
     print(f"{len(modules)} LoRA modules, r={args.rank}, N={args.domains}, tau={args.tau}, "
-          f"normalize={args.normalize}, device {environment(device)['card']}", flush=True)
+          f"normalize={args.normalize}, device {env['card']}", flush=True)
 
     references = {"randomized": variants["per_module"](), "single_pass": single_pass_reference(modules, args)}
     rows = {}
     for name, fn in variants.items():
-        times = time_it(fn, device, args.warmup, args.reps)
-        errs = product_errors(fn(), references["single_pass" if name.startswith("single_pass") else "randomized"],
-                              modules)
+        times = spread(time_ms(fn, device, warmup=args.warmup, reps=args.reps))
+        reference = references["single_pass" if name.startswith("single_pass") else "randomized"]
+        errs = spread(product_errors(fn(), reference, modules))
         rows[name] = {
-            "median_ms": statistics.median(times),
-            "p10_ms": sorted(times)[len(times) // 10],
-            "p90_ms": sorted(times)[min(len(times) - 1, (9 * len(times)) // 10)],
+            "median_ms": times["median"],
+            "p10_ms": times["p10"],
+            "p90_ms": times["p90"],
             "peak_extra_mib": peak_extra_mib(fn, device),
-            "max_rel_err_vs_f32_reference": max(errs),
-            "median_rel_err_vs_f32_reference": statistics.median(errs),
+            "max_rel_err_vs_f32_reference": errs["max"],
+            "median_rel_err_vs_f32_reference": errs["median"],
         }
         print(f"  {name}: {rows[name]['median_ms']:.2f} ms", flush=True)
     check64 = float64_check(modules, args, device, min(args.f64_modules, len(modules))) if args.f64_modules else None
@@ -342,10 +242,9 @@ def main(argv=None) -> int:
     tolerance = tolerances(batched, args)
     reached = max(rows[k]["max_rel_err_vs_f32_reference"] for k in batched if not k.endswith("_tf32"))
     missed = [k for k in batched if rows[k]["max_rel_err_vs_f32_reference"] > tolerance[k]]
-    env = environment(device)
     base = rows.get("naive", rows["per_module"])["median_ms"]
     print()
-    print(f"card: {env['card']} | torch {env['torch']} | CUDA {env['cuda']} | triton {env['triton']}")
+    print(environment_line(env))
     print(f"{'variant':<26}{'median ms':>11}{'p10':>9}{'p90':>9}{'peak MiB':>10}{'speed-up':>10}{'max rel err':>13}")
     for name, row in rows.items():
         mib = "-" if row["peak_extra_mib"] is None else f"{row['peak_extra_mib']:.0f}"
@@ -368,8 +267,6 @@ def main(argv=None) -> int:
               "tolerance": args.tol, "tolerance_tf32": args.tol_tf32,
               "tolerance_tf32_single_pass": args.tol_tf32_single_pass,
               "max_rel_err": reached, "within_tolerance": ok, "missed_tolerance": missed}
-    from iga_ds.utils_io import atomic_write_json
-
     atomic_write_json(args.out, report)
     print(f"wrote {args.out}")
     return 0 if ok else 1

@@ -19,7 +19,7 @@ CPU smoke run: ``DS_ACCELERATOR=cpu python bench/bench_step.py --dtype fp32 --la
 --hidden 64 --seq 16 --steps 2 --warmup 1``.
 
 Methods: ``erm``, ``iga`` (the registered method, module by module) and ``iga_fused``
-(the same method through :func:`iga_ds.lora.fused.batched_iga`); ``iga-wK`` and
+(the same method through :func:`iga_ds.methods.iga.fused.batched_iga`); ``iga-wK`` and
 ``iga_fused-wK`` run the hook with ``overlap_waves`` K (the modules in K waves, so that one
 wave's collectives overlap another's method; the default is the hook's own), e.g.
 ``--gpus 2 --methods erm,iga_fused-w1,iga_fused-w2,iga_fused-w4``.
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -53,58 +54,19 @@ import sys
 import tempfile
 import time
 
-# LLaMA-2-7B (Touvron et al., 2023, "Llama 2: Open Foundation and Fine-Tuned Chat Models"),
-# the fields of its Hugging Face config that set the shapes
-LLAMA2_7B = {
-    "model_type": "llama",
-    "vocab_size": 32000,
-    "hidden_size": 4096,
-    "intermediate_size": 11008,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 32,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-}
+import torch
+
+from common import LORA_TARGETS, environment, environment_line, llama_config, model_config, synchronize
+from iga_ds.engine import HookConfig, attach
+from iga_ds.files import atomic_write_json
+from iga_ds.train.batching import sequence_losses
+
 METHODS = ("erm", "iga", "iga_fused")
 DOMAINS = ["math", "medical", "legal", "science"]
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 PROFILE_STEPS = 2
-# the record_function ranges of one optimizer step (see run_method)
+# the record_function ranges of one optimizer step (see optimizer_step)
 RANGES = ("forward", "loss", "backward", "optimizer_step")
-
-
-def load_config(path: str) -> dict:
-    from iga_ds.errors import ConfigError
-
-    try:
-        with open(path) as fh:
-            config = json.load(fh)
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the model config ({exc.strerror})") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: line {exc.lineno}: not valid JSON ({exc.msg})") from None
-    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers"):
-        if not isinstance(config.get(key), int):
-            raise ConfigError(f"{path}: field {key!r}: expected an integer, got {config.get(key)!r}")
-    return config
-
-
-def model_config(args) -> dict:
-    config = load_config(args.config) if args.config else dict(LLAMA2_7B)
-    if args.hidden:
-        heads = max(1, args.hidden // 64)
-        config.update(hidden_size=args.hidden, num_attention_heads=heads, num_key_value_heads=heads,
-                      intermediate_size=int(args.hidden * 8 / 3 // 16 * 16) or 16)
-        config.pop("head_dim", None)
-    if args.layers:
-        config["num_hidden_layers"] = args.layers
-    if args.vocab:
-        config["vocab_size"] = args.vocab
-    return config
 
 
 def ds_config(args, world: int) -> dict:
@@ -130,22 +92,19 @@ def ds_config(args, world: int) -> dict:
 
 
 def build_model(config: dict, args, device):
-    import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     torch.manual_seed(0)
-    fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type", "torch_dtype", "dtype")}
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # build in the training dtype: a float32 7B would not fit first
     try:
         with torch.device(device):
-            base = LlamaForCausalLM(LlamaConfig(**fields))
+            base = LlamaForCausalLM(llama_config(config))
     finally:
         torch.set_default_dtype(previous)
-    lora = LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=0.0,
-                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    lora = LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
     model = get_peft_model(base, lora)
     with torch.no_grad():  # B = 0 at PEFT's start; a run some steps in has B != 0
         for name, p in model.named_parameters():
@@ -159,8 +118,6 @@ def build_model(config: dict, args, device):
 
 def micro_batches(args, vocab: int, device, step: int):
     """Whole isomer groups per micro-batch: sequence i is domain i % 4 (random tokens, all targets)."""
-    import torch
-
     gen = torch.Generator().manual_seed(step)
     for _ in range(args.gas):
         ids = torch.randint(0, vocab, (args.micro, args.seq), generator=gen).to(device)
@@ -182,17 +139,36 @@ def method_variant(name: str) -> tuple[str, int | None]:
     return base, int(waves)
 
 
+def optimizer_step(engine, hook, args, vocab: int, device, step: int, mark, boundary_clock: list | None = None) -> None:
+    """One optimizer step of the benchmark: every micro-batch's forward, loss and backward
+    inside the hook's micro-batch, then ``engine.step()`` (at the accumulation boundary: the
+    hook's method, then AdamW).
+
+    ``mark``: ``torch.profiler.record_function`` when profiled, a no-op context in the timed
+    steps; ``boundary_clock``: gets the host time, device caught up, at which the boundary begins.
+    """
+    for ids, attn, domains in micro_batches(args, vocab, device, step):
+        with hook.micro_batch(domains):
+            with mark("forward"):
+                logits = engine(input_ids=ids, attention_mask=attn).logits
+            with mark("loss"):
+                loss = hook.objective(sequence_losses(logits, ids), domains)
+            with mark("backward"):
+                engine.backward(loss)
+        if boundary_clock is not None and engine.is_gradient_accumulation_boundary():
+            synchronize(device)
+            boundary_clock.append(time.perf_counter())
+        with mark("optimizer_step"):
+            engine.step()
+
+
 def run_method(method: str, args, rank: int, world: int, device) -> dict:
     import deepspeed
-    import torch
-
-    from iga_ds.ds import IGAConfig, attach
-    from iga_ds.train.batching import sequence_losses
 
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    config = model_config(args)
+    config = model_config(args.config, layers=args.layers, hidden=args.hidden, vocab=args.vocab)
     model = build_model(config, args, device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
@@ -204,26 +180,9 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
         "implementation": "fused" if base == "iga_fused" else "reference",
         **({"precision": args.precision} if base == "iga_fused" else {}),
     }
-    hook = attach(engine, IGAConfig(method="erm" if base == "erm" else "iga", params=iga_params,
+    hook = attach(engine, HookConfig(method="erm" if base == "erm" else "iga", params=iga_params,
                                     domains=list(DOMAINS), **({"overlap_waves": waves} if waves else {})))
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-
-    def one_step(step: int, mark, boundary_clock: list | None = None) -> None:
-        # mark: torch.profiler.record_function when profiled, a no-op context in the timed steps;
-        # boundary_clock: gets the host time, device caught up, at which the boundary begins
-        for ids, attn, domains in micro_batches(args, config["vocab_size"], device, step):
-            with hook.micro_batch(domains):
-                with mark("forward"):
-                    logits = engine(input_ids=ids, attention_mask=attn).logits
-                with mark("loss"):
-                    loss = hook.objective(sequence_losses(logits, ids), domains)
-                with mark("backward"):
-                    engine.backward(loss)
-            if boundary_clock is not None and engine.is_gradient_accumulation_boundary():
-                sync()
-                boundary_clock.append(time.perf_counter())
-            with mark("optimizer_step"):  # at the accumulation boundary: the hook's method, then AdamW
-                engine.step()
+    one_step = functools.partial(optimizer_step, engine, hook, args, config["vocab_size"], device)
 
     # each timed step in two phases, split by a synchronization before engine.step() (the same
     # for every method): the micro-batches' forward and backward (IGA's capture runs there),
@@ -234,11 +193,11 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
     for step in tqdm(range(args.warmup + args.steps), desc=method, disable=rank != 0):
         if step == args.warmup and cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        sync()
+        synchronize(device)
         t0 = time.perf_counter()
         clock: list[float] = []
         one_step(step, contextlib.nullcontext, clock)
-        sync()
+        synchronize(device)
         t1 = time.perf_counter()
         if step >= args.warmup:
             times.append(t1 - t0)
@@ -269,29 +228,29 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
         "trainable_params": sum(p.numel() for p in params),
     }
     if args.profile:  # after the timed steps and the peak-memory reading: neither sees the profiler
-        summary = profile_steps(one_step, args.warmup + args.steps, args, method, rank, cuda)
+        summary = profile_steps(one_step, args.warmup + args.steps, args, method, rank, device)
         result["profile_wall_ms"] = summary["wall_ms"]
     hook.detach()
-    del engine, hook, model, optimizer, params
+    # the next method's model must not find this one's in memory: no reference may stay
+    del one_step, engine, hook, model, optimizer, params
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     return result
 
 
-def profile_steps(one_step, first_step: int, args, method: str, rank: int, cuda: bool) -> dict:
+def profile_steps(one_step, first_step: int, args, method: str, rank: int, device) -> dict:
     """Run PROFILE_STEPS more optimizer steps under torch.profiler; write the op table and a summary."""
-    import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    sync()
+    synchronize(device)
     with profile(activities=activities, record_shapes=False) as prof:
         t0 = time.perf_counter()
         for step in range(first_step, first_step + PROFILE_STEPS):
             one_step(step, record_function)
-        sync()  # inside the profiler: the last step's kernels are recorded too
+        synchronize(device)  # inside the profiler: the last step's kernels are recorded too
         wall_s = time.perf_counter() - t0
     os.makedirs(args.profile, exist_ok=True)
     stem = os.path.join(args.profile, f"{method}_rank{rank}")
@@ -346,31 +305,11 @@ def profile_summary(averages, wall_s: float, cuda: bool, top: int = 25) -> dict:
     }
 
 
-def environment(device, world: int) -> dict:
-    import platform
-
-    import torch
-
-    import importlib.metadata as md
-
-    def version(pkg):
-        try:
-            return md.version(pkg)
-        except md.PackageNotFoundError:
-            return None
-
-    card = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
-    return {"card": card, "world_size": world, "torch": torch.__version__, "cuda": torch.version.cuda,
-            "deepspeed": version("deepspeed"), "transformers": version("transformers"), "peft": version("peft"),
-            "triton": version("triton"), "python": platform.python_version()}
-
-
 def worker(args) -> int:
     """One rank: run the methods of --methods one after the other, rank 0 writes --out."""
     import datetime
 
     import deepspeed
-    import torch
 
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", args.local_rank if args.local_rank is not None else 0))
@@ -390,9 +329,7 @@ def worker(args) -> int:
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=1800))
     results = [run_method(m, args, rank, world, device) for m in args.methods]
     if rank == 0:
-        from iga_ds.utils_io import atomic_write_json
-
-        report = summarize(results, environment(device, world), args)
+        report = summarize(results, environment(device, world_size=world), args)
         atomic_write_json(args.out, report)
         if not args.as_worker:  # the driver prints the merged table
             print_table(report)
@@ -447,8 +384,7 @@ def summarize(results: list[dict], env: dict, args) -> dict:
 
 def print_table(report: dict) -> None:
     env, s = report["env"], report["settings"]
-    print(f"\ncard: {env['card']} x {env['world_size']} | torch {env['torch']} | CUDA {env['cuda']} | "
-          f"deepspeed {env['deepspeed']} | transformers {env['transformers']} | peft {env['peft']}")
+    print("\n" + environment_line(env))
     print(f"micro-batch {s['micro']} x {s['seq']} tokens, accumulation {s['gas']}, LoRA r {s['rank']} alpha {s['alpha']}, "
           f"{s['dtype']}, median of {s['steps']} steps after {s['warmup']}")
     head = ["method", "step ms", "tok/s", "tok/s/GPU", "peak GiB", "fwd+bwd ms", "boundary ms", "method ms",
@@ -507,8 +443,6 @@ def drive(args, argv: list[str]) -> int:
             rounds.append([r for p in parts for r in p["results"]])
             env = parts[0]["env"]
     report = summarize(pool_rounds(rounds, args.methods), env, args)
-    from iga_ds.utils_io import atomic_write_json
-
     atomic_write_json(args.out, report)
     print_table(report)
     print(f"wrote {args.out}")

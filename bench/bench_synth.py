@@ -12,6 +12,7 @@ import argparse
 import tempfile
 import time
 
+from common import environment, environment_line
 from iga_ds.data.synth import synthesize
 
 
@@ -21,6 +22,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--shortcut", type=float, default=0.9)
     args = parser.parse_args()
+    print(environment_line(environment("cpu")), flush=True)
     cpu_rates, wall_rates = [], []
     for _ in range(args.repeat):
         with tempfile.TemporaryDirectory() as out:

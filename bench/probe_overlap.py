@@ -20,31 +20,21 @@ bound of what overlapping the method with backward could save. Needs CUDA and Tr
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
 import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import LLAMA2_7B, environment, environment_line, llama_config, lora_shapes, make_modules, spread, time_ms
+from iga_ds.files import atomic_write_json
+from iga_ds.methods.iga import triton_kernels
+from iga_ds.methods.iga.fused import DEFAULT_BATCH_BYTES, DEFAULT_TILE_ELEMENTS, project_stack, stack_modules
 
-from bench_method import environment, make_modules  # noqa: E402
-from iga_ds.lora import fused, triton_kernels  # noqa: E402
 
-
-def timed(fn, reps: int, warmup: int = 2) -> dict:
-    """Wall ms of ``fn`` with the device synchronized around each call: median, min, max."""
-    times = []
-    for i in range(reps + warmup):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append((time.perf_counter() - start) * 1e3)
-    return {"median": statistics.median(times), "min": min(times), "max": max(times)}
+def timed(fn, reps: int) -> dict:
+    """Wall ms of ``fn`` with the device synchronized around each call, after 2 untimed calls:
+    median, min, max."""
+    times = spread(time_ms(fn, "cuda", warmup=2, reps=reps, clock="wall"))
+    return {key: times[key] for key in ("median", "min", "max")}
 
 
 def main(argv=None) -> int:
@@ -56,12 +46,13 @@ def main(argv=None) -> int:
     if not (torch.cuda.is_available() and triton_kernels.available()):
         print("probe_overlap.py needs CUDA and Triton", file=sys.stderr)
         return 2
-    from transformers import LlamaConfig, LlamaModel
+    from transformers import LlamaModel
 
     device = torch.device("cuda")
+    env = environment(device)
+    print(environment_line(env), flush=True)
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
-                         num_hidden_layers=args.layers, vocab_size=32000)
+    config = llama_config({**LLAMA2_7B, "num_hidden_layers": args.layers})
     config._attn_implementation = "sdpa"
     with torch.device(device):
         model = LlamaModel(config).to(torch.bfloat16)
@@ -72,15 +63,15 @@ def main(argv=None) -> int:
         model(inputs_embeds=x).last_hidden_state.float().pow(2).mean().backward()
         x.grad = None
 
-    modules = make_modules([(f"m{i}", 4096, 4096) for i in range(128)], rank=16, alpha=32.0, domains=4,
-                           device=device)
+    # the 128 q, k, v, o modules of LLaMA-2-7B, 4096 x 4096 each
+    modules = make_modules(lora_shapes(LLAMA2_7B), rank=16, alpha=32.0, domains=4, device=device)
 
     def method():
         gens = [torch.Generator(device=device).manual_seed(i) for i in range(len(modules))]
-        return [fused._project_stack(st, tau=0.5, normalize="mean", rank=None, oversample=10, power_iters=2,
-                                     tile_elements=fused.DEFAULT_TILE_ELEMENTS, use_triton=True,
-                                     triton_precision="ieee", svd="randomized")
-                for st in fused._stacks(modules, gens, fused.DEFAULT_BATCH_BYTES)]
+        return [project_stack(st, tau=0.5, normalize="mean", rank=None, oversample=10, power_iters=2,
+                              tile_elements=DEFAULT_TILE_ELEMENTS, use_triton=True, triton_precision="ieee",
+                              svd="randomized")
+                for st in stack_modules(modules, gens, DEFAULT_BATCH_BYTES)]
 
     def both(method_first: bool, priority: int):
         side = torch.cuda.Stream(priority=priority)
@@ -101,7 +92,7 @@ def main(argv=None) -> int:
 
         return run
 
-    result = {"environment": environment(device), "layers": args.layers,
+    result = {"environment": env, "layers": args.layers,
               "forward_backward_ms": timed(forward_backward, args.reps),
               "method_ms": timed(method, args.reps),
               "serial_ms": timed(lambda: (forward_backward(), method()), args.reps)}
@@ -116,10 +107,7 @@ def main(argv=None) -> int:
         if key == "serial_ms" or key.startswith("both_"):
             value["method_share_hidden"] = (fb + m - value["median"]) / m
             print(f"{key:38s} {value['median']:8.1f} ms   {value['method_share_hidden']:5.2f} of the method hidden")
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(tmp, args.out)
+    atomic_write_json(args.out, result, indent=1)
     return 0
 
 

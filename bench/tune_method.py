@@ -16,7 +16,7 @@ On one stack of 16 modules of LLaMA-2-7B shape (4096 x 4096, r 16, N 4, sketch w
   peak memory each adds and the device's busy time (summed kernel time) against the wall time.
 
 Variants measured once and not kept (a row-sweep tile kernel, a Triton kernel for the skinny
-products, CholeskyQR2 through the inverted factor) are in the results and docs/PERFORMANCE.md,
+products, CholeskyQR2 through the inverted factor) are in docs/results/h200x2-2026-11-26-method-syncs/README.md,
 not here.
 
 Medians of CUDA-event timings (``triton.testing.do_bench``). Needs CUDA and Triton.
@@ -26,25 +26,18 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_method import environment, lora_shapes, make_modules  # noqa: E402
-from iga_ds.lora import fused, triton_kernels  # noqa: E402
-from iga_ds.methods import module_generator  # noqa: E402
-
-LLAMA2_7B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 32, "num_hidden_layers": 32}
-
-
-def bench(fn, warmup: int = 25, rep: int = 200) -> float:
-    """Median ms of ``fn`` (warm-up and repetition budgets in ms, as triton's do_bench takes them)."""
-    import triton
-
-    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+from common import (
+    LLAMA2_7B, do_bench_ms, environment, environment_line, gpu_busy_ms, lora_shapes, make_modules, peak_extra_mib,
+    tf32_matmuls,
+)
+from iga_ds.files import atomic_write_json
+from iga_ds.methods import module_generator
+from iga_ds.methods.iga import triton_kernels
+from iga_ds.methods.iga.fused import batched_iga, mask_scales, orthonormalize, stack_factors, stack_modules
 
 
 def rel(a, b) -> float:
@@ -54,13 +47,13 @@ def rel(a, b) -> float:
 def ceilings() -> dict:
     src = torch.randn(1 << 28, device="cuda")  # 1 GiB
     dst = torch.empty_like(src)
-    copy_ms = bench(lambda: dst.copy_(src))
+    copy_ms = do_bench_ms(lambda: dst.copy_(src))
     a, b = torch.randn(8192, 8192, device="cuda"), torch.randn(8192, 8192, device="cuda")
     flops = 2 * 8192 ** 3
     out = {"copy_GBps": 2 * src.numel() * 4 / copy_ms / 1e6}
     for name, tf32 in (("fp32_TFLOPs", False), ("tf32_TFLOPs", True)):
-        with fused._tf32_matmuls(tf32):
-            out[name] = flops / bench(lambda: a @ b) / 1e9
+        with tf32_matmuls(tf32):
+            out[name] = flops / do_bench_ms(lambda: a @ b) / 1e9
     return out
 
 
@@ -74,27 +67,33 @@ def tile_pass(stack_args, omega) -> list[dict]:
                                     num_warps=warps, precision=precision, **kw)
             try:
                 masked, sketch, *_ = run()
-                rows.append(dict(block_m=bm, block_n=bn, warps=warps, precision=precision, ms=bench(run),
+                rows.append(dict(block_m=bm, block_n=bn, warps=warps, precision=precision, ms=do_bench_ms(run),
                                  err_masked=rel(masked, ref_masked), err_sketch=rel(sketch, ref_sketch)))
             except Exception as exc:  # a block shape may not fit the card's registers or shared memory
                 rows.append(dict(block_m=bm, block_n=bn, warps=warps, precision=precision,
                                  error=f"{type(exc).__name__}: {str(exc)[:200]}"))
             print(rows[-1], flush=True)
-    # the statistics' cost: the tile kernel alone, with and without them (default blocks)
+    rows += kernel_alone(factors, kw["mean_var"])
+    return rows
+
+
+def kernel_alone(factors, mean_var) -> list[dict]:
+    """The statistics' cost: the tile kernel alone (default blocks, normalize="mean"), with and
+    without them, on buffers allocated once."""
     left_mean, right_mean, left_dev, right_dev = (t.contiguous() for t in factors)
     M, N, d_out, k2 = left_dev.shape
     d_in = right_mean.shape[-1]
     out = torch.empty(M, d_out, d_in, device="cuda")
     parts = torch.empty(M, (d_out // 64) * (d_in // 64), 4, device="cuda")
     mins = torch.empty(M, (d_out // 64) * (d_in // 64), device="cuda")
-    scale = kw["mean_var"].float().contiguous()
+    scale = mean_var.float().contiguous()
     eps = torch.ones(M, device="cuda")
+    rows = []
     for stats in (True, False):
-        def kernel():
-            triton_kernels._iga_tile_kernel[(d_out // 64, d_in // 64, M)](
-                left_mean, right_mean, left_dev, right_dev, scale, eps, out, parts, mins, d_out, d_in, k2, 0.5,
-                N=N, NORM=1, KP=32, BM=64, BN=64, PRECISION="ieee", STATS=stats, num_warps=4)
-        rows.append(dict(kernel_only=True, stats=stats, ms=bench(kernel)))
+        kernel = functools.partial(triton_kernels.launch_tile_kernel, left_mean, right_mean, left_dev, right_dev,
+                                   scale, eps, out, parts, mins, tau=0.5, normalize="mean", block_m=64, block_n=64,
+                                   precision="ieee", num_warps=4, stats=stats)
+        rows.append(dict(kernel_only=True, stats=stats, ms=do_bench_ms(kernel)))
         print(rows[-1], flush=True)
     return rows
 
@@ -108,39 +107,24 @@ def products(masked, width: int) -> list[dict]:
     rows = []
     for transpose in (False, True):
         w = Q if transpose else Z
-        ms = bench(lambda: (masked.mT if transpose else masked) @ w)
+        ms = do_bench_ms(lambda: (masked.mT if transpose else masked) @ w)
         got = (masked.mT if transpose else masked) @ w
         rows.append(dict(kind="cublas", transpose=transpose, ms=ms, err=rel(got[0], want[transpose])))
         print(rows[-1], flush=True)
     return rows
 
 
-def gpu_busy_ms(fn) -> float:
-    """Sum of device time of the kernels of one call (overlap between streams is not expected)."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
-
-
 def whole(modules) -> list[dict]:
     def run(batch_bytes):
         gens = [module_generator(0, 1, m.index, torch.device("cuda")) for m in modules]
-        return fused.batched_iga(modules, generators=gens, normalize="mean", batch_bytes=batch_bytes)
+        return batched_iga(modules, generators=gens, normalize="mean", batch_bytes=batch_bytes)
 
     reference = None
     rows = []
     for gib in (1, 2, 4):
         out = run(gib << 30)
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        run(gib << 30)
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-        ms = bench(lambda: run(gib << 30), warmup=200, rep=2000)
+        peak = peak_extra_mib(lambda: run(gib << 30), "cuda")
+        ms = do_bench_ms(lambda: run(gib << 30), warmup=200, rep=2000)
         busy = gpu_busy_ms(lambda: run(gib << 30)) if gib == 1 else None
         products_out = [m.scaling * (b.double() @ a.double()) for (a, b, _), m in zip(out, modules)]
         if reference is None:
@@ -149,6 +133,34 @@ def whole(modules) -> list[dict]:
         rows.append(dict(batch_gib=gib, ms=ms, gpu_busy_ms=busy, peak_extra_mib=peak, max_err_vs_first=err))
         print(rows[-1], flush=True)
     return rows
+
+
+def cholesky_qr(sketch) -> dict:
+    """CholeskyQR of the sketches: two passes (a final basis) and one (a basis that only feeds
+    the next power iteration)."""
+    return {"cholesky_qr2_ms": do_bench_ms(lambda: orthonormalize(sketch)),
+            "cholesky_qr1_ms": do_bench_ms(lambda: orthonormalize(sketch, final=False))}
+
+
+def stack_parts(modules, skip: set[str]) -> dict:
+    """The tile pass, the power iterations' products and CholeskyQR on one stack of
+    ``modules`` (4096 x 4096, r 16, N 4: sketch width 26), each stage of the fused path alone."""
+    M, width = len(modules), 16 + 10
+    st = stack_modules(modules, [None] * M, 1 << 31)[0]
+    factors = stack_factors(st)
+    mean_var, mean_sq = mask_scales(*factors, 4096 * 4096)
+    omega = torch.randn(M, 4096, width, device="cuda")
+    kw = dict(tau=0.5, normalize="mean", mean_var=mean_var, mean_sq=mean_sq)
+    out = {}
+    if "tile" not in skip:
+        out["tile_pass"] = tile_pass((factors, kw), omega)
+    masked, sketch, *_ = triton_kernels.tile_pass_triton(*factors, omega, **kw)
+    if "products" not in skip:
+        out["products"] = products(masked, width)
+    if "qr" not in skip:
+        out.update(cholesky_qr(sketch))
+        print({k: out[k] for k in ("cholesky_qr2_ms", "cholesky_qr1_ms")}, flush=True)
+    return out
 
 
 def main(argv=None) -> int:
@@ -161,31 +173,13 @@ def main(argv=None) -> int:
         return 2
     skip = set(filter(None, args.skip.split(",")))
     result = {"environment": environment(torch.device("cuda")), "ceilings": ceilings()}
+    print(environment_line(result["environment"]), flush=True)
     print(result["ceilings"], flush=True)
     modules = make_modules(lora_shapes(LLAMA2_7B), rank=16, alpha=32.0, domains=4, device=torch.device("cuda"))
-    st = fused._stacks(modules[:16], [None] * 16, 1 << 31)[0]
-    factors = fused._factors(st)
-    mean_var, mean_sq = fused._mask_scale(*factors, 4096 * 4096)
-    width = 16 + 10
-    omega = torch.randn(16, 4096, width, device="cuda")
-    kw = dict(tau=0.5, normalize="mean", mean_var=mean_var, mean_sq=mean_sq)
-    if "tile" not in skip:
-        result["tile_pass"] = tile_pass((factors, kw), omega)
-    masked, sketch, *_ = triton_kernels.tile_pass_triton(*factors, omega, **kw)
-    if "products" not in skip:
-        result["products"] = products(masked, width)
-    if "qr" not in skip:
-        result["cholesky_qr2_ms"] = bench(lambda: fused._orthonormalize(sketch))
-        # a basis that only feeds the next power iteration takes one pass
-        result["cholesky_qr1_ms"] = bench(lambda: fused._orthonormalize(sketch, final=False))
-        print({k: result[k] for k in ("cholesky_qr2_ms", "cholesky_qr1_ms")}, flush=True)
-    del masked, sketch
+    result.update(stack_parts(modules[:16], skip))
     if "whole" not in skip:
         result["whole"] = whole(modules)
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(tmp, args.out)
+    atomic_write_json(args.out, result, indent=1)
     print(json.dumps(result["ceilings"]))
     for part in ("tile_pass", "products", "whole"):
         for row in sorted(result.get(part, []), key=lambda r: r.get("ms", 1e9))[:6]:
