@@ -23,8 +23,8 @@ import sys
 from collections.abc import Mapping, MutableMapping
 from dataclasses import asdict, dataclass, replace
 
-from iga_ds.errors import UserError
 from iga_ds.cluster.nodelist import expand_nodelist, expand_tasks_per_node
+from iga_ds.errors import UserError
 
 DEFAULT_MASTER_PORT = 29500
 # Variables an MPI launcher sets for its processes; their presence means "started under MPI".

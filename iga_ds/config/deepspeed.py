@@ -87,7 +87,8 @@ def build_ds_config(run: RunConfig, ds_raw: dict[str, Any], world_size: int, acc
     if use_cpu() if cpu is None else cpu:
         for key in ("fp16", "bf16"):
             if ds.get(key, {}).get("enabled"):
-                raise ConfigError(f"{source}: {key} is enabled but this run is on the CPU; use ds_configs/zero2_fp32.json")
+                raise ConfigError(f"{source}: {key} is enabled but this run is on the CPU; "
+                                  "use ds_configs/zero2_fp32.json")
     return ds, hook
 
 

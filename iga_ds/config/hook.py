@@ -38,7 +38,8 @@ class HookConfig(Section):
     describe_by_rule = True
 
     method: str = setting("erm", "a method name (the list, with each method's parameters, is below); `erm` (the "
-                          "default) captures nothing and leaves DeepSpeed's gradient as it is", expected="a method name")
+                          "default) captures nothing and leaves DeepSpeed's gradient as it is",
+                          expected="a method name")
     params: dict[str, Any] = setting(dict, "keyword arguments of the method, e.g. `{tau: 0.5, normalize: snr}` "
                                      "for `iga` (each method's are listed below)",
                                      expected="an object of method parameters")

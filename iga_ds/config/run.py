@@ -151,8 +151,8 @@ class LoggingConfig(Section):
 class RunConfig(Section):
     """The run YAML: what ``iga-ds train`` and ``launch/train.py`` read."""
 
-    output_dir: str = setting("runs/default", "every output: adapter, metrics, checkpoints", expected="a directory path",
-                              min_length=1)
+    output_dir: str = setting("runs/default", "every output: adapter, metrics, checkpoints",
+                              expected="a directory path", min_length=1)
     deepspeed: str = setting("ds_configs/zero2_fp32.json", "the DeepSpeed JSON; its `iga` block holds the hook's "
                              "settings (the `iga` section below)")
     model: ModelConfig = setting(ModelConfig, "the base model")

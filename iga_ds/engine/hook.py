@@ -27,8 +27,13 @@ import torch
 
 from iga_ds.config.hook import HookConfig
 from iga_ds.engine.collectives import Collectives
-from iga_ds.engine.internals import (check_engine, lora_gradients_can_be_left_out, prepare_backward,
-                                     skip_optimizer_step, write_full_grad)
+from iga_ds.engine.internals import (
+    check_engine,
+    lora_gradients_can_be_left_out,
+    prepare_backward,
+    skip_optimizer_step,
+    write_full_grad,
+)
 from iga_ds.engine.layout import Wave, build_layout, run_waves
 from iga_ds.errors import ConfigError
 from iga_ds.lora.capture import DomainGradientCapture

@@ -28,18 +28,20 @@ def check_engine(engine, needs_domain_gradients: bool) -> None:
 
     version = tuple(int(p) for p in deepspeed.__version__.split("+")[0].split(".")[:3] if p.isdigit())
     if version < MIN_DEEPSPEED:
-        raise ConfigError(f"deepspeed {deepspeed.__version__} is too old: the IGA hook needs >= 0.15.3")
+        raise ConfigError(f"deepspeed {deepspeed.__version__} is too old: the engine hook needs >= 0.15.3")
     stage = engine.zero_optimization_stage()
     if stage == 3:
         raise ConfigError(
-            "zero_optimization.stage: 3 is not supported by the IGA hook yet (parameters are partitioned); use 0, 1 or 2"
+            "zero_optimization.stage: 3 is not supported by the engine hook yet (parameters are partitioned); "
+            "use 0, 1 or 2"
         )
     if engine.zero_cpu_offload() if hasattr(engine, "zero_cpu_offload") else False:
-        raise ConfigError("zero_optimization.offload_optimizer: CPU offload is not supported by the IGA hook yet")
+        raise ConfigError("zero_optimization.offload_optimizer: CPU offload is not supported by the engine hook yet")
     if needs_domain_gradients and engine.fp16_enabled():
-        raise ConfigError("fp16.enabled: the IGA hook supports bf16 and fp32 (dynamic loss scaling is not handled); use bf16")
+        raise ConfigError("fp16.enabled: the engine hook supports bf16 and fp32 (dynamic loss scaling is not "
+                          "handled); use bf16")
     if needs_domain_gradients and getattr(engine, "pipeline_parallelism", False):
-        raise ConfigError("pipeline parallelism is not supported by the IGA hook")
+        raise ConfigError("pipeline parallelism is not supported by the engine hook")
 
 
 def write_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:

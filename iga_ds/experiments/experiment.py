@@ -44,6 +44,7 @@ from iga_ds.evaluation.consistency import lcs_block
 from iga_ds.evaluation.generation import load_model
 from iga_ds.evaluation.records import isomer_eval_items
 from iga_ds.evaluation.runner import evaluate
+
 # load_grid belongs to this module's interface too: reading a grid, then running it
 from iga_ds.experiments.grid import MARKER, POOLED_DOMAIN, Cell, Grid, base_domains, cell_run_dict, load_grid  # noqa: F401
 from iga_ds.experiments.report import write_report

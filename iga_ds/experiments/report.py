@@ -12,11 +12,23 @@ from typing import Callable, Sequence
 
 from iga_ds.errors import DataError
 from iga_ds.experiments.figures import make_figures
-from iga_ds.experiments.results import (Cell, benchmarks_of, cell_avg_delta_gap, cell_avg_headline, cell_cue_follow,
-                                        cell_default_lcs, cell_final_loss, cell_lcs, cell_median_step_ms,
-                                        cell_metric_mean, headline_accuracy, load_results, row_order)
-from iga_ds.metrics.accuracy import accuracy_per_compute_hour, mean_std
+from iga_ds.experiments.results import (
+    Cell,
+    benchmarks_of,
+    cell_avg_delta_gap,
+    cell_avg_headline,
+    cell_cue_follow,
+    cell_default_lcs,
+    cell_final_loss,
+    cell_lcs,
+    cell_median_step_ms,
+    cell_metric_mean,
+    headline_accuracy,
+    load_results,
+    row_order,
+)
 from iga_ds.files import atomic_write_text
+from iga_ds.metrics.accuracy import accuracy_per_compute_hour, mean_std
 
 DASH = "–"
 

@@ -52,15 +52,17 @@ def find_lora_modules(model: nn.Module, adapter: str | None = None) -> list[Lora
         for ad in names:
             if ad not in layer.lora_A:
                 if getattr(layer, "lora_embedding_A", None) and ad in layer.lora_embedding_A:
-                    raise ConfigError(f"{name}: LoRA on embeddings is not supported by the IGA hook; target linear layers")
+                    raise ConfigError(f"{name}: LoRA on embeddings is not supported by the engine hook; "
+                                      "target linear layers")
                 continue
             if getattr(layer, "use_dora", {}).get(ad, False):
-                raise ConfigError(f"{name}: DoRA adapters are not supported by the IGA hook (use plain LoRA)")
+                raise ConfigError(f"{name}: DoRA adapters are not supported by the engine hook (use plain LoRA)")
             lora_A, lora_B = layer.lora_A[ad], layer.lora_B[ad]
             if not isinstance(lora_A, nn.Linear) or not isinstance(lora_B, nn.Linear):
                 raise ConfigError(f"{name}: only linear LoRA layers are supported, got {type(lora_A).__name__}")
             if lora_A.bias is not None or lora_B.bias is not None:
-                raise ConfigError(f"{name}: LoRA with bias is not supported by the IGA hook (lora_bias=False)")
+                raise ConfigError(f"{name}: LoRA with bias is not supported by the engine hook "
+                                  "(lora_bias=False)")
             if not lora_A.weight.requires_grad:
                 continue
             found.append(LoraModule(f"{name}.{ad}", len(found), lora_A, lora_B, float(layer.scaling[ad])))

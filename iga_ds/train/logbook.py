@@ -37,7 +37,8 @@ class Logbook:
             from torch.utils.tensorboard import SummaryWriter  # loads TensorBoard's writer only when asked
 
             # purge_step drops events after the resumed step, so a resumed curve has no duplicates
-            self.writer = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+            self.writer = SummaryWriter(log_dir=str(out / "tensorboard"),
+                                        purge_step=start_step + 1 if start_step else None)
         self.bar = tqdm(total=total_steps, initial=start_step, desc=label, dynamic_ncols=True,
                         disable=not active or not settings.progress or quiet)
 

@@ -10,12 +10,11 @@ generator can emit. See ``iga_ds.train.model`` for the model and the cache.
 """
 from __future__ import annotations
 
+import dataclasses
+import re
 import tempfile
 from pathlib import Path
 from typing import Sequence
-
-import dataclasses
-import re
 
 from iga_ds.config.run import TinyBaseConfig
 from iga_ds.data.domains import DOMAINS

@@ -40,8 +40,14 @@ from iga_ds.data.groups import complete_groups
 from iga_ds.engine.hook import EngineHook, attach
 from iga_ds.errors import ConfigError, DataError
 from iga_ds.files import atomic_write_text
-from iga_ds.train.batching import (GroupSampler, check_batch_layout, collate, read_records, sequence_losses,
-                                   unknown_words)
+from iga_ds.train.batching import (
+    GroupSampler,
+    check_batch_layout,
+    collate,
+    read_records,
+    sequence_losses,
+    unknown_words,
+)
 from iga_ds.train.checkpoint import STOP_FILE, StopSignal, load_checkpoint, resolve_resume, save_checkpoint
 from iga_ds.train.distributed import init_distributed, resolve_dist
 from iga_ds.train.logbook import METRICS_FILE, Logbook, truncate_metrics

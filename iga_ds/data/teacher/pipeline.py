@@ -32,8 +32,7 @@ from pathlib import Path
 from iga_ds.data.domains import DEFAULT_DOMAINS
 from iga_ds.data.schema import answer_type
 from iga_ds.data.teacher.clients import ChatClient, Counters, TeacherError, TeacherRejected
-from iga_ds.data.teacher.parse import (Instance, MalformedOutput, parse_dag, parse_instance,
-                                       parse_verification)
+from iga_ds.data.teacher.parse import Instance, MalformedOutput, parse_dag, parse_instance, parse_verification
 from iga_ds.data.teacher.prompts import Prompts
 from iga_ds.errors import DataError, UserError
 from iga_ds.files import append_lines, atomic_write_json, cut_torn_tail, iter_jsonl, torn_tail_start

@@ -26,7 +26,8 @@ def check_module(A: torch.Tensor, B: torch.Tensor, gA: torch.Tensor, gB: torch.T
     truncation rank (the LoRA rank when ``rank`` is None)."""
     where = f"{name}: " if name else ""
     if gA.ndim != 3 or gB.ndim != 3 or gA.shape[0] != gB.shape[0]:
-        raise ValueError(f"{where}gA must be N x r x in and gB N x out x r, got {tuple(gA.shape)} and {tuple(gB.shape)}")
+        raise ValueError(f"{where}gA must be N x r x in and gB N x out x r, "
+                         f"got {tuple(gA.shape)} and {tuple(gB.shape)}")
     r = A.shape[0]
     if tuple(gA.shape[1:]) != tuple(A.shape) or tuple(gB.shape[1:]) != tuple(B.shape) or B.shape[1] != r:
         raise ValueError(f"{where}shapes disagree: A {tuple(A.shape)}, B {tuple(B.shape)}, "
