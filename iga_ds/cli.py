@@ -4,6 +4,11 @@ A ``cli`` module exposes ``register(subparsers)``, which adds its parsers and se
 (called with the parsed namespace, returning an exit code). ``cli`` modules import argparse
 and little else at the top, and import the code a command runs when it runs: every command
 starts without loading torch or DeepSpeed.
+
+Every expected failure ends in one line on stderr, ``iga-ds: error: ...``, and exit status 2:
+a ``UserError`` (bad input: the message names the file, line or key), a usage error of the
+parser, and an ``OSError`` about a file (missing, a directory, permission denied, no space),
+shown as ``FILE: reason``. Anything else is a bug and keeps its traceback.
 """
 from __future__ import annotations
 
@@ -13,17 +18,26 @@ import sys
 
 from iga_ds import __version__
 from iga_ds.cluster import cli as cluster_cli
+from iga_ds.config import cli as config_cli
 from iga_ds.data import cli as data_cli
 from iga_ds.errors import UserError
 from iga_ds.evaluation import cli as evaluation_cli
 from iga_ds.experiments import cli as experiments_cli
 from iga_ds.train import cli as train_cli
 
-SUBCOMMAND_MODULES = (data_cli, train_cli, evaluation_cli, experiments_cli, cluster_cli)
+SUBCOMMAND_MODULES = (config_cli, data_cli, train_cli, evaluation_cli, experiments_cli, cluster_cli)
+
+
+class Parser(argparse.ArgumentParser):
+    """A usage error is one line like every other error (with where to find the usage), not the
+    usage block and the error; every sub-command's parser is one of these too."""
+
+    def error(self, message: str):
+        self.exit(2, f"iga-ds: error: {message} (see '{self.prog} --help')\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="iga-ds",
         description="Invariant Gradient Alignment for LoRA fine-tuning on logical isomer groups.",
     )
@@ -54,6 +68,17 @@ def main(argv: list[str] | None = None) -> int:
         # stdout at nothing so the interpreter's final flush does not raise again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except OSError as exc:  # after BrokenPipeError, one of its kind
+        if exc.filename is None or not exc.strerror:
+            raise  # not about a file: unexpected, keep the traceback
+        print(f"iga-ds: error: {os_error_line(exc)}", file=sys.stderr)
+        return 2
+
+
+def os_error_line(exc: OSError) -> str:
+    """``FILE: reason`` of an OSError about a file (``SOURCE -> TARGET: reason`` for a rename)."""
+    where = str(exc.filename) if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
+    return f"{where}: {exc.strerror}"
 
 
 if __name__ == "__main__":

@@ -1,4 +1,10 @@
-"""Files: atomic writes (a reader never sees a half-written file), YAML and JSON Lines.
+"""Files: atomic writes (a reader never sees a half-written file), text, YAML and JSON Lines.
+
+Reading a file the user named fails with one line naming the file (and the line where there
+is one): missing, a directory, unreadable, not UTF-8, not valid YAML or JSON. A failed write
+raises the ``OSError`` with the target's name as its ``filename`` (never the temporary's), which
+the command line shows as one line; :func:`check_output_file` and :func:`check_output_dir` let a
+command refuse an output it could not write before it does the work.
 
 JSON Lines follow one rule for a torn line. Every writer here ends each line with a newline,
 so a last line without one was cut off by a killed writer: appenders cut it off before they
@@ -8,6 +14,7 @@ is an error naming the file and the line.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -15,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from iga_ds.errors import ConfigError, DataError
+from iga_ds.errors import ConfigError, DataError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -24,9 +31,13 @@ def temp_file_beside(path: Path) -> tuple[int, str]:
     """(fd, name) of a new temporary file in ``path``'s folder, to be renamed onto ``path``.
 
     mkstemp creates it 0600; it gets the permissions a new file gets under the umask instead,
-    so that what is renamed into place (results, reports, archives) is readable as usual.
+    so that what is renamed into place (results, reports, archives) is readable as usual. When
+    it cannot be made, the ``OSError`` names ``path``, the file the user asked for.
     """
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise _naming(exc, path) from None
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o666 & ~umask)
@@ -34,21 +45,65 @@ def temp_file_beside(path: Path) -> tuple[int, str]:
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file beside it; on failure the old file
+    stays, no temporary is left, and an ``OSError`` names ``path``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = temp_file_beside(path)
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        make_dir(path.parent)
+        fd, tmp = temp_file_beside(path)
+    except OSError as exc:
+        raise _naming(exc, path) from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(exc, OSError):
+            raise _naming(exc, path) from None
         raise
+
+
+def _naming(exc: OSError, path: Path) -> OSError:
+    """``exc`` as the same kind of OSError about ``path``: a failed mkdir names a parent, a failed
+    temporary file or rename names the temporary, but the user asked for ``path``."""
+    if exc.errno is None:
+        return exc
+    blocker = _file_in_the_way(path) if exc.errno in (errno.ENOTDIR, errno.EEXIST) else None
+    if blocker is not None:
+        return NotADirectoryError(errno.ENOTDIR, f"{blocker} is a file, expected a directory", str(path))
+    return type(exc)(exc.errno, exc.strerror, str(path))
+
+
+def _file_in_the_way(path: Path, itself: bool = False) -> Path | None:
+    """The nearest of ``path``'s parents (or ``path`` itself) that exists but is not a
+    directory, if any."""
+    for here in (path, *path.parents) if itself else path.parents:
+        if here.exists():
+            return None if here.is_dir() else here
+    return None
+
+
+def make_dir(path: str | os.PathLike) -> Path:
+    """``mkdir -p path``; when it fails, an ``OSError`` about ``path`` (naming the file in the
+    way where a file stands at its place or a parent's)."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        blocker = _file_in_the_way(path, itself=True)
+        if blocker is not None:
+            raise NotADirectoryError(errno.ENOTDIR, f"{blocker} is a file, expected a directory",
+                                     str(path)) from None
+        raise _naming(exc, path) from None
+    return path
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -59,31 +114,98 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int = 2) -> Non
     atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=True) + "\n")
 
 
+def check_output_dir(path: str | os.PathLike, option: str = "--out") -> None:
+    """Refuse, before any work, a folder that cannot be created or written: a file stands at its
+    place or at one of its parents', or the nearest existing folder is not writable."""
+    path = Path(path)
+    if _file_in_the_way(path, itself=True) == path:
+        raise UserError(f"{option} {path}: is a file, expected a directory")
+    _check_parents(path, option)
+
+
+def check_output_file(path: str | os.PathLike, option: str = "--out") -> None:
+    """Refuse, before any work, an output file that could not be written: a directory stands at
+    its place, or its folder cannot be created or written."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{option} {path}: is a directory, expected a file name")
+    _check_parents(path, option)
+
+
+def _check_parents(path: Path, option: str) -> None:
+    """``path`` can be created: no file in the way, and the nearest existing folder is writable."""
+    blocker = _file_in_the_way(path)
+    if blocker is not None:
+        raise UserError(f"{option} {path}: {blocker} is a file, expected a directory")
+    here = next((p for p in (path, *path.parents) if p.is_dir()), None)  # the nearest existing folder
+    if here is not None and not os.access(here, os.W_OK | os.X_OK):
+        raise UserError(f"{option} {path}: {here} is not writable")
+
+
+def read_text(path: str | os.PathLike, what: str = "file", error: type[Exception] = DataError) -> str:
+    """The text of a UTF-8 file (a leading byte-order mark dropped). Missing, a directory,
+    unreadable or not UTF-8: ``error`` naming the file (and the line of the first bad byte)."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise error(f"{path}: {what} not found") from None
+    except IsADirectoryError:
+        raise error(f"{path}: is a directory, expected a {what}") from None
+    except OSError as exc:
+        raise error(f"{path}: cannot read the {what} ({exc.strerror})") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise error(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x}); "
+                    f"save the {what} as UTF-8") from None
+
+
 def read_yaml_file(path: str | os.PathLike, what: str = "file") -> Any:
-    """``yaml.safe_load`` of a file; a missing file or bad YAML is a one-line ConfigError with
-    the file and line."""
+    """``yaml.safe_load`` of a file; a missing file, bytes that are not UTF-8 or bad YAML is a
+    one-line ConfigError with the file and line."""
     import yaml  # only the commands that read YAML pay for it
 
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: {what} not found")
+    text = read_text(path, what, ConfigError)
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise ConfigError(f"{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+        raise ConfigError(f"{yaml_error_where(exc, path, text)}: not valid YAML "
+                          f"({yaml_error_problem(exc)})") from None
+
+
+def yaml_error_where(exc: Exception, path: str | os.PathLike, text: str) -> str:
+    """``FILE:LINE`` of a YAML error (``FILE`` where the error has no position)."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    if mark is not None:
+        return f"{path}:{mark.line + 1}"
+    position = getattr(exc, "position", None)  # a ReaderError: a character YAML does not allow
+    if isinstance(position, int):
+        return f"{path}:{text.count(chr(10), 0, position) + 1}"
+    return str(path)
+
+
+def yaml_error_problem(exc: Exception) -> str:
+    """What a YAML error says, on one line."""
+    if isinstance(getattr(exc, "character", None), int):  # a ReaderError: a character YAML refuses
+        text = f"unacceptable character #x{exc.character:04x}: {getattr(exc, 'reason', '')}"
+    else:
+        text = str(getattr(exc, "problem", None) or exc)
+    return " ".join(text.split()) or type(exc).__name__
 
 
 # -- JSON ----------------------------------------------------------------------------------------
 
 
 def read_json(path: str | os.PathLike, objects: bool = False, error: type[Exception] = DataError) -> Any:
-    """A JSON file; bad JSON (or, with ``objects``, anything but an object) is ``error`` naming
-    the file and the line."""
+    """A JSON file; a missing or unreadable file, bytes that are not UTF-8, bad JSON (or, with
+    ``objects``, anything but an object) is ``error`` naming the file and the line."""
     path = Path(path)
+    text = read_text(path, "JSON file", error)
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise error(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
     if objects and not isinstance(value, dict):

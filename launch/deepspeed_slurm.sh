@@ -4,7 +4,7 @@
 # the ranks with srun (no pdsh or ssh; works where containers have neither).
 #
 #   salloc --nodes=2 --gpus-per-node=8 --ntasks-per-node=8 --exclusive
-#   launch/deepspeed_slurm.sh --config configs/llama2_7b_iga.yaml --deepspeed ds_configs/zero2.json max_steps=100
+#   launch/deepspeed_slurm.sh --config configs/llama2_7b_iga.yaml --deepspeed ds_configs/zero2.json schedule.max_steps=100
 #
 # DeepSpeed's slurm launcher sets no RANK or LOCAL_RANK: each rank finds its own from SLURM_*
 # (iga_ds.cluster.ranks), so ranks never all believe they are rank 0.

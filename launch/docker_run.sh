@@ -3,7 +3,7 @@
 # (`docker run --gpus all --ipc=host`, the DeepSpeed launcher inside the container).
 #
 #   IGA_IMAGE=iga-ds:0.1.0 launch/docker_run.sh --config configs/llama2_7b_iga.yaml \
-#       --deepspeed ds_configs/zero2.json max_steps=100
+#       --deepspeed ds_configs/zero2.json schedule.max_steps=100
 #
 # Runs as the calling user (files in the checkout stay yours); the checkout is mounted at
 # /workspace and IGA_CACHE_DIR (default ~/.cache/iga-ds) at /cache for Hugging Face downloads and

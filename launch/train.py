@@ -4,6 +4,9 @@
     deepspeed --num_gpus 8 launch/train.py --config configs/llama2_7b_iga.yaml --deepspeed ds_configs/zero2.json
     deepspeed --hostfile hosts launch/train.py --config CFG.yaml --deepspeed ds_configs/zero2.json
 
+``--deepspeed_config JSON`` (DeepSpeed's own flag) is accepted for ``--deepspeed JSON``;
+``--dry-run [--world-size N]`` resolves everything and trains nothing.
+
 Ranks come from the launcher's variables, then SLURM_*, then OMPI_* (iga_ds.cluster.ranks).
 Exit codes: 0 done or stopped by SIGUSR1/SIGTERM after a checkpoint, 2 bad input.
 """
@@ -12,14 +15,21 @@ from __future__ import annotations
 import argparse
 import sys
 
+from iga_ds.train.cli import add_deepspeed_arguments, add_dry_run_arguments, deepspeed_overrides, dry_run
 
-def main(argv: list[str] | None = None) -> int:
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="run YAML")
-    parser.add_argument("--deepspeed", default=None, help="DeepSpeed JSON (overrides the YAML's `deepspeed`)")
+    add_deepspeed_arguments(parser)
+    add_dry_run_arguments(parser)
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the DeepSpeed launcher")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     from iga_ds.errors import UserError
 
@@ -27,8 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         from iga_ds.config.run import load_run_config
         from iga_ds.train.trainer import train
 
-        overrides = list(args.overrides) + ([f"deepspeed={args.deepspeed}"] if args.deepspeed else [])
-        result = train(load_run_config(args.config, overrides), local_rank=args.local_rank)
+        config = load_run_config(args.config, list(args.overrides) + deepspeed_overrides(args))
+        if args.dry_run:
+            return dry_run(config, args.world_size)
+        result = train(config, local_rank=args.local_rank)
     except UserError as exc:
         print(f"launch/train.py: error: {exc}", file=sys.stderr)
         return exc.exit_code

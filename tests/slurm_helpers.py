@@ -33,7 +33,7 @@ def synth_data(tmp_path: Path) -> str:
 
 
 # 2 ranks x 2 groups per micro-batch = the tiny config's 4 groups per step
-TRAINER_OVERRIDES = ("data.groups_per_micro_batch=2",)
+TRAINER_OVERRIDES = ()  # the template trains its default config as documented
 
 def missing_slurm_tools() -> list[str]:
     """Names of the programs this module needs that are not on PATH (empty when all are)."""
@@ -290,35 +290,48 @@ def _current_user() -> str:
     return pwd.getpwuid(os.getuid()).pw_name
 
 
-# A stand-in that follows the trainer's contract (key=value overrides, output_dir, resume=auto,
-# SIGUSR1/SIGTERM or output_dir/STOP -> checkpoint and exit 0) in a few lines, so the Slurm signal,
-# requeue and resume plumbing is tested on its own; the real trainer is tested the same way.
-# ignore_usr1=1 makes it a rank whose SIGUSR1 handler is gone (the stop file must reach it);
-# watch_stop_file=0 one that sees only signals (the signal must reach it).
+# A stand-in that follows the trainer's contract (--config, --deepspeed and KEY=VALUE overrides
+# read by the real config loader, output_dir, resume=auto, SIGUSR1/SIGTERM or output_dir/STOP ->
+# checkpoint and exit 0) in a few lines, so the Slurm signal, requeue and resume plumbing is
+# tested on its own; the real trainer is tested the same way (test_requeue_with_the_real_trainer).
+# A wrong key fails here as it fails the real trainer. Its own knobs come from the environment:
+# IGA_TEST_STEP_SECONDS, IGA_TEST_IGNORE_USR1=1 (a rank whose SIGUSR1 handler is gone: the stop
+# file must reach it), IGA_TEST_WATCH_STOP_FILE=0 (one that sees only signals).
 CONTRACT_TRAINER = r'''
-import json, os, signal, sys, time
+import argparse, json, os, signal, sys, time
 from iga_ds.cluster.ranks import resolve_dist_env
+from iga_ds.config.run import load_run_config
+from iga_ds.errors import UserError
 
-args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a and not a.startswith("-"))
-out = args["output_dir"]
-max_steps = int(args.get("max_steps", 4))
-step_seconds = float(args.get("step_seconds", 1))
+parser = argparse.ArgumentParser()
+parser.add_argument("--config", required=True)
+parser.add_argument("--deepspeed")
+parser.add_argument("overrides", nargs="*")
+cli = parser.parse_args()
+try:
+    cfg = load_run_config(cli.config, cli.overrides + ([f"deepspeed={cli.deepspeed}"] if cli.deepspeed else []))
+except UserError as exc:
+    print(f"launch/train.py: error: {exc}", file=sys.stderr)
+    sys.exit(exc.exit_code)
+out = cfg.output_dir
+max_steps = cfg.schedule.max_steps or 4
+step_seconds = float(os.environ.get("IGA_TEST_STEP_SECONDS", "1"))
 env = resolve_dist_env()
 os.makedirs(out, exist_ok=True)
 ckpt = os.path.join(out, f"checkpoint-rank{env.rank}.json")
 stop = []
-if args.get("ignore_usr1") == "1":
+if os.environ.get("IGA_TEST_IGNORE_USR1") == "1":
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 else:
     signal.signal(signal.SIGUSR1, lambda *_: stop.append("SIGUSR1"))
 signal.signal(signal.SIGTERM, lambda *_: stop.append("SIGTERM"))
 step = 0
-if args.get("resume") == "auto" and os.path.exists(ckpt):
+if cfg.resume == "auto" and os.path.exists(ckpt):
     step = json.load(open(ckpt))["step"]
     print(f"rank {env.rank}: resumed at step {step}", flush=True)
 print(f"rank {env.rank}/{env.world_size} via {env.source}: starting at step {step}", flush=True)
 while step < max_steps:
-    if not stop and args.get("watch_stop_file") != "0" and os.path.exists(os.path.join(out, "STOP")):
+    if not stop and os.environ.get("IGA_TEST_WATCH_STOP_FILE") != "0" and os.path.exists(os.path.join(out, "STOP")):
         stop.append("stop file")
     if stop:
         tmp = ckpt + ".tmp"

@@ -17,7 +17,7 @@ LAYERS = (
     ("errors",),
     ("files",),
     ("metrics", "methods"),
-    ("data", "lora"),
+    ("data", "lora", "models"),
     ("config",),
     ("engine", "cluster"),
     ("train", "evaluation"),

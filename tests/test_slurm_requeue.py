@@ -66,8 +66,8 @@ def test_requeue_resumes_without_loss_or_duplication(local_slurm, tmp_path):
     trainer.write_text(CONTRACT_TRAINER)
     out = tmp_path / "out"
     # signals only: this test is about their way from Slurm to the ranks
-    job = submit(local_slurm, tmp_path, "max_steps=30", "step_seconds=0.5", "watch_stop_file=0",
-                 IGA_TRAIN_SCRIPT=str(trainer))
+    job = submit(local_slurm, tmp_path, "schedule.max_steps=30", IGA_TEST_STEP_SECONDS="0.5",
+                 IGA_TEST_WATCH_STOP_FILE="0", IGA_TRAIN_SCRIPT=str(trainer))
     state = signal_then_wait_for_completion(
         local_slurm, job, lambda: len(lines(out / "steps-rank1.log")) >= 3, timeout=240)
     batch_log = (tmp_path / f"iga-cpu-{job}.out").read_text()
@@ -91,8 +91,8 @@ def test_stop_file_reaches_ranks_that_ignore_the_signal(local_slurm, tmp_path):
     trainer = tmp_path / "contract_trainer.py"
     trainer.write_text(CONTRACT_TRAINER)
     out = tmp_path / "out"
-    job = submit(local_slurm, tmp_path, "max_steps=20", "step_seconds=0.5", "ignore_usr1=1",
-                 IGA_TRAIN_SCRIPT=str(trainer))
+    job = submit(local_slurm, tmp_path, "schedule.max_steps=20", IGA_TEST_STEP_SECONDS="0.5",
+                 IGA_TEST_IGNORE_USR1="1", IGA_TRAIN_SCRIPT=str(trainer))
     state = signal_then_wait_for_completion(
         local_slurm, job, lambda: len(lines(out / "steps-rank1.log")) >= 3, timeout=240)
     batch_log = (tmp_path / f"iga-cpu-{job}.out").read_text()
@@ -108,7 +108,7 @@ def test_no_requeue_without_signal_and_max_requeues_respected(local_slurm, tmp_p
     trainer = tmp_path / "contract_trainer.py"
     trainer.write_text(CONTRACT_TRAINER)
     out = tmp_path / "out"
-    job = submit(local_slurm, tmp_path, "max_steps=40", "step_seconds=0.5",
+    job = submit(local_slurm, tmp_path, "schedule.max_steps=40", IGA_TEST_STEP_SECONDS="0.5",
                  IGA_TRAIN_SCRIPT=str(trainer), IGA_MAX_REQUEUES="0")
     wait_for(lambda: len(lines(out / "steps-rank0.log")) >= 2, 120, "training progress", local_slurm)
     local_slurm.run("scancel", "--signal=USR1", "--batch", job)

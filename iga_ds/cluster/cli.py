@@ -52,8 +52,10 @@ def register(subparsers) -> None:
 def _selfcheck(args) -> int:
     from iga_ds.cluster.selfcheck import EXIT_FAILED, failure_line, format_report, run_selfcheck
 
-    if args.timeout <= 0:
+    if not 0 < args.timeout < float("inf"):  # nan too
         raise UserError(f"--timeout {args.timeout}: expected a positive number of seconds")
+    if not 0 <= args.min_free_gib < float("inf"):
+        raise UserError(f"--min-free-gib {args.min_free_gib}: expected a number of GiB >= 0")
     ops = tuple(op.strip() for op in args.require_ops.split(",") if op.strip())
     report = run_selfcheck(local_rank=args.local_rank, backend=args.backend, timeout_s=args.timeout,
                            require_ops=ops, check_ops=not args.skip_ops, min_free_gib=args.min_free_gib)
@@ -69,8 +71,12 @@ def _selfcheck(args) -> int:
 
 def _hostfile(args) -> int:
     from iga_ds.cluster.nodelist import expand_nodelist, expand_tasks_per_node, hostfile_text
-    from iga_ds.files import atomic_write_text
+    from iga_ds.files import atomic_write_text, check_output_file
 
+    if args.output:
+        check_output_file(args.output, "--output")
+    if args.slots is not None and args.slots < 1:
+        raise UserError(f"--slots {args.slots}: expected a positive number of processes per host")
     nodelist = args.nodelist or os.environ.get("SLURM_JOB_NODELIST")
     if not nodelist:
         raise UserError("no node list: pass --nodelist or run inside a Slurm allocation (SLURM_JOB_NODELIST)")
@@ -79,7 +85,7 @@ def _hostfile(args) -> int:
     if args.slots is not None:
         slots = args.slots
     elif os.environ.get("SLURM_GPUS_ON_NODE"):
-        slots = int(os.environ["SLURM_GPUS_ON_NODE"])
+        slots = _env_count("SLURM_GPUS_ON_NODE")
     elif os.environ.get("SLURM_TASKS_PER_NODE") and not args.nodelist:
         slots = expand_tasks_per_node(os.environ["SLURM_TASKS_PER_NODE"])
     else:
@@ -90,3 +96,11 @@ def _hostfile(args) -> int:
     else:
         sys.stdout.write(text)
     return 0
+
+
+def _env_count(name: str) -> int:
+    """A positive count from the environment, or a UserError naming the variable."""
+    value = os.environ[name]
+    if not value.strip().isdigit() or int(value) < 1:
+        raise UserError(f"environment variable {name}={value!r}: expected a positive integer")
+    return int(value)

@@ -1,25 +1,55 @@
 """The DeepSpeed JSON of a run: read it, fill in what the run YAML decides, and resolve the
 hook's settings from both files.
 
-The batch sizes are counted in isomer groups in the run YAML, so the JSON leaves them
-``"auto"``; the optimizer and its schedule come from the run YAML too. ``method`` (with its
-``params``) and ``domains`` may be set in either file: in the run YAML as ``method.name``,
-``method.params`` and ``data.domains``, in the JSON's ``iga`` block as ``method``, ``params``
-and ``domains``. A setting given in both with different values is an error naming both.
+The file is read as DeepSpeed reads it, with hjson (comments and trailing commas allowed, a key
+given twice an error). Configs written for the Hugging Face Trainer, axolotl or LLaMA-Factory
+work as they are where iga-ds can honour them: ``"auto"`` is resolved wherever the HF Trainer
+resolves it, from the run YAML:
+
+- ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``, ``train_batch_size``:
+  from ``data`` (batches are counted in isomer groups);
+- ``gradient_clipping``: ``schedule.gradient_clipping``;
+- ``bf16.enabled`` / ``fp16.enabled``: from ``model.dtype`` (bfloat16: bf16, float16: fp16,
+  float32: neither);
+- an ``optimizer`` block of type AdamW: its ``lr``, ``betas``, ``eps``, ``weight_decay`` from
+  ``schedule``; a ``scheduler`` block of DeepSpeed's warm-up types whose every parameter is
+  ``"auto"``: the run YAML's schedule. The trainer builds that AdamW and schedule itself, so both
+  blocks are checked and then left out of what DeepSpeed gets.
+
+Any of these given as a value must agree with the run YAML (an error naming both files
+otherwise): the run YAML is their one home. ``method`` (with its ``params``) and ``domains``
+may be set in either file: in the run YAML as ``method.name``, ``method.params`` and
+``data.domains``, in the JSON's ``iga`` block as ``method``, ``params`` and ``domains``; a
+setting given in both with different values is an error naming both. What the engine hook
+cannot run (ZeRO stage 3, optimizer or parameter offload, Apex AMP, elasticity, fp16 with a
+method that captures per-domain gradients) and any ``"auto"`` left over are refused here, as one
+line naming the key, before anything starts.
 """
 from __future__ import annotations
 
+import copy
+import math
 import os
 from pathlib import Path
 from typing import Any
 
 from iga_ds.config.hook import BLOCK, HookConfig
-from iga_ds.config.run import RunConfig
+from iga_ds.config.run import DEFAULT_DEEPSPEED, RunConfig, shipped_file
 from iga_ds.errors import ConfigError
-from iga_ds.files import atomic_write_json, read_json
 
-# the shipped configs, beside the package in a source checkout
-SHIPPED = Path(__file__).resolve().parents[2] / "ds_configs"
+AUTO = "auto"
+# model.dtype -> the precision block that "auto" enables
+PRECISION_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
+# the AdamW parameters an optimizer block may carry, each the run YAML's schedule key of that name
+OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay")
+# DeepSpeed's warm-up schedules and the parameters each takes
+SCHEDULERS = {
+    "warmuplr": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"),
+    "warmupdecaylr": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration",
+                      "total_num_steps"),
+    "warmupcosinelr": ("warmup_min_ratio", "warmup_num_steps", "warmup_type", "last_batch_iteration",
+                       "total_num_steps", "cos_min_ratio"),
+}
 
 
 def use_cpu() -> bool:
@@ -29,10 +59,39 @@ def use_cpu() -> bool:
     return os.environ.get("DS_ACCELERATOR", "") == "cpu" or not torch.cuda.is_available()
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def load_ds_json(path: str) -> dict[str, Any]:
+    """A DeepSpeed config file, read as DeepSpeed reads it (hjson: JSON with comments and trailing
+    commas); bad syntax is one line with the file and the line."""
+    import hjson  # a DeepSpeed dependency; only the commands that read a DeepSpeed config pay for it
+
     if not Path(path).is_file():
         raise ConfigError(f"deepspeed: config {path!r} not found")
-    return read_json(path, objects=True, error=ConfigError)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
+    try:
+        value = hjson.loads(text, object_pairs_hook=_no_duplicates)
+    except hjson.HjsonDecodeError as exc:
+        raise ConfigError(f"{path}:{exc.lineno}: not valid JSON or hjson ({exc.msg})") from None
+    except _DuplicateKey as exc:
+        raise ConfigError(f"{path}: key {exc.args[0]!r} is given twice in one object") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def resolve_hook_config(run: RunConfig, block: dict[str, Any] | None, source: str = "deepspeed",
@@ -57,15 +116,61 @@ def resolve_hook_config(run: RunConfig, block: dict[str, Any] | None, source: st
 
 def build_ds_config(run: RunConfig, ds_raw: dict[str, Any], world_size: int, accum: int, source: str = "deepspeed",
                     cpu: bool | None = None, run_source: str = "the run YAML") -> tuple[dict[str, Any], HookConfig]:
-    """The DeepSpeed dict and the hook's settings for this run: batch sizes from the run YAML's
-    data settings, method and domains from whichever file sets them."""
-    ds = {k: v for k, v in ds_raw.items() if k != BLOCK}
+    """The DeepSpeed dict and the hook's settings for this run: ``"auto"`` resolved from the run
+    YAML, the values both files give checked against each other, what the hook cannot run refused
+    (the module docstring lists them)."""
+    ds = copy.deepcopy({k: v for k, v in ds_raw.items() if k != BLOCK})
     hook = resolve_hook_config(run, ds_raw.get(BLOCK), source, run_source)
-    for key in ("optimizer", "scheduler"):
-        if key in ds:
-            raise ConfigError(
-                f"{source}: remove {key!r}; AdamW and its cosine schedule come from the run YAML's schedule"
-            )
+    _refuse_unsupported(ds, source)
+    _resolve_batch_sizes(ds, run, hook, world_size, accum, source)
+    _resolve_clipping(ds, run, source, run_source)
+    _resolve_precision(ds, run, hook, source, run_source, use_cpu() if cpu is None else cpu)
+    _check_optimizer(ds.pop("optimizer", None), run, source, run_source)
+    _check_scheduler(ds.pop("scheduler", None), source, run_source)
+    _refuse_auto_left(ds, source)
+    ds.setdefault("zero_allow_untested_optimizer", True)  # a torch AdamW, built by the trainer
+    ds.setdefault("steps_per_print", 10**9)
+    ds["zero_optimization"].setdefault("elastic_checkpoint", True)  # resume at another world size
+    return ds, hook
+
+
+def _mapping(ds: dict[str, Any], key: str, source: str) -> dict[str, Any]:
+    """``ds[key]`` as a mapping (created empty when absent)."""
+    value = ds.setdefault(key, {})
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: {key}: expected an object, got {value!r}")
+    return value
+
+
+def _refuse_unsupported(ds: dict[str, Any], source: str) -> None:
+    """The settings the engine hook cannot run, refused as one line naming the key; an Apex
+    ``amp`` block that is off (or ``"auto"``: off here) is dropped."""
+    zero = _mapping(ds, "zero_optimization", source)
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2) or isinstance(stage, bool):
+        raise ConfigError(f"{source}: zero_optimization.stage: expected 0, 1 or 2, got {stage!r} (the engine hook "
+                          "needs whole parameters on every rank; ZeRO stage 3 partitions them)")
+    for key in ("offload_optimizer", "offload_param"):
+        value = zero.get(key)
+        device = value.get("device", "none") if isinstance(value, dict) else value
+        if device not in (None, "none"):
+            raise ConfigError(f"{source}: zero_optimization.{key}: device {device!r} is not supported by the engine "
+                              "hook (it writes gradients into ZeRO's partitions on the accelerator); remove "
+                              f"{key} (LoRA's optimizer state is small)")
+    if zero.get("cpu_offload"):
+        raise ConfigError(f"{source}: zero_optimization.cpu_offload: CPU offload is not supported by the engine "
+                          "hook; remove it")
+    amp = ds.pop("amp", None)  # NVIDIA Apex: off ("auto" under the HF Trainer without --fp16_backend apex)
+    if isinstance(amp, dict) and amp.get("enabled") not in (None, False, AUTO):
+        raise ConfigError(f"{source}: amp.enabled: Apex AMP does not run with ZeRO; remove the amp block "
+                          "(use bf16)")
+    if isinstance(ds.get("elasticity"), dict) and ds["elasticity"].get("enabled"):
+        raise ConfigError(f"{source}: elasticity.enabled: DeepSpeed elasticity picks its own batch sizes; the run "
+                          "YAML decides them (in isomer groups): remove the elasticity block")
+
+
+def _resolve_batch_sizes(ds: dict[str, Any], run: RunConfig, hook: HookConfig, world_size: int, accum: int,
+                         source: str) -> None:
     micro = run.data.groups_per_micro_batch * hook.num_domains
     want = {
         "train_micro_batch_size_per_gpu": micro,
@@ -73,38 +178,128 @@ def build_ds_config(run: RunConfig, ds_raw: dict[str, Any], world_size: int, acc
         "train_batch_size": micro * accum * world_size,
     }
     for key, value in want.items():
-        given = ds.get(key, "auto")
-        if given not in ("auto", value):
+        given = ds.get(key, AUTO)
+        if given not in (AUTO, value):
             raise ConfigError(
                 f"{source}: {key} is {given!r} but the run YAML's data settings give {value}; "
                 f'set it to "auto" (batches are counted in isomer groups in the run YAML)'
             )
         ds[key] = value
-    ds.setdefault("zero_allow_untested_optimizer", True)  # a torch AdamW, built by the trainer
-    ds.setdefault("steps_per_print", 10**9)
-    zero = ds.setdefault("zero_optimization", {})
-    zero.setdefault("elastic_checkpoint", True)  # resume at another world size
-    if use_cpu() if cpu is None else cpu:
-        for key in ("fp16", "bf16"):
-            if ds.get(key, {}).get("enabled"):
-                raise ConfigError(f"{source}: {key} is enabled but this run is on the CPU; "
-                                  "use ds_configs/zero2_fp32.json")
-    return ds, hook
 
 
-def default_ds_config(out: Path) -> str:
-    """The shipped fp32 ZeRO-2 config (CPU or GPU); installed without the repository, the same
-    settings written under ``out``. Its ``iga`` block names no method: runs set their own."""
-    shipped = SHIPPED / "zero2_fp32.json"
-    if shipped.is_file():
-        return str(shipped)
-    cfg = {
-        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
-        "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": 2, "overlap_comm": False, "contiguous_gradients": True,
-                              "elastic_checkpoint": True},
-        "zero_allow_untested_optimizer": True,
-    }
-    path = Path(out) / "zero2_fp32.json"
-    atomic_write_json(path, cfg)
-    return str(path)
+def _agrees(given: Any, want: Any) -> bool:
+    """A number (or list of numbers) given in the JSON that equals the run YAML's."""
+    if isinstance(want, (list, tuple)):
+        return isinstance(given, (list, tuple)) and len(given) == len(want) and all(map(_agrees, given, want))
+    return isinstance(given, (int, float)) and not isinstance(given, bool) and math.isclose(given, want, rel_tol=1e-9,
+                                                                                            abs_tol=0.0)
+
+
+def _resolve_clipping(ds: dict[str, Any], run: RunConfig, source: str, run_source: str) -> None:
+    want = run.schedule.gradient_clipping
+    given = ds.get("gradient_clipping", AUTO)
+    if given != AUTO and not _agrees(given, want):
+        raise ConfigError(f"gradient_clipping: {source} sets gradient_clipping: {given!r} and {run_source} "
+                          f"schedule.gradient_clipping: {want}; set \"auto\" in {source} and the value in "
+                          f"{run_source}")
+    ds["gradient_clipping"] = want
+
+
+def _resolve_precision(ds: dict[str, Any], run: RunConfig, hook: HookConfig, source: str, run_source: str,
+                       cpu: bool) -> None:
+    """``bf16.enabled`` / ``fp16.enabled``: ``"auto"`` from ``model.dtype``; then the two files
+    checked against each other, against the method and against the CPU."""
+    dtype = run.model.dtype
+    enabled, auto = {}, {}
+    for key in ("bf16", "bfloat16", "fp16"):  # "bfloat16": DeepSpeed's older name of the bf16 block
+        if key not in ds:
+            continue
+        block = _mapping(ds, key, source)
+        value = block.get("enabled", False)
+        auto[key] = value == AUTO
+        if auto[key]:
+            value = PRECISION_OF_DTYPE.get(dtype) == ("fp16" if key == "fp16" else "bf16")
+        elif not isinstance(value, bool):
+            raise ConfigError(f"{source}: {key}.enabled: expected true, false or \"auto\", got {value!r}")
+        block["enabled"] = enabled[key] = value
+    on = [key for key, value in enabled.items() if value]
+    if len(on) > 1:
+        raise ConfigError(f"{source}: {on[0]}.enabled and {on[1]}.enabled are both true; enable one at most")
+    want = PRECISION_OF_DTYPE.get(dtype)
+    have = on[0] if on else None
+    if want is not None and (have or "").replace("bfloat16", "bf16") != want:
+        got = f"sets {have}.enabled: true" if have else "enables neither bf16 nor fp16"
+        raise ConfigError(f"model.dtype: {run_source} sets model.dtype: {dtype} but {source} {got}; set "
+                          f"{want}.enabled to \"auto\" or true in {source}, or model.dtype: float32")
+    if have == "fp16" and hook.build_method().needs_domain_gradients:
+        raise ConfigError(f"{source}: fp16.enabled: the engine hook supports bf16 and fp32 with method "
+                          f"{hook.method!r} (dynamic loss scaling is not handled); use bf16")
+    if have and cpu:
+        why = f" (\"auto\": {run_source} sets model.dtype: {dtype})" if auto[have] else ""
+        fix = f"set model.dtype: float32 in {run_source}" if auto[have] else f"use {DEFAULT_DEEPSPEED}"
+        raise ConfigError(f"{source}: {have} is enabled{why} but this run is on the CPU; {fix}")
+
+
+def _check_optimizer(block: Any, run: RunConfig, source: str, run_source: str) -> None:
+    """An ``optimizer`` block: AdamW whose values are ``"auto"`` or the run YAML's schedule."""
+    if block is None:
+        return
+    fix = "set its values to \"auto\" or remove the block: the trainer's AdamW takes them from the run YAML's schedule"
+    if not isinstance(block, dict) or set(block) - {"type", "params"}:
+        raise ConfigError(f"{source}: optimizer: expected {{\"type\": \"AdamW\", \"params\": {{...}}}}, got {block!r}")
+    if str(block.get("type", "")).lower() != "adamw":
+        raise ConfigError(f"{source}: optimizer.type: {block.get('type')!r}: iga-ds trains with the AdamW of the "
+                          "run YAML's schedule; set the type to \"AdamW\" (values \"auto\") or remove 'optimizer'")
+    params = block.get("params") or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"{source}: optimizer.params: expected an object, got {params!r}")
+    for key, given in params.items():
+        if key not in OPTIMIZER_PARAMS:
+            raise ConfigError(f"{source}: optimizer.params.{key}: not a setting of iga-ds's AdamW (it takes "
+                              f"{', '.join(OPTIMIZER_PARAMS)} from the run YAML's schedule); remove it")
+        want = getattr(run.schedule, key)
+        if given != AUTO and not _agrees(given, want):
+            raise ConfigError(f"optimizer.params.{key}: {source} sets {given!r} but {run_source} has "
+                              f"schedule.{key}: {want}; {fix}")
+
+
+def _check_scheduler(block: Any, source: str, run_source: str) -> None:
+    """A ``scheduler`` block: one of DeepSpeed's warm-up schedules with every value ``"auto"``,
+    which then stands for the run YAML's schedule."""
+    if block is None:
+        return
+    fix = (f"set its values to \"auto\" or remove the block: {run_source}'s schedule decides the learning rate "
+           "(lr, warmup_ratio, min_lr_ratio: linear warm-up, then cosine decay)")
+    if not isinstance(block, dict) or set(block) - {"type", "params"}:
+        raise ConfigError(f"{source}: scheduler: expected {{\"type\": \"WarmupLR\", \"params\": {{...}}}}, "
+                          f"got {block!r}")
+    kind = str(block.get("type", ""))
+    if kind.lower() not in SCHEDULERS:
+        raise ConfigError(f"{source}: scheduler.type: {kind!r} is not run by iga-ds; remove the block: "
+                          f"{run_source}'s schedule decides the learning rate (linear warm-up, then cosine decay)")
+    params = block.get("params") or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"{source}: scheduler.params: expected an object, got {params!r}")
+    for key, given in params.items():
+        if key not in SCHEDULERS[kind.lower()]:
+            raise ConfigError(f"{source}: scheduler.params.{key}: not a parameter of {kind}; remove it")
+        if given != AUTO:
+            raise ConfigError(f"{source}: scheduler.params.{key}: {given!r}; {fix}")
+
+
+def _refuse_auto_left(node: Any, source: str, where: str = "") -> None:
+    """An ``"auto"`` that iga-ds does not resolve, named, instead of DeepSpeed's own error."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        dotted = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else str(key)
+        if value == AUTO:
+            raise ConfigError(f"{source}: {dotted}: \"auto\" is not resolved by iga-ds (it resolves the batch "
+                              "sizes, gradient_clipping, bf16/fp16.enabled and the optimizer and scheduler); "
+                              "give a value")
+        _refuse_auto_left(value, source, dotted)
+
+
+def default_ds_config(out: Path | None = None) -> str:
+    """The shipped fp32 ZeRO-2 config (CPU or GPU), from the installed package. Its ``iga`` block
+    names no method: runs set their own. ``out`` is not used (it once received a copy)."""
+    return shipped_file(DEFAULT_DEEPSPEED)

@@ -32,8 +32,10 @@ the test suite fails when this file and the code disagree. Two files configure a
 - the **run YAML** (`iga-ds train --config RUN.yaml`, `launch/train.py --config RUN.yaml`), whose
   keys can also be set on the command line as `KEY=VALUE` (`schedule.max_steps=100`);
 - the **DeepSpeed JSON** (`deepspeed:` in the run YAML, or `--deepspeed`), DeepSpeed's own config
-  plus an `iga` block for the engine hook. Its batch sizes stay `"auto"` (the run YAML counts
-  batches in isomer groups); it has no `optimizer` or `scheduler` (the run YAML's `schedule`).
+  plus an `iga` block for the engine hook (JSON or hjson). Its batch sizes, `gradient_clipping`,
+  `bf16`/`fp16.enabled` and any AdamW optimizer and warm-up scheduler values are `"auto"` or
+  agree with the run YAML, which counts batches in isomer groups and owns the optimizer and its
+  schedule; a key iga-ds cannot honour is an error naming it.
 
 The method (`method.name`, `method.params`) and the domains (`data.domains`) can be set in either
 file: in the JSON's `iga` block they are `method`, `params` and `domains`. Set each in one of

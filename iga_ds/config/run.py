@@ -4,11 +4,20 @@ Defaults follow the paper's implementation details (LoRA r 16, alpha 32 on q, k,
 lr 2e-4, cosine decay with 3% linear warmup, weight decay 0.01, betas 0.9/0.999). Every key is
 typed and documented on its field (docs/CONFIG.md is generated from them); a wrong key or type
 raises ``ConfigError`` naming the file, the dotted key and what was expected.
+
+Paths (``deepspeed``, ``data.train``, ``model.name_or_path``, ``tokenizer``): a relative path
+written in a file is relative to that file's folder, as an include is; where nothing is there
+but the path exists relative to the working directory, that one is used (files written for a
+run from the repository root). A path given on the command line (``KEY=VALUE``, ``--deepspeed``)
+is relative to the working directory, as the shell's are. :func:`resolve_path` is the one rule,
+for run YAMLs and grid files alike. ``output_dir`` is an output: relative to the working
+directory.
 """
 from __future__ import annotations
 
 import copy
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -20,6 +29,19 @@ from iga_ds.errors import ConfigError
 from iga_ds.files import read_yaml_file
 
 BUILTIN_TINY = "builtin:tiny"
+# the repository's configs/ and ds_configs/, shipped in the package (pyproject.toml's package
+# data; in a source checkout, symbolic links to the two folders): `iga-ds init` writes them out
+SHIPPED = Path(__file__).resolve().parent / "shipped"
+DEFAULT_DEEPSPEED = "ds_configs/zero2_fp32.json"
+# the run YAML's keys that hold a path, resolved by :func:`resolve_path`
+PATH_KEYS = ("deepspeed", "data.train", "model.name_or_path", "tokenizer")
+# those that may name a Hugging Face hub id instead of a file: an org/name (@revision) that names
+# no file or folder is kept as written
+MAY_NOT_BE_PATHS = ("model.name_or_path", "tokenizer")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_](@[\w./-]+)?$")
+RELATIVE = ("; a relative path is relative to the folder of the file that names it (or to the working directory, "
+            "where it exists only there); on the command line, to the working directory")
+RELATIVE_OR_NAME = RELATIVE + "; an `org/name` found in neither place is kept as written (a hub id)"
 
 
 class TinyBaseConfig(Section):
@@ -53,10 +75,16 @@ class TinyBaseConfig(Section):
 
 
 class ModelConfig(Section):
-    name_or_path: str = setting(BUILTIN_TINY, "a local Hugging Face causal-LM folder (never downloaded, no remote "
-                                "code), or `builtin:tiny`: the built-in tiny LLaMA, pretrained here and cached")
+    name_or_path: str = setting(BUILTIN_TINY, "the base model: a local Hugging Face causal-LM folder; a Hugging Face hub "
+                                "id `org/name` or `org/name@revision` (downloaded into the Hugging Face cache on first "
+                                "use, read from it with `HF_HUB_OFFLINE=1`; huggingface_hub reads `HF_TOKEN` for gated "
+                                "models); a single `.gguf` file (needs `pip install 'iga-ds[gguf]'`; de-quantized to "
+                                "`model.dtype`); or `builtin:tiny`: the built-in tiny LLaMA, pretrained here and cached. "
+                                "No remote code runs" + RELATIVE_OR_NAME)
     dtype: Literal["float32", "bfloat16", "float16"] = setting(
-        "float32", "the weights' dtype when loaded (the DeepSpeed JSON decides the training precision)")
+        "float32", "the weights' dtype when loaded; the DeepSpeed JSON's `bf16.enabled` / `fp16.enabled` set to "
+        "`\"auto\"` follow it (bfloat16: bf16, float16: fp16, float32: neither), and a half dtype needs its own "
+        "block enabled (float32 weights may train in bf16 or fp16: DeepSpeed casts them)")
     gradient_checkpointing: bool = setting(False, "activation checkpointing (non-reentrant), for large models")
     attn_implementation: Optional[str] = setting("eager", "Hugging Face attention implementation, e.g. `sdpa`; "
                                                  "null: the library's default")
@@ -89,7 +117,7 @@ class LoraSettings(Section):
 
 
 class DataConfig(Section):
-    train: str = setting("", "isomer JSON Lines to train on (one record per domain instance)")
+    train: str = setting("", "isomer JSON Lines to train on (one record per domain instance)" + RELATIVE)
     domains: Optional[list[str]] = setting(None, "the domains, in the order the method sees them; null: the "
                                            "DeepSpeed config's `iga.domains` (default math, medical, legal, science)")
     groups_per_step: int = setting(8, "K whole isomer groups per optimizer step, over all ranks",
@@ -115,6 +143,9 @@ class ScheduleConfig(Section):
     weight_decay: Number = setting(0.01, "AdamW weight decay", expected="a non-negative number", ge=0)
     betas: list[Number] = setting(lambda: [0.9, 0.999], "AdamW betas", expected="two numbers in [0, 1)")
     eps: Number = setting(1e-8, "AdamW epsilon", expected="a positive number", gt=0)
+    gradient_clipping: Number = setting(1.0, "clip the gradient's global norm at this value (0: no clipping); the "
+                                        "DeepSpeed JSON's `gradient_clipping` is `\"auto\"` or absent to take it, "
+                                        "or the same number", expected="a non-negative number", ge=0)
     epochs: Number = setting(1.0, "passes over the groups (an incomplete last batch is dropped)",
                              expected="a positive number", gt=0)
     max_steps: Optional[int] = setting(None, "optimizer steps; wins over epochs when set",
@@ -153,10 +184,13 @@ class RunConfig(Section):
 
     output_dir: str = setting("runs/default", "every output: adapter, metrics, checkpoints",
                               expected="a directory path", min_length=1)
-    deepspeed: str = setting("ds_configs/zero2_fp32.json", "the DeepSpeed JSON; its `iga` block holds the hook's "
-                             "settings (the `iga` section below)")
+    deepspeed: Optional[str] = setting(None, "the DeepSpeed JSON (hjson too: comments, trailing commas); its `iga` "
+                                       "block holds the hook's settings (the `iga` section below); null: the "
+                                       f"shipped `{DEFAULT_DEEPSPEED}` (fp32 ZeRO-2, CPU or GPU)" + RELATIVE)
     model: ModelConfig = setting(ModelConfig, "the base model")
-    tokenizer: Optional[str] = setting(None, "a local tokenizer folder; null: the model folder's")
+    tokenizer: Optional[str] = setting(None, "a local tokenizer folder, a Hugging Face hub id (`org/name[@revision]`) "
+                                       "or a `.gguf` file, resolved like `model.name_or_path`; null: the model's own"
+                                       + RELATIVE_OR_NAME)
     lora: LoraSettings = setting(LoraSettings, "the adapters")
     data: DataConfig = setting(DataConfig, "training data and batches")
     schedule: ScheduleConfig = setting(ScheduleConfig, "optimizer and learning-rate schedule")
@@ -173,6 +207,12 @@ class RunConfig(Section):
     @property
     def source(self) -> str:
         return self._source
+
+    @model_validator(mode="after")
+    def _shipped_deepspeed(self) -> "RunConfig":
+        if self.deepspeed is None:
+            self.deepspeed = shipped_file(DEFAULT_DEEPSPEED)
+        return self
 
     @model_validator(mode="after")
     def _tiny_needs_builtin(self) -> "RunConfig":
@@ -212,34 +252,79 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
-def resolve_relative(path: str, base: Path) -> str:
-    """Paths in a config are relative to the working directory; fall back to the config's folder."""
-    if not path or path.startswith("builtin:") or os.path.isabs(path) or os.path.exists(path):
+def shipped_file(relative: str) -> str:
+    """A shipped config (``ds_configs/zero2_fp32.json``, ``configs/tiny_cpu.yaml``) in this
+    installation of iga-ds."""
+    path = SHIPPED / relative
+    if not path.is_file():
+        raise ConfigError(f"{relative}: not in this installation of iga-ds (its package data is missing; reinstall it)")
+    return str(path.resolve())
+
+
+def shipped_names() -> list[str]:
+    """Every shipped config as a path under the shipped folder, as the repository lays them out:
+    ``configs/tiny_cpu.yaml``, ``configs/experiments/smoke_cpu.yaml``, ``ds_configs/zero2.json``."""
+    patterns = ("configs/*.yaml", "configs/experiments/*.yaml", "ds_configs/*.json")  # pyproject.toml's list
+    return sorted(p.relative_to(SHIPPED).as_posix() for pattern in patterns for p in SHIPPED.glob(pattern))
+
+
+def resolve_path(path: str, base: Path | None, keep_missing: bool = False) -> str:
+    """The absolute path of ``path``, named in a file in folder ``base`` (None: on the command
+    line). Relative to ``base`` unless nothing is there and the path exists relative to the
+    working directory; with no ``base``, relative to the working directory. Names such as
+    ``builtin:tiny`` and the empty string stay as they are; with ``keep_missing``, so does an
+    ``org/name`` (hub id shaped) found in neither place."""
+    if not path or path.startswith("builtin:"):
         return path
-    candidate = base / path
-    return str(candidate) if candidate.exists() else path
+    given = Path(path).expanduser()
+    if given.is_absolute():
+        return os.path.normpath(given)
+    beside = Path(base) / given if base is not None else given
+    if beside.exists():
+        return os.path.abspath(beside)
+    if given.exists():
+        return os.path.abspath(given)
+    return path if keep_missing and HUB_ID.match(path) else os.path.abspath(beside)
+
+
+def resolve_config_paths(raw: dict[str, Any], base: Path | None, keys: tuple[str, ...] = PATH_KEYS) -> None:
+    """:func:`resolve_path` on the path keys (dotted) of a run-YAML mapping, in place; a value
+    that is not a string is left for validation to report."""
+    for dotted in keys:
+        *parents, last = dotted.split(".")
+        node: Any = raw
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and isinstance(node.get(last), str):
+            node[last] = resolve_path(node[last], base, keep_missing=dotted in MAY_NOT_BE_PATHS)
+
+
+def _set_on_command_line(overrides: list[str]) -> tuple[str, ...]:
+    """The path keys that an override sets (itself or a mapping above it)."""
+    set_keys = [parse_override(text)[0] for text in overrides]
+    return tuple(k for k in PATH_KEYS if any(k.split(".")[:len(p)] == p for p in set_keys))
 
 
 def load_run_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> RunConfig:
-    """Read a run YAML (or only overrides when ``path`` is None), check every key and type."""
+    """Read a run YAML (or only overrides when ``path`` is None), check every key and type, and
+    resolve its paths (:func:`resolve_path`: the file's relative to its folder, the overrides'
+    relative to the working directory)."""
     raw: dict[str, Any] = {}
-    base = Path.cwd()
+    overrides = list(overrides or [])
     if path is not None:
         path = Path(path)
         raw = read_yaml_file(path, "config file") or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level")
-        base = path.parent
-    raw = apply_overrides(raw, overrides or [])
+        resolve_config_paths(raw, path.parent)
+    raw = apply_overrides(raw, overrides)
+    resolve_config_paths(raw, None, _set_on_command_line(overrides))
     try:
         cfg = config_from_dict(raw)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}" if path is not None else str(exc)) from None
     if path is not None:
         cfg._source = str(path)
-    cfg.deepspeed = resolve_relative(cfg.deepspeed, base)
-    cfg.data.train = resolve_relative(cfg.data.train, base)
-    cfg.model.name_or_path = resolve_relative(cfg.model.name_or_path, base)
     return cfg
 
 

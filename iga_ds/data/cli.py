@@ -120,7 +120,7 @@ def cmd_validate(args) -> int:
     for path in args.files:
         records, lines = read_with_lines(path)
         check_groups(records, lines, path, allow_partial=args.allow_partial_groups)
-        if args.domains:
+        if args.domains is not None:
             want = set(_domains(args.domains))
             have = {r["domain"] for r in records}
             if have != want:
@@ -158,8 +158,10 @@ def cmd_validate(args) -> int:
 def cmd_synth(args) -> int:
     from iga_ds.data.patterns import PATTERNS
     from iga_ds.data.synth import synthesize
+    from iga_ds.files import check_output_dir
 
-    patterns = tuple(p.strip() for p in args.patterns.split(",")) if args.patterns else PATTERNS
+    check_output_dir(args.out)
+    patterns = tuple(p.strip() for p in args.patterns.split(",")) if args.patterns is not None else PATTERNS
     manifest = synthesize(args.out, args.groups, args.seed, _domains(args.domains), args.shortcut,
                           patterns=patterns, min_depth=args.min_depth, max_depth=args.max_depth,
                           test_frac=args.test_frac, progress=not args.no_progress,
@@ -176,7 +178,9 @@ def cmd_build(args) -> int:
     from iga_ds.data.teacher.clients import Counters, LocalCausalLMClient, OpenAIChatClient, resolve_api_key
     from iga_ds.data.teacher.pipeline import BuildSettings, build
     from iga_ds.data.teacher.prompts import Prompts
+    from iga_ds.files import check_output_dir
 
+    check_output_dir(args.out)
     if not 0.0 <= args.min_score <= 1.0:
         raise UserError(f"--min-score {args.min_score}: expected a number in [0, 1]")
     if args.max_step_diff < 0 or args.max_regenerations < 0:
@@ -215,8 +219,9 @@ def cmd_build(args) -> int:
 def cmd_split(args) -> int:
     from iga_ds.data.schema import read_isomer_jsonl
     from iga_ds.data.splits import LEAKAGE_WARNING, split_by_instance, split_by_seed
-    from iga_ds.files import atomic_write_json, atomic_write_text
+    from iga_ds.files import atomic_write_json, atomic_write_text, check_output_dir
 
+    check_output_dir(args.out)
     records = read_isomer_jsonl(args.input, allow_partial_groups=False)
     if args.by == "seed":
         train, test = split_by_seed(records, args.test_frac, args.seed)

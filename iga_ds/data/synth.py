@@ -26,7 +26,7 @@ from iga_ds.data.domains import DEFAULT_DOMAINS, DOMAINS, Domain, get_domain
 from iga_ds.data.patterns import BOOLEAN_ANSWERS, INTEGER_ANSWERS, PATTERNS, SAMPLERS, SLOT_KIND
 from iga_ds.data.render import abstract_statements, render_cot, render_problem, slot_words
 from iga_ds.errors import UserError
-from iga_ds.files import atomic_write_json, temp_file_beside
+from iga_ds.files import atomic_write_json, make_dir, temp_file_beside
 
 FORMAT_VERSION = 1
 TEST_FRAC = 0.2
@@ -237,7 +237,7 @@ class _SplitTally:
 def _write_splits(out: Path, groups: Iterable[list[dict]], total: int, with_cue: bool,
                   progress: bool) -> tuple[dict[str, _HashingWriter], dict[str, _SplitTally]]:
     """Stream each group into train.jsonl or test.jsonl, all or nothing; return writers and tallies."""
-    writers = {"train": _HashingWriter(out / "train.jsonl"), "test": _HashingWriter(out / "test.jsonl")}
+    writers: dict[str, _HashingWriter] = {}
     tallies = {"train": _SplitTally(), "test": _SplitTally()}
     bar = None
     if progress:
@@ -245,6 +245,8 @@ def _write_splits(out: Path, groups: Iterable[list[dict]], total: int, with_cue:
 
         bar = tqdm(total=total, unit="group", desc="synth", mininterval=0.5)
     try:
+        for split in ("train", "test"):
+            writers[split] = _HashingWriter(out / f"{split}.jsonl")
         for i, group in enumerate(groups):
             split = group[0]["meta"]["split"]
             tallies[split].add(group, with_cue)
@@ -273,8 +275,7 @@ def synthesize(out_dir, groups: int, seed: int, domains: Sequence[str] = DEFAULT
     """Write ``train.jsonl``, ``test.jsonl`` and ``manifest.json`` to ``out_dir``; return the manifest."""
     domains, patterns = tuple(domains), tuple(patterns)
     _check_args(groups, domains, shortcut, patterns, min_depth, max_depth, test_frac, neutral_cue)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_dir(out_dir)
     with_cue = shortcut > 0.0 or neutral_cue
     writers, tallies = _write_splits(
         out, iter_groups(groups, seed, domains, shortcut, patterns, min_depth, max_depth, test_frac,

@@ -13,6 +13,8 @@ from typing import Any
 from iga_ds.errors import UserError
 from iga_ds.metrics.accuracy import format_percent
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
 
 def _int_list(text: str) -> list[int]:
     try:
@@ -40,9 +42,12 @@ def register(subparsers: Any) -> None:
         description="Generate greedily, extract final answers, score exact match per domain and "
         "ID/OOD split, and write eval.json (resumable: rerun the same command after a kill).",
     )
-    ev.add_argument("--base", required=True, help="local Hugging Face causal-LM directory")
+    ev.add_argument("--base", required=True,
+                    help="the causal LM: a local folder, a Hugging Face hub id (org/name[@revision]; downloaded, "
+                    "or read from the Hugging Face cache when HF_HUB_OFFLINE=1) or a .gguf file")
     ev.add_argument("--adapter", help="PEFT adapter directory (from training)")
-    ev.add_argument("--tokenizer", help="tokenizer directory (default: the adapter's if saved there, else the base's)")
+    ev.add_argument("--tokenizer", help="a tokenizer folder, hub id or .gguf file (default: the adapter's if saved "
+                    "there, else the base's)")
     src = ev.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="isomer JSON Lines file")
     src.add_argument("--benchmark", help="logiqa2, reclor, math or arb (a local copy, see --benchmark-dir)")
@@ -55,7 +60,7 @@ def register(subparsers: Any) -> None:
     ev.add_argument("--ood-domains", default="", help="isomer data: comma-separated domains to count as OOD")
     ev.add_argument("--max-new-tokens", type=int, default=512)
     ev.add_argument("--batch-size", type=int, default=8)
-    ev.add_argument("--limit", type=int, help="evaluate only the first N items (quick checks)")
+    ev.add_argument("--limit", type=int, help="evaluate only the first N items, N >= 1 (quick checks)")
     ev.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPUs that support it, else float32), float32, bfloat16, float16")
     ev.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     ev.add_argument("--no-stop-after-answer", action="store_true", help="generate until EOS or the token limit even after an Answer line")
@@ -75,7 +80,11 @@ def _load_items(args: argparse.Namespace) -> tuple[list, dict[str, Any], list[di
 
         records = read_isomer_records(args.data)
         name = args.name or Path(args.data).stem
-        ood = [d for d in args.ood_domains.split(",") if d]
+        ood = [d.strip() for d in args.ood_domains.split(",") if d.strip()]
+        unknown = sorted(set(ood) - {r["domain"] for r in records})
+        if unknown:
+            have = ", ".join(sorted({r["domain"] for r in records}))
+            raise UserError(f"--ood-domains: {', '.join(unknown)} not in {args.data} (it has {have})")
         items = isomer_items(records, name=name, ood_domains=ood)
         source = {"benchmark": name, "data": str(Path(args.data).resolve()), "ood_domains": ood}
         return items, source, records
@@ -93,9 +102,21 @@ def _load_items(args: argparse.Namespace) -> tuple[list, dict[str, Any], list[di
     return items, source, None
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Numbers in range and an output that can be written, before any data or model is read."""
+    from iga_ds.files import check_output_file
+
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size),
+                        ("--limit", args.limit), ("--lcs-max-groups", args.lcs_max_groups)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} {value}: expected a positive integer")
+    if args.dtype not in DTYPES:
+        raise UserError(f"--dtype {args.dtype}: expected one of {', '.join(DTYPES)}")
+    check_output_file(args.out)
+
+
 def run_eval(args: argparse.Namespace) -> int:
-    if args.max_new_tokens < 1 or args.batch_size < 1:
-        raise UserError("--max-new-tokens and --batch-size must be positive")
+    _check_args(args)
     items, source, records = _load_items(args)  # bad data fails before the model loads
     if args.limit is not None:
         items = items[: args.limit]
@@ -105,11 +126,12 @@ def run_eval(args: argparse.Namespace) -> int:
     from iga_ds.evaluation.consistency import lcs_block
     from iga_ds.evaluation.generation import load_model
     from iga_ds.evaluation.runner import evaluate
+    from iga_ds.models import check_model_source
 
     model, tokenizer = load_model(args.base, args.adapter, args.tokenizer, dtype=args.dtype, device=args.device)
     settings = {
         "model": {
-            "base": str(Path(args.base).resolve()),
+            "base": check_model_source(args.base, "--base").label,  # a hub id stays an id
             "adapter": str(Path(args.adapter).resolve()) if args.adapter else None,
         },
         **source,

@@ -1,8 +1,9 @@
-"""Loading a local causal LM (plus an optional PEFT adapter) and batched greedy generation.
+"""Loading a causal LM (plus an optional PEFT adapter) and batched greedy generation.
 
-Nothing is downloaded (``local_files_only``) and no remote code runs. Prompts are left-padded
-so every continuation starts right after its prompt; a batch is formed from prompts of similar
-length to waste little compute on padding.
+The base is a local folder, a Hugging Face hub id or a .gguf file (``iga_ds.models``): only a
+hub id is downloaded (or read from the Hugging Face cache offline), and no remote code runs.
+Prompts are left-padded so every continuation starts right after its prompt; a batch is formed
+from prompts of similar length to waste little compute on padding.
 """
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from iga_ds.errors import UserError
+from iga_ds.models import TOKENIZER_FILES, check_model_source, load_auto_tokenizer, load_causal_lm
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # a complete "Answer: ..." line (it ends in a newline): generation can stop there
 _ANSWER_DONE = re.compile(r"(?:^|\n)[\s*#>]*(?:final\s+)?answer\s*[:：][^\n]*\S[^\n]*\n", re.IGNORECASE)
 
@@ -45,29 +46,26 @@ def load_model(
     dtype: str = "auto",
     device: str = "auto",
 ) -> tuple[Any, Any]:
-    """(model in eval mode, tokenizer) from local directories; the adapter is merged for speed."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    base = Path(base)
-    if not (base / "config.json").is_file():
-        raise UserError(f"--base: {base} is not a local Hugging Face model directory (no config.json)")
+    """(model in eval mode, tokenizer). ``base`` and ``tokenizer_dir``: a local folder, a Hugging
+    Face hub id or a .gguf file (``iga_ds.models``); the adapter, a local PEFT folder, is merged
+    for speed."""
+    check_model_source(base, "--base")  # a misspelled or absent base fails before anything loads
     if adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
         raise UserError(f"--adapter: {adapter} is not a PEFT adapter directory (no adapter_config.json)")
     device = resolve_device(device)
-    model = AutoModelForCausalLM.from_pretrained(
-        base, dtype=_pick_dtype(dtype, device), local_files_only=True, trust_remote_code=False
-    )
+    model = load_causal_lm(base, "--base", _pick_dtype(dtype, device))
     if adapter is not None:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
         model = model.merge_and_unload()  # same outputs, no per-layer adapter overhead
     model.to(device).eval()
+    what = "--tokenizer"
     if tokenizer_dir is None:
         # an adapter saved with its tokenizer (added tokens) takes precedence over the base's
-        has_own = adapter is not None and any((Path(adapter) / f).is_file() for f in _TOKENIZER_FILES)
-        tokenizer_dir = adapter if has_own else base
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True, trust_remote_code=False)
+        has_own = adapter is not None and any((Path(adapter) / f).is_file() for f in TOKENIZER_FILES)
+        tokenizer_dir, what = (adapter, "--adapter") if has_own else (base, "--base")
+    tokenizer = load_auto_tokenizer(tokenizer_dir, what)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

@@ -21,7 +21,7 @@ REQUIRED = ("group_id", "domain", "problem", "answer")
 def read_isomer_records(path: str | Path) -> list[dict[str, Any]]:
     """Records of an isomer file; a missing file or field is an error naming file and line."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise DataError(f"{path}: no such isomer file (JSON Lines, one record per domain instance)")
     records = []
     seen: dict[tuple[str, str], int] = {}
@@ -29,6 +29,10 @@ def read_isomer_records(path: str | Path) -> list[dict[str, Any]]:
         for key in REQUIRED:
             if key not in rec or rec[key] is None or (isinstance(rec[key], str) and not rec[key].strip()):
                 raise DataError(f"{path}:{lineno}: missing field {key!r}")
+            # a number serves as an id or an answer; the domain and the problem are text
+            kinds = (str,) if key in ("domain", "problem") else (str, int, float)
+            if isinstance(rec[key], bool) or not isinstance(rec[key], kinds):
+                raise DataError(f"{path}:{lineno}: field {key!r}: expected a string, got {rec[key]!r:.60}")
         key = (str(rec["group_id"]), str(rec["domain"]))
         if key in seen:
             raise DataError(

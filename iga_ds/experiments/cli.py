@@ -88,17 +88,22 @@ def run_pack(args: argparse.Namespace) -> int:
 
 
 def run_experiment(args: argparse.Namespace) -> int:
+    from iga_ds.errors import UserError
     from iga_ds.experiments.experiment import cell_status, prepare_grid, run_grid
     from iga_ds.experiments.grid import load_grid
+    from iga_ds.files import check_output_dir
 
     grid = load_grid(args.grid)
+    cells = [c for c in grid.cells() if not args.only or any(fnmatch.fnmatchcase(c.name, p) for p in args.only)]
+    if not cells:
+        raise UserError(f"--only {' '.join(args.only)}: no cell of {grid.path} matches")
     if args.dry_run:
-        cells = [c for c in grid.cells() if not args.only or any(fnmatch.fnmatchcase(c.name, p) for p in args.only)]
         for cell in cells:
             v = cell.variant
             print(f"{cell.name:<28} {cell_status(grid, cell, Path(args.out)):<8} {v.kind:<9} method {v.method}")
         print(f"{len(cells)} cells")
         return 0
+    check_output_dir(args.out)  # before the data is generated or a cell trains
     if args.prepare:
         prepare_grid(grid, args.out, progress=not args.no_progress)
         return 0
@@ -117,7 +122,24 @@ def run_report(args: argparse.Namespace) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    from iga_ds.errors import ConfigError, UserError
     from iga_ds.experiments.demo import run_demo as demo
+    from iga_ds.files import check_output_dir
+    from iga_ds.methods import method_class
 
-    demo(args.out, methods=[m for m in args.methods.split(",") if m], steps=args.steps)
+    # checked before the data is generated and the base pretrained: a bad flag writes nothing
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:
+        raise UserError(f"--methods {args.methods!r}: expected comma-separated method names, e.g. erm,iga")
+    if len(set(methods)) != len(methods):
+        raise UserError(f"--methods {args.methods}: a method is listed twice")
+    for name in methods:
+        try:
+            method_class(name)
+        except ConfigError as exc:
+            raise ConfigError(f"--methods: {exc}") from None
+    if args.steps is not None and args.steps < 1:
+        raise UserError(f"--steps {args.steps}: expected a positive number of steps")
+    check_output_dir(args.out)
+    demo(args.out, methods=methods, steps=args.steps)
     return 0

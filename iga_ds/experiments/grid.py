@@ -1,10 +1,13 @@
 """The grid file of ``iga-ds experiment``: its keys, its checks, and the cells it expands to.
 
-A grid (YAML, read with ``yaml.safe_load``) names a base run config, the data, the
+A grid (YAML, read with ``iga_ds.files.read_yaml_file``) names a base run config, the data, the
 evaluations, the seeds, the methods (paper Table 2 rows) and the ablations (Table 3 rows).
 Every (variant, seed) pair is a :class:`Cell` with a stable folder name,
 ``<variant>-s<seed>``. Errors name the file and the key. Running the cells is
 :mod:`iga_ds.experiments.experiment`; the keys are documented in docs/EVALUATION.md.
+Relative paths follow the run YAML's one rule (:func:`iga_ds.config.run.resolve_path`): those
+written in the grid (``train_config``, ``train``, ``data``, ``benchmarks``, a variant's
+``train``) are relative to the grid's folder, those in the base run YAML to the run YAML's.
 """
 from __future__ import annotations
 
@@ -14,10 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-import yaml
-
 from iga_ds.config.deepspeed import default_ds_config
-from iga_ds.config.run import config_from_dict, resolve_relative
+from iga_ds.config.run import config_from_dict, resolve_config_paths, resolve_path
+from iga_ds.data.benchmarks import resolve_options
 from iga_ds.data.domains import DEFAULT_DOMAINS
 from iga_ds.data.patterns import PATTERNS
 from iga_ds.errors import ConfigError
@@ -273,8 +275,7 @@ def _data(raw: dict[str, Any], grid_dir: Path) -> dict[str, Any]:
             value = raw[key]
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"data.{key}: expected the path of an isomer JSON Lines file, got {value!r}")
-            path = Path(value).expanduser()
-            path = path if path.is_absolute() else grid_dir / path
+            path = Path(resolve_path(value, grid_dir))
             if not path.is_file():
                 raise ConfigError(f"data.{key}: {path} not found")
             data[key] = str(path.resolve())
@@ -300,10 +301,14 @@ def _benchmarks(raw: Any, grid_dir: Path) -> list[dict[str, Any]]:
         limit = entry.get("limit")
         if limit is not None and (not _is_int(limit) or limit < 1):
             raise ConfigError(f"{where}.limit: expected a positive integer or null, got {limit!r}")
-        folder = Path(entry["dir"]).expanduser()
-        folder = folder if folder.is_absolute() else grid_dir / folder
+        folder = resolve_path(entry["dir"], grid_dir)
+        options = _mapping(entry.get("options"), f"{where}.options")
+        try:  # a bad option fails here, not at the first evaluation after training
+            resolve_options(entry["benchmark"], options)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
         out.append({"name": name, "benchmark": entry["benchmark"], "dir": str(folder),
-                    "options": copy.deepcopy(_mapping(entry.get("options"), f"{where}.options")), "limit": limit})
+                    "options": copy.deepcopy(options), "limit": limit})
     names = [b["name"] for b in out]
     if len(set(names)) != len(names):
         raise ConfigError(f"benchmarks: evaluation names must be unique, got {names}")
@@ -330,18 +335,17 @@ def _parse_grid(raw: Any, path: Path) -> Grid:
         base = raw["train_config"]
         if not isinstance(base, str):
             raise ConfigError(f"train_config: expected the path of a run YAML, got {base!r}")
-        base_path = grid_dir / base if not Path(base).is_absolute() else Path(base)
+        base_path = Path(resolve_path(base, grid_dir))
         if not base_path.is_file():
             raise ConfigError(f"train_config: {base_path} not found")
-        run = _mapping(yaml.safe_load(base_path.read_text(encoding="utf-8")), "train_config")
-        grid_dir_of_run = base_path.parent
-    else:
-        grid_dir_of_run = grid_dir
-    run = deep_merge(run, _mapping(raw.get("train"), "train"))
+        run = _mapping(_read_train_config(base_path), "train_config")
+        resolve_config_paths(run, base_path.parent)  # the run YAML's paths: beside it
+    train = copy.deepcopy(_mapping(raw.get("train"), "train"))
+    resolve_config_paths(train, grid_dir)  # the grid's own: beside the grid
+    run = deep_merge(run, train)
     for key in ("output_dir", "seed", "method", "resume"):
         run.pop(key, None)  # set per cell
     run.get("data", {}).pop("train", None)
-    _resolve_run_paths(run, grid_dir_of_run)
 
     seeds = raw.get("seeds", [0])
     if not isinstance(seeds, list) or not seeds or not all(_is_int(s) and s >= 0 for s in seeds) \
@@ -352,6 +356,8 @@ def _parse_grid(raw: Any, path: Path) -> Grid:
                  for k, v in _mapping(raw.get("ablations"), "ablations").items()]
     if not variants:
         raise ConfigError("methods: expected at least one method (or ablation)")
+    for v in variants:  # a variant's run settings are written in the grid: their paths are beside it
+        resolve_config_paths(v.train, grid_dir)
     keys = [v.key for v in variants]
     if len(set(keys)) != len(keys):
         dup = next(k for k in keys if keys.count(k) > 1)
@@ -371,15 +377,13 @@ def _parse_grid(raw: Any, path: Path) -> Grid:
     return grid
 
 
-def _resolve_run_paths(run: dict[str, Any], base: Path) -> None:
-    """Relative paths of the run YAML: the working directory first, then the YAML's folder."""
-    if isinstance(run.get("deepspeed"), str):
-        run["deepspeed"] = resolve_relative(run["deepspeed"], base)
-    model = run.get("model")
-    if isinstance(model, dict) and isinstance(model.get("name_or_path"), str):
-        model["name_or_path"] = resolve_relative(model["name_or_path"], base)
-    if isinstance(run.get("tokenizer"), str):
-        run["tokenizer"] = resolve_relative(run["tokenizer"], base)
+def _read_train_config(path: Path) -> Any:
+    """The run YAML a grid names; not UTF-8 or bad YAML is an error naming that file and line
+    (``load_grid`` puts the grid file in front)."""
+    try:
+        return read_yaml_file(path, "run YAML") or {}
+    except ConfigError as exc:
+        raise ConfigError(f"train_config: {exc}") from None
 
 
 # -- one cell ----------------------------------------------------------------------------------
@@ -412,5 +416,5 @@ def cell_run_dict(grid: Grid, cell: Cell, cell_dir: Path, train_file: str, out: 
     run["seed"] = cell.seed
     run["resume"] = "never"  # a cell is finished or wiped, never continued
     if "deepspeed" not in run:
-        run["deepspeed"] = default_ds_config(out) if out is not None else "ds_configs/zero2_fp32.json"
+        run["deepspeed"] = default_ds_config()
     return run

@@ -14,7 +14,7 @@ import tarfile
 from pathlib import Path
 
 from iga_ds.errors import UserError
-from iga_ds.files import atomic_write_bytes, temp_file_beside
+from iga_ds.files import atomic_write_bytes, check_output_file, make_dir, temp_file_beside
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30}
@@ -44,7 +44,7 @@ def excluded(rel: Path, with_weights: bool, with_data: bool) -> bool:
 def _members(root: Path, with_weights: bool, with_data: bool) -> list[Path]:
     """Files to archive, sorted so that two packs of one folder list alike."""
     kept = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in os.walk(root, onerror=_raise):  # an unreadable folder fails
         here = Path(dirpath).relative_to(root)
         dirnames[:] = sorted(d for d in dirnames if not excluded(here / d, with_weights, with_data))
         kept += [here / f for f in sorted(filenames) if not excluded(here / f, with_weights, with_data)]
@@ -62,10 +62,11 @@ def pack(root: str | Path, out: str | Path, *, with_weights: bool = False, with_
         raise UserError(f"{root}: no such results folder")
     if out.resolve().is_relative_to(root.resolve()):
         raise UserError(f"--out {out}: must lie outside the folder being packed")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    check_output_file(out)
     files = _members(root, with_weights, with_data)
     if not files:
         raise UserError(f"{root}: nothing to pack (empty, or only weights and data)")
+    make_dir(out.parent)
     fd, name = temp_file_beside(out)
     os.close(fd)
     tmp = Path(name)
@@ -87,6 +88,10 @@ def pack(root: str | Path, out: str | Path, *, with_weights: bool = False, with_
         return written
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _raise(exc: OSError) -> None:
+    raise exc
 
 
 def _glob_escape(name: str) -> str:

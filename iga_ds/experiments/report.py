@@ -10,7 +10,6 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Sequence
 
-from iga_ds.errors import DataError
 from iga_ds.experiments.figures import make_figures
 from iga_ds.experiments.results import (
     Cell,
@@ -27,7 +26,7 @@ from iga_ds.experiments.results import (
     load_results,
     row_order,
 )
-from iga_ds.files import atomic_write_text
+from iga_ds.files import atomic_write_text, check_output_file, read_text
 from iga_ds.metrics.accuracy import accuracy_per_compute_hour, mean_std
 
 DASH = "–"
@@ -337,15 +336,12 @@ def write_report(root: str | Path, out: str | Path | None = None, figures: bool 
     root = Path(root)
     cells = load_results(root)
     out = Path(out) if out else root / "report.md"
+    check_output_file(out)
+    # read before the figures are drawn: a bad discussion file leaves nothing written
+    text = read_text(discussion, "discussion file") if discussion is not None else None
     made: dict[str, str] = {}
     if figures:
         for caption, path in make_figures(cells, out.parent / "figures").items():
             made[caption] = str(Path(path).relative_to(out.parent)) if Path(path).is_relative_to(out.parent) else str(path)
-    text = None
-    if discussion is not None:
-        path = Path(discussion)
-        if not path.is_file():
-            raise DataError(f"{path}: discussion file not found (--discussion)")
-        text = path.read_text(encoding="utf-8")
     atomic_write_text(out, build_report(cells, made, title=title, discussion=text))
     return out

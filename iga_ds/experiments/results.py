@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from iga_ds.errors import DataError
-from iga_ds.files import read_json, read_jsonl
+from iga_ds.files import iter_jsonl, read_json
 from iga_ds.metrics.mask import metric_series
 
 # paper names of the methods (Table 2 order); unknown names are shown as given
@@ -79,6 +79,49 @@ def _label(method: str, ablation: str | None, given: Any) -> str:
     return METHOD_LABELS.get(method, method)
 
 
+# the numbers the tables read: a number or null each, else an error naming the file and field
+CELL_NUMBERS = ("wall_time_s", "epochs", "peak_mem_gb", "trainable_params", "num_devices")
+EVAL_NUMBERS = ("accuracy", "id_accuracy", "ood_accuracy", "delta_gap", "ood_cue_follow")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_numbers(obj: dict[str, Any], keys: Sequence[str], where: str) -> None:
+    for key in keys:
+        value = obj.get(key)
+        if value is not None and not _is_number(value):
+            raise DataError(f"{where}: field {key!r}: expected a number or null, got {value!r:.60}")
+
+
+def _check_lcs(result: dict[str, Any], where: str) -> None:
+    """An evaluation's ``lcs`` block: null, or ``layers_x1e-2`` mapping layer indices to numbers."""
+    lcs = result.get("lcs")
+    if lcs is None:
+        return
+    layers = lcs.get("layers_x1e-2") if isinstance(lcs, dict) else None
+    if not isinstance(lcs, dict) or not isinstance(layers or {}, dict):
+        raise DataError(f"{where}: field 'lcs': expected an object with 'layers_x1e-2' {{layer: number}}")
+    default = lcs.get("default_layer")
+    if default is not None and (isinstance(default, bool) or not isinstance(default, int)):
+        raise DataError(f"{where}: field 'lcs.default_layer': expected a layer index, got {default!r:.60}")
+    for layer, value in (layers or {}).items():
+        if not str(layer).lstrip("-").isdigit() or not _is_number(value):
+            raise DataError(f"{where}: field 'lcs.layers_x1e-2': expected layer indices mapped to numbers, "
+                            f"got {layer!r}: {value!r:.60}")
+
+
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The training log; a row's ``step`` must be a number (the figures' x axis)."""
+    rows = []
+    for lineno, row in iter_jsonl(path):
+        if "step" in row and not _is_number(row["step"]):
+            raise DataError(f"{path}:{lineno}: field 'step': expected a number, got {row['step']!r:.60}")
+        rows.append(row)
+    return rows
+
+
 def _read_cell(folder: Path) -> Cell:
     path = folder / "cell.json"
     info = read_json(path, objects=True)
@@ -89,19 +132,22 @@ def _read_cell(folder: Path) -> Cell:
         raise DataError(f"{path}: field 'seed': expected an integer, got {seed!r}")
     if ablation is not None and not isinstance(ablation, str):
         raise DataError(f"{path}: field 'ablation': expected a name or null, got {ablation!r}")
+    _check_numbers(info, CELL_NUMBERS, str(path))
     ablation = ablation or None
     cell = Cell(folder.name, method, seed, ablation, _label(method, ablation, info.get("label")), info)
     eval_files = [folder / "eval.json"] if (folder / "eval.json").is_file() else []
     eval_files += sorted((folder / "eval").glob("*.json")) if (folder / "eval").is_dir() else []
     for eval_path in eval_files:
         result = read_json(eval_path, objects=True)
+        _check_numbers(result, EVAL_NUMBERS, str(eval_path))
+        _check_lcs(result, str(eval_path))
         name = str(result.get("benchmark") or eval_path.stem)
         if name in cell.evals:
             raise DataError(f"{eval_path}: a second evaluation named {name!r} in cell {folder.name}")
         result.pop("items", None)  # per-item rows are not needed for tables
         cell.evals[name] = result
     if (folder / "metrics.jsonl").is_file():
-        cell.metrics = read_jsonl(folder / "metrics.jsonl")
+        cell.metrics = _read_metrics(folder / "metrics.jsonl")
     return cell
 
 

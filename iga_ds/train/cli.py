@@ -6,6 +6,9 @@ The commands import the training code when they run, not when the parser is buil
 from __future__ import annotations
 
 import argparse
+import json
+
+from iga_ds.errors import UserError
 
 
 def register(subparsers) -> None:
@@ -16,7 +19,8 @@ def register(subparsers) -> None:
         "`deepspeed launch/train.py --config CFG.yaml --deepspeed ds_configs/zero2.json`.",
     )
     p.add_argument("--config", required=True, help="run YAML (see configs/)")
-    p.add_argument("--deepspeed", default=None, help="DeepSpeed JSON with an \"iga\" block (overrides the YAML's)")
+    add_deepspeed_arguments(p)
+    add_dry_run_arguments(p)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. schedule.max_steps=100 method.name=erm")
     p.set_defaults(func=_train)
 
@@ -38,10 +42,11 @@ def _train(args: argparse.Namespace) -> int:
     from iga_ds.config.run import load_run_config
     from iga_ds.train.trainer import train
 
-    overrides = list(args.overrides)
-    if args.deepspeed:
-        overrides.append(f"deepspeed={args.deepspeed}")
-    result = train(load_run_config(args.config, overrides))
+    overrides = list(args.overrides) + deepspeed_overrides(args)
+    config = load_run_config(args.config, overrides)
+    if args.dry_run:
+        return dry_run(config, args.world_size)
+    result = train(config)
     if result.status == "stopped":
         print(f"stopped at step {result.step}/{result.total_steps}; checkpoint in {result.output_dir}/checkpoints")
     else:
@@ -57,10 +62,56 @@ def _pretrain_tiny(args: argparse.Namespace) -> int:
     from iga_ds.train.pretrain import PRETRAIN_GROUPS, corpus_texts, generator_corpus, generator_words
 
     cfg = validate_section(TinyBaseConfig, {} if args.steps is None else {"steps": args.steps}, "pretrain-tiny")
+    if args.data and args.groups is not None:
+        raise UserError("--groups sizes the generator's corpus; with --data the corpus is your files")
+    if args.groups is not None and args.groups < 1:
+        raise UserError(f"--groups {args.groups}: expected a positive number of groups")
     if args.data:
         texts = corpus_texts([r for path in args.data for r in read_records(path)])
     else:
-        texts = generator_corpus(args.groups or PRETRAIN_GROUPS)
+        texts = generator_corpus(PRETRAIN_GROUPS if args.groups is None else args.groups)
     # the generator's words always join the vocabulary: generated data stays readable
     print(ensure_tiny_base(texts, cfg, args.cache_dir, extra_words=generator_words()))
     return 0
+
+
+def add_dry_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--dry-run`` and ``--world-size``; shared with launch/train.py."""
+    parser.add_argument("--dry-run", action="store_true",
+                        help="resolve the run YAML, the overrides, every path and the DeepSpeed JSON as training would, "
+                        "print the resolved config, and train nothing")
+    parser.add_argument("--world-size", type=int, default=None, metavar="N",
+                        help="--dry-run: the number of ranks to check the batch layout for (default: the launcher's, "
+                        "else 1)")
+
+
+def dry_run(config, world_size: int | None) -> int:
+    """Print the run as training would resolve it (YAML), or fail with the same one-line error."""
+    import os
+
+    import yaml
+
+    from iga_ds.train.dry_run import resolve_run
+
+    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1") or 1)
+    print(yaml.safe_dump(resolve_run(config, world), sort_keys=False), end="")
+    return 0
+
+
+def add_deepspeed_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--deepspeed JSON`` (the Hugging Face Trainer's spelling) and ``--deepspeed_config JSON``
+    (DeepSpeed's own, beside which a bare ``--deepspeed`` is DeepSpeed's on-switch); shared with
+    launch/train.py."""
+    parser.add_argument("--deepspeed", nargs="?", const="", default=None, metavar="JSON",
+                        help="DeepSpeed JSON (or hjson), optionally with an \"iga\" block; overrides the run YAML's "
+                        "`deepspeed` (relative to the working directory)")
+    parser.add_argument("--deepspeed_config", "--deepspeed-config", default=None, metavar="JSON",
+                        help="the same, under DeepSpeed's own name")
+
+
+def deepspeed_overrides(args: argparse.Namespace) -> list[str]:
+    """The ``deepspeed=PATH`` override that ``--deepspeed`` / ``--deepspeed_config`` give, if any."""
+    paths = list(dict.fromkeys(p for p in (args.deepspeed, args.deepspeed_config) if p))
+    if len(paths) > 1:
+        raise UserError(f"--deepspeed {paths[0]} and --deepspeed_config {paths[1]} name two files; give one")
+    return [f"deepspeed={json.dumps(paths[0])}"] if paths else []  # quoted: the path stays a string

@@ -1,4 +1,5 @@
-"""Models for training: any local Hugging Face causal LM, or the built-in tiny LLaMA base.
+"""Models for training: any Hugging Face causal LM (a local folder, a hub id or a GGUF file, see
+``iga_ds.models``), or the built-in tiny LLaMA base.
 
 The built-in base needs no download. Its word-level tokenizer is built from the vocabulary
 of the text it is pretrained on (generator text), and the model is a small
@@ -22,7 +23,8 @@ from typing import Iterable, Sequence
 
 from iga_ds.config.run import TinyBaseConfig
 from iga_ds.errors import ConfigError
-from iga_ds.files import atomic_write_json
+from iga_ds.files import atomic_write_json, make_dir
+from iga_ds.models import EXPECTED, load_auto_tokenizer, load_causal_lm
 
 # Word-level splitting with the leading space kept on the word: lossless, so decoding is a
 # plain concatenation and answer extraction sees the original text. Digits are single tokens
@@ -263,7 +265,7 @@ def ensure_tiny_base(
             return final
         _remove_incomplete(final, key)
         log(f"tiny base: the cached folder {final} was incomplete; building it again")
-    final.parent.mkdir(parents=True, exist_ok=True)
+    make_dir(final.parent)  # a bad --cache-dir: one line naming it
     # one temporary folder per process: builds of the same key in parallel do not collide
     tmp = final.parent / f".{key}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -337,24 +339,17 @@ _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 def load_base_model(path: str, dtype: str = "float32", attn_implementation: str | None = "eager"):
-    """A local causal-LM directory (no download, no remote code) and its tokenizer."""
+    """The causal LM at ``path``: a local folder, a Hugging Face hub id or a .gguf file
+    (``iga_ds.models``; downloaded only for a hub id, never remote code)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    if not Path(path).is_dir():
-        raise ConfigError(f"model.name_or_path: {path!r} is not a local model directory (or use builtin:tiny)")
-    kwargs = {"dtype": getattr(torch, _DTYPES[dtype]), "local_files_only": True}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    return load_causal_lm(path, "model.name_or_path", getattr(torch, _DTYPES[dtype]), attn_implementation,
+                          error=ConfigError, expected=f"{EXPECTED}, or builtin:tiny")
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    if not Path(path).is_dir():
-        raise ConfigError(f"tokenizer: {path!r} is not a local tokenizer directory")
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    """The tokenizer at ``path`` (a local folder, a hub id or a .gguf file), with a pad token."""
+    tok = load_auto_tokenizer(path, "tokenizer", error=ConfigError)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token  # causal LMs often ship without one; padding is masked anyway
     return tok

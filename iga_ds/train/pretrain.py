@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -20,8 +19,9 @@ from iga_ds.config.run import TinyBaseConfig
 from iga_ds.data.domains import DOMAINS
 from iga_ds.data.patterns import BOOLEAN_ANSWERS
 from iga_ds.data.prompts import format_prompt, format_target
-from iga_ds.data.synth import synthesize
-from iga_ds.train.batching import format_example, read_records
+from iga_ds.data.synth import generate_groups
+from iga_ds.errors import ConfigError
+from iga_ds.train.batching import format_example
 from iga_ds.train.model import ensure_tiny_base
 
 PRETRAIN_GROUPS = TinyBaseConfig().corpus_groups
@@ -37,14 +37,13 @@ def corpus_texts(records: Sequence[dict]) -> list[str]:
 
 
 def generator_corpus(groups: int = PRETRAIN_GROUPS, seed: int = PRETRAIN_SEED) -> list[str]:
-    """Texts of ``groups`` freshly generated, shortcut-free isomer groups (all splits)."""
-    with tempfile.TemporaryDirectory(prefix="iga-ds-corpus-") as tmp:
-        synthesize(tmp, groups=groups, seed=seed, shortcut=0.0, neutral_cue=True)
-        records = []
-        for name in ("train.jsonl", "test.jsonl"):
-            if (Path(tmp) / name).is_file():
-                records += read_records(Path(tmp) / name)
-    return corpus_texts(records)
+    """Texts of ``groups`` freshly generated, shortcut-free isomer groups: the training split's,
+    then the test split's (the order ``iga-ds data synth`` writes them in)."""
+    if groups < 1:
+        raise ConfigError(f"the pretraining corpus needs at least one group, got {groups}")
+    records = generate_groups(groups, seed, shortcut=0.0, neutral_cue=True)
+    ordered = [r for split in ("train", "test") for r in records if r["meta"]["split"] == split]
+    return corpus_texts(ordered)
 
 
 def generator_words() -> list[str]:

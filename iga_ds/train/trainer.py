@@ -39,7 +39,7 @@ from iga_ds.config.run import BUILTIN_TINY, RunConfig, TinyBaseConfig
 from iga_ds.data.groups import complete_groups
 from iga_ds.engine.hook import EngineHook, attach
 from iga_ds.errors import ConfigError, DataError
-from iga_ds.files import atomic_write_text
+from iga_ds.files import atomic_write_text, check_output_dir
 from iga_ds.train.batching import (
     GroupSampler,
     check_batch_layout,
@@ -157,6 +157,7 @@ class Trainer:
         init_distributed(dist)
         if not os.environ.get("IGA_DS_VERBOSE"):
             logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        check_output_dir(cfg.output_dir, "output_dir")  # before anything loads
         accum = check_batch_layout(cfg.data.groups_per_step, cfg.data.groups_per_micro_batch, dist.world_size)
         ds_dict, hook_config = build_ds_config(cfg, load_ds_json(cfg.deepspeed), dist.world_size, accum,
                                                cfg.deepspeed, run_source=cfg.source)

@@ -37,7 +37,8 @@ def benchmark_source(name: str) -> BenchmarkSource:
 def resolve_options(name: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
     """The loader's defaults overridden by ``options``, checked and normalized.
 
-    A list option given as one string (``"geometry"`` or ``"geometry,precalculus"``) is a list.
+    A list option given as one string (``"geometry"`` or ``"geometry,precalculus"``) is a list;
+    a value of the wrong type is a ConfigError naming the option.
     """
     module = _loader(name)
     options = dict(options or {})
@@ -48,10 +49,34 @@ def resolve_options(name: str, options: dict[str, Any] | None = None) -> dict[st
         )
     resolved = dict(module.DEFAULTS)
     for key, value in options.items():
-        if isinstance(module.DEFAULTS[key], (tuple, list)) and isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        resolved[key] = list(value) if isinstance(value, tuple) else value
+        resolved[key] = _checked_option(f"benchmark {name!r} option {key}", value, module.DEFAULTS[key])
     return {k: list(v) if isinstance(v, tuple) else v for k, v in resolved.items()}
+
+
+def _checked_option(where: str, value: Any, default: Any) -> Any:
+    """``value`` as the kind of its default: a list (of names; of names or numbers where the
+    default is null), true or false, an integer or a string."""
+    if default is None and value is None:
+        return None
+    if default is None or isinstance(default, (tuple, list)):
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        elif default is None and isinstance(value, int) and not isinstance(value, bool):
+            value = [value]
+        kinds = (str,) if default is not None else (str, int)
+        if not isinstance(value, (list, tuple)) or not all(
+                isinstance(v, kinds) and not isinstance(v, bool) for v in value):
+            raise ConfigError(f"{where}: expected a comma-separated list, got {value!r}")
+        return list(value)
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    elif isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    elif isinstance(default, str) and not isinstance(value, str):
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return value
 
 
 def load_benchmark(name: str, root: str | Path, **options: Any) -> list[EvalItem]:

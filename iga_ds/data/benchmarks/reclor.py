@@ -39,6 +39,8 @@ def load(root: str | Path, split: str = DEFAULTS["split"], hard_start: int = DEF
     root = Path(root)
     if split not in ("train", "val", "test"):
         raise DataError(f"{NAME}: split must be train, val or test, got {split!r}")
+    if hard_start < 0:
+        raise DataError(f"{NAME}: hard_start must be >= 0 (the index of the first HARD question), got {hard_start}")
     path = root / f"{split}.json"
     if not path.is_file():
         raise missing_benchmark(NAME, root, SOURCE, f"missing {split}.json" if root.is_dir() else "")

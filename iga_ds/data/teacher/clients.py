@@ -62,6 +62,8 @@ def resolve_api_key(env_var: str | None, key_file: str | None) -> str | None:
             key = Path(key_file).read_text(encoding="utf-8").strip()
         except OSError as exc:
             raise UserError(f"--api-key-file {key_file}: cannot read ({exc.strerror})") from None
+        except UnicodeDecodeError:
+            raise UserError(f"--api-key-file {key_file}: not UTF-8 text") from None
         if not key:
             raise UserError(f"--api-key-file {key_file}: the file is empty")
         return key

@@ -35,7 +35,7 @@ from iga_ds.data.teacher.clients import ChatClient, Counters, TeacherError, Teac
 from iga_ds.data.teacher.parse import Instance, MalformedOutput, parse_dag, parse_instance, parse_verification
 from iga_ds.data.teacher.prompts import Prompts
 from iga_ds.errors import DataError, UserError
-from iga_ds.files import append_lines, atomic_write_json, cut_torn_tail, iter_jsonl, torn_tail_start
+from iga_ds.files import append_lines, atomic_write_json, cut_torn_tail, iter_jsonl, make_dir, torn_tail_start
 
 KEPT_FILE, DROPPED_FILE, STATS_FILE, SETTINGS_FILE = "isomers.jsonl", "dropped.jsonl", "stats.json", "build.json"
 PAPER_RETENTION = 0.78
@@ -326,7 +326,7 @@ class _Recorder:
 
 def _seeds_to_do(out: Path, seeds: list[dict], settings: BuildSettings) -> list[dict]:
     """Prepare ``out`` for a new or resumed build; return the seeds in neither output file."""
-    out.mkdir(parents=True, exist_ok=True)
+    make_dir(out)
     _check_settings(out, settings)
     _repair_tail(out / KEPT_FILE, complete_group=len(settings.domains))
     _repair_tail(out / DROPPED_FILE)

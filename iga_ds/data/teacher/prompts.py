@@ -17,6 +17,7 @@ from pathlib import Path
 
 from iga_ds.data.domains import DOMAIN_DESCRIPTIONS
 from iga_ds.errors import UserError
+from iga_ds.files import read_text
 
 TEMPLATE_NAMES = ("dag_extraction", "domain_instantiation", "quality_verification")
 PLACEHOLDERS = ("seed_problem", "dag_json", "domain_name", "domain_description",
@@ -71,7 +72,7 @@ class Prompts:
                 path = Path(templates_dir) / f"{name}.txt"
                 if not path.is_file():
                     raise UserError(f"--templates {templates_dir}: missing {name}.txt")
-                text, source = path.read_text(encoding="utf-8"), str(path)
+                text, source = read_text(path, "template", UserError), str(path)
             else:
                 res = resources.files("iga_ds.data") / "templates" / f"{name}.txt"
                 text, source = res.read_text(encoding="utf-8"), f"iga_ds/data/templates/{name}.txt"
