@@ -1,11 +1,14 @@
 import os
 import sys
+import tempfile
 
 import pytest
 
 # tests import their slow references (tests/reference_impl.py) by module name
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# the tokenized-data cache of training runs (datasets'): the suite's own, not the user's
+os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(tempfile.gettempdir(), f"iga-ds-tests-{os.getuid()}-datasets"))
 _BASELINE = dict(os.environ)
 
 

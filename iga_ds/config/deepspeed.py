@@ -299,7 +299,7 @@ def _refuse_auto_left(node: Any, source: str, where: str = "") -> None:
         _refuse_auto_left(value, source, dotted)
 
 
-def default_ds_config(out: Path | None = None) -> str:
+def default_ds_config() -> str:
     """The shipped fp32 ZeRO-2 config (CPU or GPU), from the installed package. Its ``iga`` block
-    names no method: runs set their own. ``out`` is not used (it once received a copy)."""
+    names no method: runs set their own."""
     return shipped_file(DEFAULT_DEEPSPEED)

@@ -25,6 +25,7 @@ import yaml
 from pydantic import PrivateAttr, field_validator, model_validator
 
 from iga_ds.config.base import Number, Section, config_problem, error_line, setting, validate_section
+from iga_ds.data.sources import is_hub_dataset_id
 from iga_ds.errors import ConfigError
 from iga_ds.files import read_yaml_file
 
@@ -35,10 +36,10 @@ SHIPPED = Path(__file__).resolve().parent / "shipped"
 DEFAULT_DEEPSPEED = "ds_configs/zero2_fp32.json"
 # the run YAML's keys that hold a path, resolved by :func:`resolve_path`
 PATH_KEYS = ("deepspeed", "data.train", "model.name_or_path", "tokenizer")
-# those that may name a Hugging Face hub id instead of a file: an org/name (@revision) that names
-# no file or folder is kept as written
-MAY_NOT_BE_PATHS = ("model.name_or_path", "tokenizer")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_](@[\w./-]+)?$")
+# those that may name a Hugging Face hub id instead of a file, and how such an id is spelled: an
+# org/name (@revision; for data, :split) that names no file or folder is kept as written
+MAY_NOT_BE_PATHS = {"model.name_or_path": HUB_ID.match, "tokenizer": HUB_ID.match, "data.train": is_hub_dataset_id}
 RELATIVE = ("; a relative path is relative to the folder of the file that names it (or to the working directory, "
             "where it exists only there); on the command line, to the working directory")
 RELATIVE_OR_NAME = RELATIVE + "; an `org/name` found in neither place is kept as written (a hub id)"
@@ -117,7 +118,11 @@ class LoraSettings(Section):
 
 
 class DataConfig(Section):
-    train: str = setting("", "isomer JSON Lines to train on (one record per domain instance)" + RELATIVE)
+    train: str = setting("", "the isomer set to train on (one record per domain instance): a JSON Lines file, a "
+                         "`.parquet` or `.arrow` file, a folder written by `datasets`' `save_to_disk` (`iga-ds data "
+                         "export`), or a Hugging Face hub dataset `org/name[@revision][:split]` (split `train` by "
+                         "default; needs the network, or the `datasets` cache with `HF_HUB_OFFLINE=1`). Every record "
+                         "and group is checked (docs/DATA.md)" + RELATIVE_OR_NAME)
     domains: Optional[list[str]] = setting(None, "the domains, in the order the method sees them; null: the "
                                            "DeepSpeed config's `iga.domains` (default math, medical, legal, science)")
     groups_per_step: int = setting(8, "K whole isomer groups per optimizer step, over all ranks",
@@ -126,6 +131,10 @@ class DataConfig(Section):
                                           expected="a positive integer", ge=1)
     max_length: int = setting(512, "prompt + target tokens; longer sequences lose prompt tokens first",
                               expected="an integer >= 8", ge=8)
+    tokenize_processes: int = setting(1, "processes of the one tokenization of the training set (`Dataset.map`'s "
+                                      "`num_proc`, on each node's local rank 0; the other ranks load its result from "
+                                      "the cache under `HF_DATASETS_CACHE`); the result does not depend on it",
+                                      expected="a positive integer", ge=1)
 
     @field_validator("domains")
     @classmethod
@@ -268,12 +277,12 @@ def shipped_names() -> list[str]:
     return sorted(p.relative_to(SHIPPED).as_posix() for pattern in patterns for p in SHIPPED.glob(pattern))
 
 
-def resolve_path(path: str, base: Path | None, keep_missing: bool = False) -> str:
+def resolve_path(path: str, base: Path | None, keep_missing: bool = False, is_name=HUB_ID.match) -> str:
     """The absolute path of ``path``, named in a file in folder ``base`` (None: on the command
     line). Relative to ``base`` unless nothing is there and the path exists relative to the
     working directory; with no ``base``, relative to the working directory. Names such as
     ``builtin:tiny`` and the empty string stay as they are; with ``keep_missing``, so does an
-    ``org/name`` (hub id shaped) found in neither place."""
+    ``org/name`` (a hub id as ``is_name`` spells one) found in neither place."""
     if not path or path.startswith("builtin:"):
         return path
     given = Path(path).expanduser()
@@ -284,7 +293,7 @@ def resolve_path(path: str, base: Path | None, keep_missing: bool = False) -> st
         return os.path.abspath(beside)
     if given.exists():
         return os.path.abspath(given)
-    return path if keep_missing and HUB_ID.match(path) else os.path.abspath(beside)
+    return path if keep_missing and is_name(path) else os.path.abspath(beside)
 
 
 def resolve_config_paths(raw: dict[str, Any], base: Path | None, keys: tuple[str, ...] = PATH_KEYS) -> None:
@@ -296,7 +305,8 @@ def resolve_config_paths(raw: dict[str, Any], base: Path | None, keys: tuple[str
         for part in parents:
             node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, dict) and isinstance(node.get(last), str):
-            node[last] = resolve_path(node[last], base, keep_missing=dotted in MAY_NOT_BE_PATHS)
+            node[last] = resolve_path(node[last], base, keep_missing=dotted in MAY_NOT_BE_PATHS,
+                                      is_name=MAY_NOT_BE_PATHS.get(dotted, HUB_ID.match))
 
 
 def _set_on_command_line(overrides: list[str]) -> tuple[str, ...]:

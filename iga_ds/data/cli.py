@@ -1,4 +1,4 @@
-"""``iga-ds data``: validate, synth, build, split.
+"""``iga-ds data``: validate, synth, build, split, export.
 
 The commands import what they run when they run, not when the parser is built: that keeps
 ``iga-ds --help`` and every other command's start-up fast.
@@ -14,7 +14,7 @@ from iga_ds.errors import UserError
 
 def register(subparsers) -> None:
     """Add ``iga-ds data`` and its subcommands to the top-level parser."""
-    data = subparsers.add_parser("data", help="isomer data: validate, synthesize, build with a teacher, split",
+    data = subparsers.add_parser("data", help="isomer data: validate, synthesize, build with a teacher, split, export",
                                  description="Logical Isomer Sets: create, check and split data files.")
     sub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     # a bare ``iga-ds data`` prints its help and exits 2, like a usage error
@@ -23,13 +23,17 @@ def register(subparsers) -> None:
     _add_synth(sub)
     _add_build(sub)
     _add_split(sub)
+    _add_export(sub)
 
 
 def _add_validate(sub) -> None:
     """``iga-ds data validate``."""
-    p = sub.add_parser("validate", help="check isomer JSONL files and print a summary",
+    p = sub.add_parser("validate", help="check isomer sets (JSONL, Parquet, Arrow, saved datasets, hub ids) "
+                                        "and print a summary",
                        description="Check schema, group completeness, one answer type per group, and "
-                                   "that no seed appears in two files (e.g. train and test).")
+                                   "that no seed appears in two files (e.g. train and test). A FILE is a JSON "
+                                   "Lines file, a .parquet or .arrow file, a folder written by datasets' "
+                                   "save_to_disk, or a Hugging Face hub id org/name[@revision][:split].")
     p.add_argument("files", nargs="+", metavar="FILE")
     p.add_argument("--domains", help="require exactly these domains, e.g. math,medical,legal,science")
     p.add_argument("--allow-partial-groups", action="store_true",
@@ -99,12 +103,29 @@ def _add_split(sub) -> None:
     p = sub.add_parser("split", help="split an isomer file into train.jsonl and test.jsonl",
                        description="Seed-level split (the default and the only sound one), or an "
                                    "instance-level split for the leakage ablation.")
-    p.add_argument("--in", dest="input", required=True, metavar="FILE")
+    p.add_argument("--in", dest="input", required=True, metavar="FILE",
+                   help="an isomer set: JSONL, Parquet, Arrow, a save_to_disk folder or a hub id")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--by", choices=("seed", "instance"), default="seed")
     p.add_argument("--test-frac", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_split)
+
+
+def _add_export(sub) -> None:
+    """``iga-ds data export``."""
+    p = sub.add_parser("export", help="write a checked isomer set as Parquet, a saved dataset or JSONL",
+                       description="Read an isomer set from any source (JSONL, Parquet, Arrow, a save_to_disk "
+                                   "folder, a hub id), check it as `data validate` does, and write it as one "
+                                   "Parquet file, a folder of datasets' save_to_disk (load_from_disk reads it), "
+                                   "or JSON Lines. dag and meta are stored as JSON text. The output appears "
+                                   "whole or not at all (written under a temporary name, then renamed).")
+    p.add_argument("input", metavar="IN")
+    p.add_argument("--out", required=True, help="the Parquet or JSONL file, or the dataset folder, to write")
+    p.add_argument("--format", choices=("dataset", "parquet", "jsonl"), required=True)
+    p.add_argument("--allow-partial-groups", action="store_true",
+                   help="accept groups missing domains (files of an instance-level split)")
+    p.set_defaults(func=cmd_export)
 
 
 def _domains(text):
@@ -114,25 +135,26 @@ def _domains(text):
 
 
 def cmd_validate(args) -> int:
-    from iga_ds.data.schema import check_groups, check_no_leak, read_with_lines, summarize
+    from iga_ds.data.schema import check_groups, check_no_leak, read_source, summarize
 
     files = {}
     for path in args.files:
-        records, lines = read_with_lines(path)
-        check_groups(records, lines, path, allow_partial=args.allow_partial_groups)
+        source, records, lines = read_source(path)
+        check_groups(records, lines, source, allow_partial=args.allow_partial_groups)
         if args.domains is not None:
             want = set(_domains(args.domains))
             have = {r["domain"] for r in records}
             if have != want:
                 raise UserError(f"{path}: field 'domain': the file has {', '.join(sorted(have))}, "
                                 f"--domains asks for {', '.join(sorted(want))}")
-        files[path] = (records, lines)
+        files[source] = (records, lines)
     check_no_leak(files)
     report = {}
-    for path, (records, _) in files.items():
+    for source, (records, _) in files.items():
+        path = source.spec
         summary = summarize(records)
         stats = Path(path).parent / "stats.json"
-        if stats.exists():
+        if source.kind != "hub" and stats.exists():
             try:
                 summary["retention"] = json.loads(stats.read_text(encoding="utf-8")).get("retention")
             except ValueError:
@@ -241,4 +263,17 @@ def cmd_split(args) -> int:
     atomic_write_json(out / "split.json", info)
     print(f"{out}: train {len(train)} instances ({info['train_seeds']} seeds), "
           f"test {len(test)} instances ({info['test_seeds']} seeds), by {args.by}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from iga_ds.data.schema import read_isomer_jsonl
+    from iga_ds.data.sources import write_dataset
+    from iga_ds.files import check_output_dir, check_output_file
+
+    (check_output_dir if args.format == "dataset" else check_output_file)(args.out)
+    records = read_isomer_jsonl(args.input, allow_partial_groups=args.allow_partial_groups)
+    out = write_dataset(records, args.out, args.format)
+    groups = len({r["group_id"] for r in records})
+    print(f"{out}: {len(records)} records, {groups} groups ({args.format})")
     return 0

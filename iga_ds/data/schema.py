@@ -13,7 +13,9 @@ appendix "Data Split"):
     alignment_score  number in [0, 1], optional: the teacher's structural alignment score
     meta      obj   optional: anything else (pattern, depth, planted cue, ...)
 
-Every error is a ``DataError`` whose message starts with ``FILE:LINE:`` and names the field.
+Every error is a ``DataError`` whose message starts with ``FILE:LINE:`` (``SOURCE: row I:`` for
+the sources read through ``datasets``: Parquet, Arrow, saved folders, hub ids; see
+:mod:`iga_ds.data.sources`) and names the field.
 """
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from iga_ds.data.dag import DagError, check_dag
+from iga_ds.data.sources import RecordSource, iter_source, resolve_source
 from iga_ds.errors import DataError
-from iga_ds.files import iter_jsonl
 
 REQUIRED_FIELDS = ("group_id", "seed_id", "domain", "problem", "cot", "answer")
 OPTIONAL_FIELDS = ("dag", "alignment_score", "meta")
@@ -95,18 +97,26 @@ class GroupIndex:
     first_line: dict[str, int] = field(default_factory=dict)
 
 
-def check_groups(records: list[dict], lines: list[int], path: str | Path,
+def _as_source(path: str | Path | RecordSource) -> RecordSource:
+    """How messages name the records of ``path``: a RecordSource as it is, a path as JSON Lines."""
+    return path if isinstance(path, RecordSource) else RecordSource("jsonl", str(path), str(path))
+
+
+def check_groups(records: list[dict], lines: list[int], path: str | Path | RecordSource,
                  allow_partial: bool = False) -> None:
     """Every group has each domain exactly once, one seed and one answer type; all groups
-    have the same domain set (unless ``allow_partial``: instance-level splits cut groups)."""
+    have the same domain set (unless ``allow_partial``: instance-level splits cut groups).
+    ``lines``: each record's position in ``path`` (a line number, or a row index of a source
+    read through ``datasets``)."""
+    src = _as_source(path)
     idx = GroupIndex()
     seen: dict[tuple[str, str], int] = {}
     for rec, line in zip(records, lines):
         g, d = rec["group_id"], rec["domain"]
         key = (g, d)
         if key in seen:
-            raise DataError(f"{path}:{line}: field 'domain': group {g!r} already has a {d!r} "
-                            f"instance (line {seen[key]})")
+            raise DataError(f"{src.where(line)}: field 'domain': group {g!r} already has a {d!r} "
+                            f"instance ({src.ref(seen[key])})")
         seen[key] = line
         idx.domains[g].append(d)
         idx.answer_types[g].add(answer_type(rec["answer"]))
@@ -114,7 +124,7 @@ def check_groups(records: list[dict], lines: list[int], path: str | Path,
         idx.first_line.setdefault(g, line)
     all_domains = sorted({d for ds in idx.domains.values() for d in ds})
     for g, ds in idx.domains.items():
-        where = f"{path}:{idx.first_line[g]}"
+        where = src.where(idx.first_line[g])
         if len(idx.seeds[g]) > 1:
             raise DataError(f"{where}: field 'seed_id': group {g!r} mixes seeds "
                             f"{', '.join(sorted(idx.seeds[g]))}; a group comes from one seed")
@@ -128,48 +138,55 @@ def check_groups(records: list[dict], lines: list[int], path: str | Path,
 
 
 def read_isomer_jsonl(path: str | Path, check_group_structure: bool = True,
-                      allow_partial_groups: bool = False) -> list[dict]:
-    """Read and validate an isomer file; return its records in file order.
+                      allow_partial_groups: bool = False, missing: str = "no such file") -> list[dict]:
+    """Read and validate an isomer set; return its records in order. ``path``: any source of
+    :mod:`iga_ds.data.sources` (a JSON Lines file, Parquet, Arrow, a saved folder, a hub id).
 
-    Raises ``DataError`` with ``FILE:LINE: field ...`` on the first problem found.
+    Raises ``DataError`` with ``FILE:LINE: field ...`` (``SOURCE: row I: ...``) on the first
+    problem found; ``missing`` says what a file that does not exist is.
     """
-    records, lines = read_with_lines(path)
+    source, records, lines = read_source(path, missing)
     if check_group_structure:
-        check_groups(records, lines, path, allow_partial=allow_partial_groups)
+        check_groups(records, lines, source, allow_partial=allow_partial_groups)
     return records
 
 
-def read_with_lines(path: str | Path) -> tuple[list[dict], list[int]]:
+def read_source(path: str | Path, missing: str = "no such file") -> tuple[RecordSource, list[dict], list[int]]:
+    """(the source, its records each checked by :func:`validate_record`, their positions)."""
+    source = resolve_source(path, missing)
     records, lines = [], []
-    for lineno, obj in iter_jsonl(path, objects=False):
-        records.append(validate_record(obj, f"{path}:{lineno}"))
-        lines.append(lineno)
+    for position, obj in iter_source(source):
+        records.append(validate_record(obj, source.where(position)))
+        lines.append(position)
     if not records:
-        raise DataError(f"{path}: no records (expected one JSON object per line)")
-    return records, lines
+        what = "one JSON object per line" if source.kind == "jsonl" else "one record per row"
+        raise DataError(f"{path}: no records (expected {what})")
+    return source, records, lines
 
 
-def check_no_leak(files: dict[str, tuple[list[dict], list[int]]]) -> None:
-    """No seed_id and no group_id may appear in two files (e.g. train and test)."""
-    owner_seed: dict[str, tuple[str, int]] = {}
-    owner_group: dict[str, tuple[str, int]] = {}
+def check_no_leak(files: dict[str | RecordSource, tuple[list[dict], list[int]]]) -> None:
+    """No seed_id and no group_id may appear in two files (e.g. train and test). ``files``
+    maps each file (a path, or a RecordSource) to its records and their positions."""
+    owner_seed: dict[str, tuple[RecordSource, int]] = {}
+    owner_group: dict[str, tuple[RecordSource, int]] = {}
     for path, (records, lines) in files.items():
+        src = _as_source(path)
         local_seed, local_group = {}, {}
         for rec, line in zip(records, lines):
             local_seed.setdefault(rec["seed_id"], line)
             local_group.setdefault(rec["group_id"], line)
         for sid, line in local_seed.items():
-            if sid in owner_seed and owner_seed[sid][0] != path:
+            if sid in owner_seed and owner_seed[sid][0].spec != src.spec:
                 other, other_line = owner_seed[sid]
-                raise DataError(f"{path}:{line}: field 'seed_id': seed {sid!r} is also in "
-                                f"{other}:{other_line}; a seed must stay on one side of a split")
-            owner_seed.setdefault(sid, (path, line))
+                raise DataError(f"{src.where(line)}: field 'seed_id': seed {sid!r} is also in "
+                                f"{other.where(other_line)}; a seed must stay on one side of a split")
+            owner_seed.setdefault(sid, (src, line))
         for gid, line in local_group.items():
-            if gid in owner_group and owner_group[gid][0] != path:
+            if gid in owner_group and owner_group[gid][0].spec != src.spec:
                 other, other_line = owner_group[gid]
-                raise DataError(f"{path}:{line}: field 'group_id': group {gid!r} is also in "
-                                f"{other}:{other_line}")
-            owner_group.setdefault(gid, (path, line))
+                raise DataError(f"{src.where(line)}: field 'group_id': group {gid!r} is also in "
+                                f"{other.where(other_line)}")
+            owner_group.setdefault(gid, (src, line))
 
 
 def summarize(records: list[dict]) -> dict:

@@ -76,6 +76,7 @@ def register(subparsers: Any) -> None:
 def _load_items(args: argparse.Namespace) -> tuple[list, dict[str, Any], list[dict] | None]:
     """(items, source description, isomer records or None)."""
     if args.data:
+        from iga_ds.data.sources import resolve_source
         from iga_ds.evaluation.records import isomer_items, read_isomer_records
 
         records = read_isomer_records(args.data)
@@ -86,7 +87,8 @@ def _load_items(args: argparse.Namespace) -> tuple[list, dict[str, Any], list[di
             have = ", ".join(sorted({r["domain"] for r in records}))
             raise UserError(f"--ood-domains: {', '.join(unknown)} not in {args.data} (it has {have})")
         items = isomer_items(records, name=name, ood_domains=ood)
-        source = {"benchmark": name, "data": str(Path(args.data).resolve()), "ood_domains": ood}
+        where = args.data if resolve_source(args.data).kind == "hub" else str(Path(args.data).resolve())
+        source = {"benchmark": name, "data": where, "ood_domains": ood}
         return items, source, records
     from iga_ds.data.benchmarks import load_benchmark, resolve_options
 

@@ -1,4 +1,4 @@
-"""Isomer JSON Lines files as evaluation items.
+"""Isomer sets (JSON Lines files, or the sources of :mod:`iga_ds.data.sources`) as evaluation items.
 
 Record fields: ``group_id``, ``seed_id``, ``domain``, ``problem``, ``cot``, ``answer``; optional
 ``dag``, ``alignment_score``, ``meta``. The optional ``meta.answer_kind`` overrides the answer
@@ -11,40 +11,39 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from iga_ds.data.benchmarks.base import EvalItem
+from iga_ds.data.sources import iter_source, resolve_source
 from iga_ds.errors import DataError
-from iga_ds.files import iter_jsonl
 from iga_ds.metrics.answers import ANSWER_KINDS, infer_answer_kind
 
 REQUIRED = ("group_id", "domain", "problem", "answer")
 
 
 def read_isomer_records(path: str | Path) -> list[dict[str, Any]]:
-    """Records of an isomer file; a missing file or field is an error naming file and line."""
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"{path}: no such isomer file (JSON Lines, one record per domain instance)")
+    """Records of an isomer set (a JSON Lines file, or Parquet, Arrow, a saved dataset folder or
+    a hub id: :mod:`iga_ds.data.sources`); a missing file or field is an error naming the file
+    and the line (or row)."""
+    source = resolve_source(Path(path), missing="no such isomer file (JSON Lines, one record per domain instance)")
     records = []
     seen: dict[tuple[str, str], int] = {}
-    for lineno, rec in iter_jsonl(path):
+    for position, rec in iter_source(source, objects=True):
+        where = source.where(position)
         for key in REQUIRED:
             if key not in rec or rec[key] is None or (isinstance(rec[key], str) and not rec[key].strip()):
-                raise DataError(f"{path}:{lineno}: missing field {key!r}")
+                raise DataError(f"{where}: missing field {key!r}")
             # a number serves as an id or an answer; the domain and the problem are text
             kinds = (str,) if key in ("domain", "problem") else (str, int, float)
             if isinstance(rec[key], bool) or not isinstance(rec[key], kinds):
-                raise DataError(f"{path}:{lineno}: field {key!r}: expected a string, got {rec[key]!r:.60}")
+                raise DataError(f"{where}: field {key!r}: expected a string, got {rec[key]!r:.60}")
         key = (str(rec["group_id"]), str(rec["domain"]))
         if key in seen:
-            raise DataError(
-                f"{path}:{lineno}: group {key[0]!r} already has a {key[1]!r} instance (line {seen[key]})"
-            )
-        seen[key] = lineno
+            raise DataError(f"{where}: group {key[0]!r} already has a {key[1]!r} instance ({source.ref(seen[key])})")
+        seen[key] = position
         kind = (rec.get("meta") or {}).get("answer_kind") if isinstance(rec.get("meta"), dict) else None
         if kind is not None and kind not in ANSWER_KINDS:
-            raise DataError(f"{path}:{lineno}: field 'meta.answer_kind': expected one of {ANSWER_KINDS}, got {kind!r}")
+            raise DataError(f"{where}: field 'meta.answer_kind': expected one of {ANSWER_KINDS}, got {kind!r}")
         records.append(rec)
     if not records:
-        raise DataError(f"{path}: no records")
+        raise DataError(f"{source.spec}: no records")
     return records
 
 

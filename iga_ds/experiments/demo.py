@@ -59,7 +59,7 @@ def format_table(rows: Sequence[dict]) -> str:
 def _run_config(s: DemoSettings, method: str, out: Path, base: Path, train_file: Path) -> dict:
     return {
         "output_dir": str(out / method),
-        "deepspeed": default_ds_config(out),
+        "deepspeed": default_ds_config(),
         "model": {"name_or_path": str(base)},
         "lora": {"r": s.lora_r, "alpha": 2.0 * s.lora_r},
         "data": {"train": str(train_file), "groups_per_step": s.groups_per_step,

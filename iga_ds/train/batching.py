@@ -6,16 +6,33 @@ groups is a permutation seeded by (seed, epoch), so the batch of global step ``s
 depend on the world size: rank ``r`` of ``W`` takes the ``r``-th slice of the step's groups.
 The loss is token-level cross-entropy on the target (chain of thought and answer); prompt and
 padding tokens are masked.
+
+Tokenization runs once per training set, not per step: :func:`tokenize_groups` maps
+:func:`encode_example` over every instance with ``datasets.Dataset.map`` and keeps the result in
+a folder of the ``datasets`` cache named by a key of everything the token ids depend on (the
+prompt and target texts, the tokenizer's full definition, ``max_length``, the encoder's code and
+the library versions), so that a cached result can only be the one a fresh tokenization would
+give. Each step then pads pre-tokenized rows (:meth:`TokenizedGroups.micro_batch`).
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import inspect
+import json
+import marshal
+import os
+import shutil
+import socket
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 from iga_ds.data.prompts import format_prompt, format_target
 from iga_ds.data.schema import read_isomer_jsonl
-from iga_ds.errors import ConfigError, DataError
+from iga_ds.errors import ConfigError
+from iga_ds.files import make_dir
 
 IGNORE_INDEX = -100
 
@@ -24,11 +41,9 @@ IGNORE_INDEX = -100
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """Isomer JSON Lines, every record and group checked (:func:`iga_ds.data.schema.read_isomer_jsonl`)."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: data file not found (data.train)")
-    return read_isomer_jsonl(path)
+    """An isomer set (JSON Lines, Parquet, Arrow, a saved dataset folder or a hub id), every
+    record and group checked (:func:`iga_ds.data.schema.read_isomer_jsonl`)."""
+    return read_isomer_jsonl(path, missing="data file not found (data.train)")
 
 
 def format_example(record: dict[str, Any]) -> tuple[str, str]:
@@ -153,8 +168,8 @@ def encode_example(tokenizer, prompt: str, target: str, max_length: int) -> tupl
 
 
 def collate(tokenizer, groups: Sequence[Sequence[dict]], domains: Sequence[str], max_length: int) -> MicroBatch:
-    import torch
-
+    """Records of whole groups encoded (:func:`encode_example`) and padded into one micro-batch:
+    what :meth:`TokenizedGroups.micro_batch` gives from the pre-tokenized rows."""
     rows, dom = [], []
     index = {d: i for i, d in enumerate(domains)}
     for group in groups:
@@ -162,23 +177,217 @@ def collate(tokenizer, groups: Sequence[Sequence[dict]], domains: Sequence[str],
             prompt, target = format_example(rec)
             rows.append(encode_example(tokenizer, prompt, target, max_length))
             dom.append(index[rec["domain"]])
+    return pad_rows(rows, dom, pad_id(tokenizer))
+
+
+def pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
+def pad_rows(rows: Sequence[tuple[Sequence[int], Sequence[int]]], domain_ids: Sequence[int], pad: int) -> MicroBatch:
+    """(token ids, labels) rows padded on the right to the longest: a micro-batch."""
+    import torch
+
     width = max(len(ids) for ids, _ in rows)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
     labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, (ids, lab) in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        labels[i, : len(lab)] = torch.tensor(lab)
+        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        labels[i, : len(lab)] = torch.tensor(lab, dtype=torch.long)
         mask[i, : len(ids)] = 1
     return MicroBatch(
         input_ids,
         mask,
         labels,
-        torch.tensor(dom, dtype=torch.long),
+        torch.tensor(domain_ids, dtype=torch.long),
         int((labels != IGNORE_INDEX).sum()),
         int(mask.sum()),
     )
+
+
+# -- tokenization, once per training set -----------------------------------------------------
+
+TOKENIZED_FORMAT = 1  # bump when the rows' layout or what the key covers changes
+TOKENIZED_FOLDER = "iga_ds-tokenized"  # under the datasets cache
+
+
+def _code_digest(fn) -> str:
+    try:
+        code = inspect.getsource(fn).encode("utf-8")
+    except (OSError, TypeError):  # no source installed: the compiled code
+        code = marshal.dumps(fn.__code__)
+    return hashlib.sha256(code).hexdigest()
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """A hash of everything that decides what ``tokenizer`` turns a text into: its class, special
+    token ids, simple settings and, for a fast tokenizer, the backend's whole definition (vocabulary,
+    normalizer, pre-tokenizer, added tokens; without the truncation and padding a call may leave
+    set), else every file ``save_pretrained`` writes."""
+    h = hashlib.sha256()
+    settings = {k: v for k, v in sorted(getattr(tokenizer, "init_kwargs", {}).items())
+                if isinstance(v, (str, int, float, bool, type(None))) and k != "name_or_path"}
+    head = {"class": type(tokenizer).__name__, "bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id,
+            "unk": getattr(tokenizer, "unk_token_id", None), "settings": settings}
+    h.update(json.dumps(head, sort_keys=True, default=str).encode("utf-8"))
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        state = json.loads(backend.to_str())
+        state.pop("truncation", None)
+        state.pop("padding", None)
+        h.update(json.dumps(state, sort_keys=True).encode("utf-8"))
+    else:
+        with tempfile.TemporaryDirectory() as folder:
+            tokenizer.save_pretrained(folder)
+            for path in sorted(Path(folder).rglob("*")):
+                if path.is_file():
+                    h.update(path.name.encode("utf-8") + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def tokenized_key(tokenizer, prompts: Sequence[str], targets: Sequence[str], max_length: int) -> str:
+    """The cache key of a tokenization: every prompt and target text in order, the tokenizer,
+    ``max_length``, the code of :func:`encode_example` and :func:`_encode_rows`, the versions of
+    the libraries that tokenize."""
+    h = hashlib.sha256()
+    header = {"format": TOKENIZED_FORMAT, "max_length": max_length, "tokenizer": tokenizer_digest(tokenizer),
+              "encoder": [_code_digest(encode_example), _code_digest(_encode_rows)],
+              "versions": {name: _version(name) for name in ("tokenizers", "transformers", "datasets")}}
+    h.update(json.dumps(header, sort_keys=True).encode("utf-8"))
+    for prompt, target in zip(prompts, targets, strict=True):
+        for text in (prompt, target):
+            data = text.encode("utf-8")
+            h.update(len(data).to_bytes(8, "little") + data)  # length-prefixed: no two splits collide
+    return h.hexdigest()[:32]
+
+
+def _encode_rows(batch: dict[str, list], tokenizer, max_length: int) -> dict[str, list]:
+    """``Dataset.map``'s function: :func:`encode_example` of each (prompt, target) of a batch."""
+    input_ids, labels = [], []
+    for prompt, target in zip(batch["prompt"], batch["target"]):
+        ids, lab = encode_example(tokenizer, prompt, target, max_length)
+        input_ids.append(ids)
+        labels.append(lab)
+    return {"input_ids": input_ids, "labels": labels}
+
+
+@dataclass
+class TokenizedGroups:
+    """Token ids and labels of every instance of the training groups: row ``g * per_group + d``
+    is domain ``d`` (in the method's order) of group ``g``. ``built``: this process tokenized
+    (False: it loaded the cached result)."""
+
+    rows: Any  # a datasets.Dataset with the columns input_ids and labels
+    per_group: int
+    pad: int
+    path: Path
+    built: bool
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.rows) // self.per_group
+
+    def micro_batch(self, groups: Sequence[int]) -> MicroBatch:
+        """The padded micro-batch of these groups, as :func:`collate` of their records."""
+        index = [g * self.per_group + d for g in groups for d in range(self.per_group)]
+        batch = self.rows[index]
+        return pad_rows(list(zip(batch["input_ids"], batch["labels"])),
+                        [d for _ in groups for d in range(self.per_group)], self.pad)
+
+
+def tokenized_cache_root() -> Path:
+    """Where tokenized training sets are kept: ``iga_ds-tokenized`` in the ``datasets`` cache
+    (``HF_DATASETS_CACHE``, by default ``~/.cache/huggingface/datasets``)."""
+    import datasets
+
+    return Path(datasets.config.HF_DATASETS_CACHE) / TOKENIZED_FOLDER
+
+
+def tokenize_groups(tokenizer, groups: Sequence[Sequence[dict]], max_length: int, cache_root: str | Path,
+                    num_proc: int = 1) -> TokenizedGroups:
+    """Every instance of ``groups`` (each ordered like the domains) tokenized by ``Dataset.map``
+    with ``num_proc`` processes, or loaded from ``cache_root/KEY`` (:func:`tokenized_key`) when
+    an earlier call wrote it. A result is renamed into place only once whole."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    prompts, targets = [], []
+    for group in groups:
+        for rec in group:
+            prompt, target = format_example(rec)
+            prompts.append(prompt)
+            targets.append(target)
+    per_group = len(groups[0]) if groups else 0
+    key = tokenized_key(tokenizer, prompts, targets, max_length)
+    folder = Path(cache_root) / key
+    built = False
+    rows = _load_tokenized(folder, len(prompts))
+    if rows is None:
+        mapped = _map_tokenize(tokenizer, prompts, targets, max_length, num_proc, key)
+        _save_tokenized(mapped, folder)
+        rows, built = _load_tokenized(folder, len(prompts)), True
+    return TokenizedGroups(rows, per_group, pad_id(tokenizer), folder, built)
+
+
+def _map_tokenize(tokenizer, prompts: Sequence[str], targets: Sequence[str], max_length: int, num_proc: int,
+                  key: str):
+    """``Dataset.map`` of :func:`encode_example` over (prompt, target) rows, in memory: a
+    ``datasets.Dataset`` with ``input_ids`` and ``labels`` (int32 lists). ``key`` is its
+    fingerprint (``datasets`` need not hash the tokenizer)."""
+    import datasets
+
+    source = datasets.Dataset.from_dict({"prompt": list(prompts), "target": list(targets)})
+    ints = datasets.Sequence(datasets.Value("int32"))
+    return source.map(_encode_rows, batched=True, batch_size=1000, remove_columns=["prompt", "target"],
+                      fn_kwargs={"tokenizer": tokenizer, "max_length": max_length},
+                      features=datasets.Features({"input_ids": ints, "labels": ints}),
+                      num_proc=num_proc if num_proc > 1 else None, keep_in_memory=True, new_fingerprint=key)
+
+
+def _load_tokenized(folder: Path, rows: int):
+    """The cached rows in ``folder`` (memory-mapped), or None when there are none or they are
+    unreadable or of the wrong length (the folder is then removed)."""
+    import datasets
+
+    if not folder.is_dir():
+        return None
+    try:
+        loaded = datasets.load_from_disk(str(folder))
+        if len(loaded) == rows and set(loaded.column_names) == {"input_ids", "labels"}:
+            return loaded
+    except Exception:  # an unreadable leftover: tokenized again below
+        pass
+    aside = folder.with_name(f".{folder.name}.bad.{socket.gethostname()}.{os.getpid()}")
+    try:
+        os.rename(folder, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    except OSError:
+        pass
+    return None
+
+
+def _save_tokenized(mapped, folder: Path) -> None:
+    """``save_to_disk`` under a temporary name, then renamed to ``folder``; another process that
+    renamed the same key first wins (its rows are the same)."""
+    make_dir(folder.parent)
+    tmp = folder.with_name(f".{folder.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        mapped.save_to_disk(str(tmp))
+        os.rename(tmp, folder)
+    except OSError:
+        if not folder.is_dir():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def sequence_losses(logits, labels):

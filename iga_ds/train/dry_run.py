@@ -9,20 +9,24 @@ made (the data, a local model folder) are listed with whether they were found.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 from iga_ds.config.deepspeed import build_ds_config, load_ds_json
 from iga_ds.config.run import BUILTIN_TINY, RunConfig
-from iga_ds.errors import ConfigError, UserError
+from iga_ds.data.sources import resolve_source
+from iga_ds.errors import ConfigError, DataError, UserError
 from iga_ds.models import resolve_model_source
 from iga_ds.train.batching import check_batch_layout
 
 
-def _input_state(path: str | None) -> str:
-    if not path:
+def _data_state(spec: str | None) -> str:
+    if not spec:
         return "not set"
-    return "found" if Path(path).exists() else "not found here"
+    try:
+        source = resolve_source(spec)  # nothing is read or downloaded
+    except DataError:
+        return "not found here"
+    return "a Hugging Face hub dataset id" if source.kind == "hub" else f"found ({source.kind})"
 
 
 def _model_state(spec: str) -> str:
@@ -52,7 +56,7 @@ def resolve_run(cfg: RunConfig, world_size: int = 1, cpu: bool | None = None) ->
             "deepspeed_config": ds_dict,
             "iga": hook.to_dict(),
             "inputs": {
-                "data.train": f"{cfg.data.train or '-'} ({_input_state(cfg.data.train)})",
+                "data.train": f"{cfg.data.train or '-'} ({_data_state(cfg.data.train)})",
                 "model.name_or_path": f"{cfg.model.name_or_path} ({_model_state(cfg.model.name_or_path)})",
                 "deepspeed": f"{cfg.deepspeed} (found)",
             },

@@ -42,10 +42,12 @@ from iga_ds.errors import ConfigError, DataError
 from iga_ds.files import atomic_write_text, check_output_dir
 from iga_ds.train.batching import (
     GroupSampler,
+    TokenizedGroups,
     check_batch_layout,
-    collate,
     read_records,
     sequence_losses,
+    tokenize_groups,
+    tokenized_cache_root,
     unknown_words,
 )
 from iga_ds.train.checkpoint import STOP_FILE, StopSignal, load_checkpoint, resolve_resume, save_checkpoint
@@ -78,7 +80,7 @@ class Session:
     hook: EngineHook
     hook_config: HookConfig
     tokenizer: Any
-    groups: list[list[dict]]
+    batches: TokenizedGroups  # every instance of the training groups, tokenized once
     sampler: GroupSampler
     total_steps: int
     start_step: int
@@ -169,6 +171,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         base_dir = self._resolve_base(records)
         tokenizer = self._load_tokenizer(base_dir, records)
+        batches = self._tokenize(tokenizer, groups)
         engine, counts = self._build_engine(base_dir, ds_dict, total_steps)
         hook = attach(engine, hook_config)
         out = Path(cfg.output_dir)
@@ -182,12 +185,13 @@ class Trainer:
         self._print(f"training LoRA r={cfg.lora.r}: {counts[0]:,} trainable of {counts[1]:,} parameters; "
                     f"method {hook_config.method}; {len(groups)} groups, {total_steps} steps, "
                     f"world size {dist.world_size}")
-        return Session(dist, engine, hook, hook_config, tokenizer, groups, sampler, total_steps, start_step, out, stop)
+        return Session(dist, engine, hook, hook_config, tokenizer, batches, sampler, total_steps, start_step, out, stop)
 
     def _load_groups(self, domains: list[str]) -> tuple[list[dict], list[list[dict]]]:
         train = self.cfg.data.train
         if not train:
-            raise ConfigError("data.train: expected the path of an isomer JSON Lines file")
+            raise ConfigError("data.train: expected an isomer set (a JSON Lines, Parquet or Arrow file, a saved "
+                              "dataset folder or a hub id)")
         records = read_records(train)
         groups = complete_groups(records, domains, train)
         if not groups:
@@ -223,6 +227,22 @@ class Trainer:
         finally:
             tdist.barrier()  # also when local rank 0 failed, so that the others do not hang here
         return result if first else build()
+
+    def _tokenize(self, tokenizer, groups: list[list[dict]]) -> TokenizedGroups:
+        """Every training instance tokenized once by ``Dataset.map`` into the ``datasets`` cache,
+        on each node's local rank 0 first; the other ranks then load that result."""
+        root = tokenized_cache_root()
+
+        def build() -> TokenizedGroups:
+            return tokenize_groups(tokenizer, groups, self.cfg.data.max_length, root, self.cfg.data.tokenize_processes)
+
+        batches = self._local_rank_zero_first(build)
+        if batches.built:
+            self._print(f"tokenized {len(batches.rows)} instances once (Dataset.map, "
+                        f"{self.cfg.data.tokenize_processes} process(es)); cached in {batches.path}")
+        else:
+            self._print(f"tokens of {len(batches.rows)} instances read from the cache {batches.path}")
+        return batches
 
     def _load_tokenizer(self, base_dir: str, records: list[dict]):
         name = self.cfg.tokenizer or base_dir
@@ -284,7 +304,7 @@ class Trainer:
                             torch.zeros(len(domains), dtype=torch.float64))
         lr = engine.get_lr()[0]
         for i in range(0, len(mine), per_micro):
-            mb = collate(s.tokenizer, [s.groups[g] for g in mine[i: i + per_micro]], domains, self.cfg.data.max_length)
+            mb = s.batches.micro_batch(mine[i: i + per_micro])
             host_ids = mb.domain_ids  # the hook reads domain ids on the host
             mb = mb.to(engine.device)
             with hook.micro_batch(host_ids):

@@ -12,13 +12,21 @@ default here keeps counting_and_probability in-distribution and replaces it on t
 by intermediate_algebra: ID = {algebra, number_theory, counting_and_probability}, OOD =
 {geometry, precalculus, intermediate_algebra}. Both sets are configurable; subjects in
 neither (prealgebra by default) are skipped. Items come from the ``test`` folder.
+
+A Parquet copy is read too, where ``ROOT`` has no ``test/`` folder: ``ROOT/<subject>/test-*.parquet``
+(``<split>-*.parquet``), the layout of the copies on the Hugging Face hub (such as
+``EleutherAI/hendrycks_math``; a local snapshot, e.g. from ``huggingface-cli download --repo-type
+dataset``), with the same fields and checks, read through ``datasets``. Its item ids are row
+numbers (``math/test/algebra/12``: row 12 of the subject's files in name order), not the numbers of
+the JSON files, which the Parquet copies do not keep.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from iga_ds.data.benchmarks.base import BenchmarkSource, EvalItem, missing_benchmark, require
+from iga_ds.data.sources import RecordSource, load_rows
 from iga_ds.errors import DataError
 from iga_ds.files import read_json
 from iga_ds.metrics.math_answers import last_boxed
@@ -31,7 +39,8 @@ SOURCE = BenchmarkSource(
         "(https://github.com/hendrycks/math; its public download was withdrawn)"
     ),
     licence="MIT licence",
-    layout="test/<subject>/<n>.json files with fields problem, level, type, solution",
+    layout="test/<subject>/<n>.json files with fields problem, level, type, solution (or a Parquet copy: "
+           "<subject>/test-*.parquet)",
 )
 SUBJECTS = (
     "algebra",
@@ -57,6 +66,50 @@ def _split_dir(root: Path, split: str) -> Path | None:
     return None
 
 
+def _parquet_files(root: Path, split: str, subject: str) -> list[Path]:
+    return sorted((root / subject).glob(f"{split}-*.parquet")) if root.is_dir() else []
+
+
+def _rows(root: Path, base: Path | None, split: str, subject: str) -> Iterator[tuple[str, str, object]]:
+    """(where, item number, object) of each problem of a subject: the JSON files of the
+    published layout (``base``), else the rows of the Parquet copy."""
+    if base is not None:
+        folder = base / subject
+        if not folder.is_dir():
+            raise missing_benchmark(NAME, root, SOURCE, f"no {split}/{subject}/ folder")
+        for path in sorted(folder.glob("*.json"), key=lambda p: (len(p.stem), p.stem)):
+            yield str(path), path.stem, read_json(path)
+        return
+    files = _parquet_files(root, split, subject)
+    if not files:
+        raise missing_benchmark(NAME, root, SOURCE, f"no {split}/{subject}/ folder and no {subject}/{split}-*.parquet")
+    number = 0
+    for path in files:
+        for index, row in enumerate(load_rows(RecordSource("parquet", str(path), str(path)))):
+            yield f"{path}: row {index}", str(number), row
+            number += 1
+
+
+def _item(obj: object, where: str, item_id: str, subject: str, item_split: str) -> EvalItem:
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    problem = require(obj, "problem", str, where, "the problem statement")
+    solution = require(obj, "solution", str, where, "a worked solution ending in \\boxed{...}")
+    answer = last_boxed(solution)
+    if not answer:
+        raise DataError(f"{where}: field 'solution': expected a final \\boxed{{...}} answer")
+    return EvalItem(
+        id=item_id,
+        benchmark=NAME,
+        problem=problem.strip() + "\n\nPut the final answer in \\boxed{}.",
+        answer=answer,
+        kind="math",
+        domain=subject,
+        split=item_split,
+        meta={"level": str(obj.get("level", ""))},
+    )
+
+
 def load(
     root: str | Path,
     id_subjects: Sequence[str] = DEFAULTS["id_subjects"],
@@ -72,38 +125,14 @@ def load(
     if unknown:
         raise DataError(f"{NAME}: unknown subject(s) {unknown}; expected some of {', '.join(SUBJECTS)}")
     base = _split_dir(root, split)
-    if base is None:
+    if base is None and not any(_parquet_files(root, split, s) for s in SUBJECTS):
         raise missing_benchmark(NAME, root, SOURCE, f"no {split}/ folder" if root.is_dir() else "")
+    wanted = None if levels is None else {str(lv) for lv in levels}
     items: list[EvalItem] = []
     for subjects, item_split in ((id_subjects, "id"), (ood_subjects, "ood")):
         for subject in subjects:
-            folder = base / subject
-            if not folder.is_dir():
-                raise missing_benchmark(NAME, root, SOURCE, f"no {split}/{subject}/ folder")
-            files = sorted(folder.glob("*.json"), key=lambda p: (len(p.stem), p.stem))
-            for path in files:
-                obj = read_json(path)
-                where = str(path)
-                if not isinstance(obj, dict):
-                    raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-                problem = require(obj, "problem", str, where, "the problem statement")
-                solution = require(obj, "solution", str, where, "a worked solution ending in \\boxed{...}")
-                answer = last_boxed(solution)
-                if not answer:
-                    raise DataError(f"{where}: field 'solution': expected a final \\boxed{{...}} answer")
-                level = str(obj.get("level", ""))
-                if levels is not None and level.replace("Level ", "") not in {str(lv) for lv in levels}:
-                    continue
-                items.append(
-                    EvalItem(
-                        id=f"{NAME}/{split}/{subject}/{path.stem}",
-                        benchmark=NAME,
-                        problem=problem.strip() + "\n\nPut the final answer in \\boxed{}.",
-                        answer=answer,
-                        kind="math",
-                        domain=subject,
-                        split=item_split,
-                        meta={"level": level},
-                    )
-                )
+            for where, number, obj in _rows(root, base, split, subject):
+                item = _item(obj, where, f"{NAME}/{split}/{subject}/{number}", subject, item_split)
+                if wanted is None or item.meta["level"].replace("Level ", "") in wanted:
+                    items.append(item)
     return items
