@@ -36,6 +36,7 @@ from typing import Any
 from iga_ds.config.hook import BLOCK, HookConfig
 from iga_ds.config.run import DEFAULT_DEEPSPEED, RunConfig, shipped_file
 from iga_ds.errors import ConfigError
+from iga_ds.files import read_text
 
 AUTO = "auto"
 # model.dtype -> the precision block that "auto" enables
@@ -79,10 +80,7 @@ def load_ds_json(path: str) -> dict[str, Any]:
 
     if not Path(path).is_file():
         raise ConfigError(f"deepspeed: config {path!r} not found")
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not UTF-8 text") from None
+    text = read_text(path, "DeepSpeed config", error=ConfigError)
     try:
         value = hjson.loads(text, object_pairs_hook=_no_duplicates)
     except hjson.HjsonDecodeError as exc:
