@@ -84,6 +84,13 @@ def hub_offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
+def is_hub_model_id(text: str) -> bool:
+    """Whether ``text`` is spelled like a hub model id (``org/name[@revision]``); says nothing of
+    whether it exists."""
+    match = _HUB_ID.match(text)
+    return bool(match) and ".." not in text and "--" not in match["repo"]
+
+
 def resolve_model_source(spec: str | Path, what: str = "model", error: type[UserError] = UserError,
                          expected: str = EXPECTED) -> ModelSource:
     """Which kind of source ``spec`` names; raises ``error`` (one line, naming ``what`` and what
@@ -101,8 +108,8 @@ def resolve_model_source(spec: str | Path, what: str = "model", error: type[User
         raise error(f"{what}: {text} is a file but not a .gguf file; expected {expected}")
     if path.suffix.lower() == ".gguf":
         raise error(f"{what}: {text}: no such GGUF file")
-    match = _HUB_ID.match(text)
-    if match and ".." not in text and "--" not in match["repo"]:
+    if is_hub_model_id(text):
+        match = _HUB_ID.match(text)
         return ModelSource("hub", text, match["repo"], revision=match["revision"])
     raise error(f"{what}: {text!r} is no local folder or file here; expected {expected}")
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import os
-import re
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -28,6 +27,7 @@ from iga_ds.config.base import Number, Section, config_problem, error_line, sett
 from iga_ds.data.sources import is_hub_dataset_id
 from iga_ds.errors import ConfigError
 from iga_ds.files import read_yaml_file
+from iga_ds.models import is_hub_model_id
 
 BUILTIN_TINY = "builtin:tiny"
 # the repository's configs/ and ds_configs/, shipped in the package (pyproject.toml's package
@@ -36,10 +36,10 @@ SHIPPED = Path(__file__).resolve().parent / "shipped"
 DEFAULT_DEEPSPEED = "ds_configs/zero2_fp32.json"
 # the run YAML's keys that hold a path, resolved by :func:`resolve_path`
 PATH_KEYS = ("deepspeed", "data.train", "model.name_or_path", "tokenizer")
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_](@[\w./-]+)?$")
 # those that may name a Hugging Face hub id instead of a file, and how such an id is spelled: an
 # org/name (@revision; for data, :split) that names no file or folder is kept as written
-MAY_NOT_BE_PATHS = {"model.name_or_path": HUB_ID.match, "tokenizer": HUB_ID.match, "data.train": is_hub_dataset_id}
+MAY_NOT_BE_PATHS = {"model.name_or_path": is_hub_model_id, "tokenizer": is_hub_model_id,
+                    "data.train": is_hub_dataset_id}
 RELATIVE = ("; a relative path is relative to the folder of the file that names it (or to the working directory, "
             "where it exists only there); on the command line, to the working directory")
 RELATIVE_OR_NAME = RELATIVE + "; an `org/name` found in neither place is kept as written (a hub id)"
@@ -277,7 +277,7 @@ def shipped_names() -> list[str]:
     return sorted(p.relative_to(SHIPPED).as_posix() for pattern in patterns for p in SHIPPED.glob(pattern))
 
 
-def resolve_path(path: str, base: Path | None, keep_missing: bool = False, is_name=HUB_ID.match) -> str:
+def resolve_path(path: str, base: Path | None, keep_missing: bool = False, is_name=is_hub_model_id) -> str:
     """The absolute path of ``path``, named in a file in folder ``base`` (None: on the command
     line). Relative to ``base`` unless nothing is there and the path exists relative to the
     working directory; with no ``base``, relative to the working directory. Names such as
@@ -306,7 +306,7 @@ def resolve_config_paths(raw: dict[str, Any], base: Path | None, keys: tuple[str
             node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, dict) and isinstance(node.get(last), str):
             node[last] = resolve_path(node[last], base, keep_missing=dotted in MAY_NOT_BE_PATHS,
-                                      is_name=MAY_NOT_BE_PATHS.get(dotted, HUB_ID.match))
+                                      is_name=MAY_NOT_BE_PATHS.get(dotted, is_hub_model_id))
 
 
 def _set_on_command_line(overrides: list[str]) -> tuple[str, ...]:
