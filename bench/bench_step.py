@@ -18,8 +18,9 @@ Under a launcher the script is one rank and runs the methods one after the other
 CPU smoke run: ``DS_ACCELERATOR=cpu python bench/bench_step.py --dtype fp32 --layers 1
 --hidden 64 --seq 16 --steps 2 --warmup 1``.
 
-Methods: ``erm``, ``iga`` (the registered method, module by module) and ``iga_fused``
-(the same method through :func:`iga_ds.methods.iga.fused.batched_iga`); ``iga-wK`` and
+Methods: ``erm``, ``iga`` (the registered method, module by module), ``iga_fused``
+(the same method through :func:`iga_ds.methods.iga.fused.batched_iga`), ``iga_bf16`` (that
+path with ``precision: bf16``) and ``iga_bf16_q1`` (bf16 with one power iteration); ``iga-wK`` and
 ``iga_fused-wK`` run the hook with ``overlap_waves`` K (the modules in K waves, so that one
 wave's collectives overlap another's method; the default is the hook's own), e.g.
 ``--gpus 2 --methods erm,iga_fused-w1,iga_fused-w2,iga_fused-w4``.
@@ -61,7 +62,9 @@ from iga_ds.engine import HookConfig, attach
 from iga_ds.files import atomic_write_json
 from iga_ds.train.batching import sequence_losses
 
-METHODS = ("erm", "iga", "iga_fused")
+METHODS = ("erm", "iga", "iga_fused", "iga_bf16", "iga_bf16_q1")
+# the fused variants that fix their precision (iga_fused takes --precision) and power iterations
+FIXED_VARIANTS = {"iga_bf16": {"precision": "bf16"}, "iga_bf16_q1": {"precision": "bf16", "power_iters": 1}}
 DOMAINS = ["math", "medical", "legal", "science"]
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 PROFILE_STEPS = 2
@@ -135,7 +138,7 @@ def method_variant(name: str) -> tuple[str, int | None]:
     if not sep:
         return base, None
     if base == "erm" or not waves.isdigit() or int(waves) < 1:
-        raise ValueError(f"{name!r}: -wK takes a whole number of waves K >= 1, after iga or iga_fused")
+        raise ValueError(f"{name!r}: -wK takes a whole number of waves K >= 1, after an iga method")
     return base, int(waves)
 
 
@@ -173,12 +176,13 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(args, world))
-    # "iga" is the per-module reference path, "iga_fused" the batched fast path: one method
+    # "iga" is the per-module reference path, "iga_fused" the batched fast path, "iga_bf16" that
+    # path in bf16 (and "_q1" with one power iteration): one method
     base, waves = method_variant(method)
     iga_params = {} if base == "erm" else {
         "tau": args.tau, "normalize": args.normalize,
-        "implementation": "fused" if base == "iga_fused" else "reference",
-        **({"precision": args.precision} if base == "iga_fused" else {}),
+        "implementation": "reference" if base == "iga" else "fused",
+        **({"precision": args.precision} if base == "iga_fused" else FIXED_VARIANTS.get(base, {})),
     }
     hook = attach(engine, HookConfig(method="erm" if base == "erm" else "iga", params=iga_params,
                                     domains=list(DOMAINS), **({"overlap_waves": waves} if waves else {})))

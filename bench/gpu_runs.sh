@@ -4,6 +4,8 @@
 #   checks: 2-GPU bf16 equivalence test, fused-path GPU tests, bench_method (128 LLaMA-2-7B modules)
 #   stepN:  bench_step.py on N GPUs (erm and the fused iga; add iga=reference with STEP_METHODS)
 #   tf32stepN: the fused iga with TF32 tensor cores on N GPUs
+#   bf16stepN: erm, the fused iga and its bf16 variants (iga_bf16, iga_bf16_q1) on N GPUs
+#   rule:   bench_method with the precision rule on the model file or folder in RULE_MODEL
 # Each stage has its own time limit so one slow stage cannot eat the others' output.
 set -uo pipefail
 out=${1:?usage: gpu_runs.sh OUT_DIR [stage...]}
@@ -30,6 +32,16 @@ for s in "$@"; do
       IGA_DS_RESULTS="$out" stage gpu_tests 300 python3 -m pytest -q -s -p no:cacheprovider \
         tests/test_ds_hook_gpu.py tests/test_fused.py -m gpu
       stage bench_method 240 python3 bench/bench_method.py --out "$out/bench_method.json"
+      ;;
+    rule)
+      stage bench_method_rule 420 python3 bench/bench_method.py --model "${RULE_MODEL:?set RULE_MODEL}" \
+        --reps "${METHOD_REPS:-10}" --skip-naive --out "$out/bench_method_rule.json"
+      ;;
+    bf16step*)
+      n=${s#bf16step}
+      stage "bench_step_${n}gpu_bf16" 560 python3 bench/bench_step.py --gpus "$n" \
+        --methods "${BF16_METHODS:-erm,iga_fused,iga_bf16,iga_bf16_q1}" --rounds "${STEP_ROUNDS:-2}" \
+        --steps "${STEP_STEPS:-8}" --warmup 2 --out "$out/bench_step_${n}gpu_bf16.json"
       ;;
     tf32step*)
       n=${s#tf32step}

@@ -6,13 +6,15 @@ On one stack of 16 modules of LLaMA-2-7B shape (4096 x 4096, r 16, N 4, sketch w
 
 - the ceilings: device-to-device copy bandwidth (bytes read + written) and float32 / TF32
   matrix-product rates, measured here rather than taken from a datasheet;
-- the tile pass for several block shapes and warp counts, ieee and tf32x3, each checked
-  against the default one, and the tile kernel alone with and without its statistics;
-- the power iterations' products ``X @ Z`` and ``X^T @ Q`` (cuBLAS), checked against float64
-  on one module, against the bandwidth ceiling;
+- the tile pass for several block shapes and warp counts, for each of ``--precisions``
+  (default ieee and tf32x3), each checked against the default one, and the tile kernel alone
+  with and without its statistics;
+- the power iterations' products ``X @ Z`` and ``X^T @ Q`` (cuBLAS), float32 and bfloat16,
+  checked against float64 on one module, against the bandwidth ceiling;
 - CholeskyQR of the sketches, two passes (a final basis) and one (a basis that feeds the next
   power iteration);
-- the whole ``batched_iga`` on 128 modules for several stack sizes (``batch_bytes``), with the
+- the whole ``batched_iga`` on 128 modules (the first of ``--precisions``) for several stack
+  sizes (``batch_bytes``), with the
   peak memory each adds and the device's busy time (summed kernel time) against the wall time.
 
 Variants measured once and not kept (a row-sweep tile kernel, a Triton kernel for the skinny
@@ -54,15 +56,18 @@ def ceilings() -> dict:
     for name, tf32 in (("fp32_TFLOPs", False), ("tf32_TFLOPs", True)):
         with tf32_matmuls(tf32):
             out[name] = flops / do_bench_ms(lambda: a @ b) / 1e9
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    out["bf16_TFLOPs"] = flops / do_bench_ms(lambda: a16 @ b16) / 1e9
     return out
 
 
-def tile_pass(stack_args, omega) -> list[dict]:
+def tile_pass(stack_args, omega, precisions) -> list[dict]:
     factors, kw = stack_args
     ref_masked, ref_sketch, *_ = triton_kernels.tile_pass_triton(*factors, omega, **kw)
     rows = []
-    for precision in ("ieee", "tf32x3"):
-        for bm, bn, warps in ((64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 128, 8), (128, 128, 8), (32, 64, 4)):
+    for precision in precisions:
+        for bm, bn, warps in ((64, 64, 4), (64, 64, 8), (128, 64, 4), (128, 64, 8), (64, 128, 8), (128, 128, 8),
+                              (128, 128, 16), (256, 64, 8), (32, 64, 4)):
             run = functools.partial(triton_kernels.tile_pass_triton, *factors, omega, block_m=bm, block_n=bn,
                                     num_warps=warps, precision=precision, **kw)
             try:
@@ -73,17 +78,19 @@ def tile_pass(stack_args, omega) -> list[dict]:
                 rows.append(dict(block_m=bm, block_n=bn, warps=warps, precision=precision,
                                  error=f"{type(exc).__name__}: {str(exc)[:200]}"))
             print(rows[-1], flush=True)
-    rows += kernel_alone(factors, kw["mean_var"])
+    for precision in precisions:
+        rows += kernel_alone(factors, kw["mean_var"], precision)
     return rows
 
 
-def kernel_alone(factors, mean_var) -> list[dict]:
+def kernel_alone(factors, mean_var, precision: str = "ieee") -> list[dict]:
     """The statistics' cost: the tile kernel alone (default blocks, normalize="mean"), with and
     without them, on buffers allocated once."""
-    left_mean, right_mean, left_dev, right_dev = (t.contiguous() for t in factors)
+    wanted = triton_kernels.FACTOR_DTYPES[precision]
+    left_mean, right_mean, left_dev, right_dev = (t.to(wanted).contiguous() for t in factors)
     M, N, d_out, k2 = left_dev.shape
     d_in = right_mean.shape[-1]
-    out = torch.empty(M, d_out, d_in, device="cuda")
+    out = torch.empty(M, d_out, d_in, device="cuda", dtype=triton_kernels.masked_dtype(precision))
     parts = torch.empty(M, (d_out // 64) * (d_in // 64), 4, device="cuda")
     mins = torch.empty(M, (d_out // 64) * (d_in // 64), device="cuda")
     scale = mean_var.float().contiguous()
@@ -92,32 +99,38 @@ def kernel_alone(factors, mean_var) -> list[dict]:
     for stats in (True, False):
         kernel = functools.partial(triton_kernels.launch_tile_kernel, left_mean, right_mean, left_dev, right_dev,
                                    scale, eps, out, parts, mins, tau=0.5, normalize="mean", block_m=64, block_n=64,
-                                   precision="ieee", num_warps=4, stats=stats)
-        rows.append(dict(kernel_only=True, stats=stats, ms=do_bench_ms(kernel)))
+                                   precision=precision, num_warps=4, stats=stats)
+        rows.append(dict(kernel_only=True, precision=precision, stats=stats, ms=do_bench_ms(kernel)))
         print(rows[-1], flush=True)
     return rows
 
 
 def products(masked, width: int) -> list[dict]:
+    """The power iterations' skinny products, float32 and with the masked matrix in bfloat16
+    (the ``bf16`` precision: half the bytes), against float64 on one module."""
     gen = torch.Generator(device="cuda").manual_seed(5)
     M, d_out, d_in = masked.shape
     Z = torch.randn(M, d_in, width, device="cuda", generator=gen)
     Q = torch.randn(M, d_out, width, device="cuda", generator=gen)
     want = {False: (masked[0].double() @ Z[0].double()), True: (masked[0].double().mT @ Q[0].double())}
     rows = []
-    for transpose in (False, True):
-        w = Q if transpose else Z
-        ms = do_bench_ms(lambda: (masked.mT if transpose else masked) @ w)
-        got = (masked.mT if transpose else masked) @ w
-        rows.append(dict(kind="cublas", transpose=transpose, ms=ms, err=rel(got[0], want[transpose])))
-        print(rows[-1], flush=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        X = masked.to(dtype)
+        for transpose in (False, True):
+            w = (Q if transpose else Z).to(dtype)
+            ms = do_bench_ms(lambda: (X.mT if transpose else X) @ w)
+            got = (X.mT if transpose else X) @ w
+            rows.append(dict(kind="cublas", dtype=str(dtype).removeprefix("torch."), transpose=transpose, ms=ms,
+                             GBps=X.numel() * X.element_size() / ms / 1e6, err=rel(got[0], want[transpose])))
+            print(rows[-1], flush=True)
     return rows
 
 
-def whole(modules) -> list[dict]:
+def whole(modules, precision: str = "ieee") -> list[dict]:
     def run(batch_bytes):
         gens = [module_generator(0, 1, m.index, torch.device("cuda")) for m in modules]
-        return batched_iga(modules, generators=gens, normalize="mean", batch_bytes=batch_bytes)
+        return batched_iga(modules, generators=gens, normalize="mean", batch_bytes=batch_bytes,
+                           triton_precision=precision)
 
     reference = None
     rows = []
@@ -130,7 +143,8 @@ def whole(modules) -> list[dict]:
         if reference is None:
             reference = products_out
         err = max(rel(p, q) for p, q in zip(products_out, reference))
-        rows.append(dict(batch_gib=gib, ms=ms, gpu_busy_ms=busy, peak_extra_mib=peak, max_err_vs_first=err))
+        rows.append(dict(precision=precision, batch_gib=gib, ms=ms, gpu_busy_ms=busy, peak_extra_mib=peak,
+                         max_err_vs_first=err))
         print(rows[-1], flush=True)
     return rows
 
@@ -142,7 +156,7 @@ def cholesky_qr(sketch) -> dict:
             "cholesky_qr1_ms": do_bench_ms(lambda: orthonormalize(sketch, final=False))}
 
 
-def stack_parts(modules, skip: set[str]) -> dict:
+def stack_parts(modules, skip: set[str], precisions=("ieee", "tf32x3")) -> dict:
     """The tile pass, the power iterations' products and CholeskyQR on one stack of
     ``modules`` (4096 x 4096, r 16, N 4: sketch width 26), each stage of the fused path alone."""
     M, width = len(modules), 16 + 10
@@ -153,7 +167,7 @@ def stack_parts(modules, skip: set[str]) -> dict:
     kw = dict(tau=0.5, normalize="mean", mean_var=mean_var, mean_sq=mean_sq)
     out = {}
     if "tile" not in skip:
-        out["tile_pass"] = tile_pass((factors, kw), omega)
+        out["tile_pass"] = tile_pass((factors, kw), omega, precisions)
     masked, sketch, *_ = triton_kernels.tile_pass_triton(*factors, omega, **kw)
     if "products" not in skip:
         out["products"] = products(masked, width)
@@ -167,6 +181,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="tune_method.json")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: tile,products,qr,whole")
+    p.add_argument("--precisions", default="ieee,tf32x3",
+                   help=f"tile-pass precisions to sweep, from {', '.join(triton_kernels.PRECISIONS)}; the first "
+                        "is also the whole method's")
     args = p.parse_args(argv)
     if not (torch.cuda.is_available() and triton_kernels.available()):
         print("tune_method.py needs CUDA and Triton", file=sys.stderr)
@@ -176,9 +193,13 @@ def main(argv=None) -> int:
     print(environment_line(result["environment"]), flush=True)
     print(result["ceilings"], flush=True)
     modules = make_modules(lora_shapes(LLAMA2_7B), rank=16, alpha=32.0, domains=4, device=torch.device("cuda"))
-    result.update(stack_parts(modules[:16], skip))
+    precisions = [x for x in args.precisions.split(",") if x]
+    unknown = [x for x in precisions if x not in triton_kernels.PRECISIONS]
+    if unknown or not precisions:
+        p.error(f"--precisions: expected names from {', '.join(triton_kernels.PRECISIONS)}, got {args.precisions!r}")
+    result.update(stack_parts(modules[:16], skip, precisions))
     if "whole" not in skip:
-        result["whole"] = whole(modules)
+        result["whole"] = whole(modules, precisions[0])
     atomic_write_json(args.out, result, indent=1)
     print(json.dumps(result["ceilings"]))
     for part in ("tile_pass", "products", "whole"):

@@ -105,10 +105,12 @@ def resolve_batch_bytes(batch_bytes, device: torch.device) -> int:
     return batch_bytes
 
 
-def stack_modules(modules: Sequence[ModuleGrads], generators, batch_bytes: int) -> list[Stack]:
+def stack_modules(modules: Sequence[ModuleGrads], generators, batch_bytes: int,
+                  element_bytes: int | None = None) -> list[Stack]:
     """Stage 1: group modules of equal shape, dtype and device, then split groups to fit
-    ``batch_bytes`` (bytes of the stacked masked matrices, work dtype). ``generators``: one per
-    module, kept with it. Returns the stacks, each knowing its modules' positions."""
+    ``batch_bytes`` (bytes of the stacked masked matrices at ``element_bytes`` each; None:
+    the work dtype's size). ``generators``: one per module, kept with it. Returns the stacks,
+    each knowing its modules' positions."""
     groups: dict[tuple, list[int]] = {}
     for i, m in enumerate(modules):
         key = (tuple(m.A.shape), tuple(m.B.shape), m.num_domains, m.gA.dtype, str(m.gA.device))
@@ -116,7 +118,7 @@ def stack_modules(modules: Sequence[ModuleGrads], generators, batch_bytes: int) 
     out = []
     for key, idx in groups.items():
         (r, d_in), (d_out, _), _, dtype, _ = key
-        per_module = d_out * d_in * torch.empty((), dtype=_work_dtype(dtype)).element_size()
+        per_module = d_out * d_in * (element_bytes or torch.empty((), dtype=_work_dtype(dtype)).element_size())
         size = max(1, batch_bytes // max(per_module, 1))
         for start in range(0, len(idx), size):
             part = idx[start: start + size]
@@ -134,8 +136,9 @@ def stack_modules(modules: Sequence[ModuleGrads], generators, batch_bytes: int) 
 
 
 def _check(modules: Sequence[ModuleGrads], generators, rank: int | None, normalize: str, tau: float,
-           factors: str, svd: str) -> None:
+           factors: str, svd: str, precision: str) -> None:
     check_choice(normalize, NORMALIZATIONS, "normalize")
+    check_choice(precision, triton_kernels.PRECISIONS, "triton_precision")
     check_tau(tau)
     check_choice(factors, FACTOR_MAPS, "factors")
     if svd not in ("randomized", "single_pass"):
@@ -192,19 +195,25 @@ def _masked_tile(G, var, normalize, tau, mean_var, mean_sq, dtype):
 
 
 def tile_pass_torch(left_mean, right_mean, left_dev, right_dev, omega, *, tau, normalize, mean_var,
-                    mean_sq, tile_elements, psi=None):
+                    mean_sq, tile_elements, psi=None, precision="ieee"):
     """Stage 4 in PyTorch: masked matrices, first sketch and mask statistics, one row tile at a time.
 
     Returns ``(masked M x out x in, sketch masked @ omega, stats, sum of masked^2 per module)``;
     the reference of :func:`iga_ds.methods.iga.triton_kernels.tile_pass_triton`, which has the
     same contract. With ``psi`` (M x l x out) the co-range sketch ``psi @ masked`` is
     accumulated tile by tile and returned in place of the masked matrices, which are then
-    never stored."""
+    never stored. ``precision="bf16"`` is the Triton kernel's bf16 contract: factors rounded to
+    bfloat16, arithmetic in float32, masked matrices stored and multiplied in bfloat16; any
+    other precision computes in the inputs' dtype."""
     M, N, d_out, _ = left_dev.shape
     d_in = right_mean.shape[-1]
     dtype, device = right_mean.dtype, right_mean.device
+    store = triton_kernels.masked_dtype(precision) if precision == "bf16" else dtype
+    if precision == "bf16":
+        left_mean, right_mean, left_dev, right_dev = (
+            t.to(torch.bfloat16).to(dtype) for t in (left_mean, right_mean, left_dev, right_dev))
     if psi is None:
-        masked = torch.empty(M, d_out, d_in, dtype=dtype, device=device)
+        masked = torch.empty(M, d_out, d_in, dtype=store, device=device)
     else:
         co_sketch = torch.zeros(M, psi.shape[1], d_in, dtype=dtype, device=device)
     sketch = torch.empty(M, d_out, omega.shape[-1], dtype=dtype, device=device)
@@ -224,11 +233,13 @@ def tile_pass_torch(left_mean, right_mean, left_dev, right_dev, omega, *, tau, n
         acc[1] += (mask < 0.5).sum(dim=(1, 2)).double()
         acc[2] += var.sum(dim=(1, 2), dtype=torch.float64)
         mask_min = torch.minimum(mask_min, mask.amin(dim=(1, 2)).double())
-        tile = torch.mul(G, mask, out=masked[:, sl] if psi is None else None)
+        tile = G * mask
         acc[3] += tile.pow(2).sum(dim=(1, 2), dtype=torch.float64)
-        torch.bmm(tile, omega, out=sketch[:, sl])
+        if psi is None:
+            masked[:, sl] = tile
+        sketch[:, sl] = torch.bmm(tile.to(store), omega.to(store))
         if psi is not None:
-            co_sketch.baddbmm_(psi[:, :, sl], tile)
+            co_sketch.baddbmm_(psi[:, :, sl].to(store).to(dtype), tile.to(store).to(dtype))
     numel = d_out * d_in
     stats = {
         "mask_mean": acc[0] / numel,
@@ -312,18 +323,21 @@ def _tf32_matmuls(enabled: bool):
 
 def project(masked, sketch, power_iters: int, tf32: bool = False):
     """Stage 5, HMT Alg. 4.4 up to the small matrix: orthonormalize the first sketch, power
-    iterations, then ``small = Q^T M``; returns ``(Q, small)``, and the SVD of ``small``
-    finishes it (:func:`svd_from_projection`).
+    iterations, then ``small = Q^T M``; returns ``(Q, small)`` in the sketch's dtype, and the
+    SVD of ``small`` finishes it (:func:`svd_from_projection`).
 
     With ``tf32`` the power iterations (which only refine the range estimate) use TF32
-    tensor cores; the final projection Q^T M stays in float32.
+    tensor cores; the final projection Q^T M stays in float32. Masked matrices stored in
+    bfloat16 are multiplied with bfloat16 bases (float32 accumulation), each product read
+    back in the sketch's dtype: every pass moves half the bytes.
     """
+    work, store = sketch.dtype, masked.dtype
     Q = orthonormalize(sketch, final=power_iters == 0)
     with _tf32_matmuls(tf32):
         for i in range(power_iters):
-            Z = orthonormalize(masked.mT @ Q, final=False)
-            Q = orthonormalize(masked @ Z, final=i == power_iters - 1)
-    return Q, Q.mT @ masked  # M x width x in
+            Z = orthonormalize((masked.mT @ Q.to(store)).to(work), final=False)
+            Q = orthonormalize((masked @ Z.to(store)).to(work), final=i == power_iters - 1)
+    return Q, (Q.to(store).mT @ masked).to(work)  # M x width x in
 
 
 def _project_single_pass(sketch, co_sketch, psi):
@@ -388,10 +402,11 @@ def project_stack(st: Stack, *, tau, normalize, rank, oversample, power_iters, t
     left_mean, right_mean, left_dev, right_dev = stack_factors(st)
     mean_var, mean_sq = mask_scales(left_mean, right_mean, left_dev, right_dev, d_out * d_in)
     omega, psi = _draw_sketches(st.generators, d_in, width, dtype, device, d_out, co_width)
-    kwargs = dict(tau=tau, normalize=normalize, mean_var=mean_var, mean_sq=mean_sq, psi=psi)
+    kwargs = dict(tau=tau, normalize=normalize, mean_var=mean_var, mean_sq=mean_sq, psi=psi,
+                  precision=triton_precision)
     if use_triton:
         masked, sketch, stats, energy_total = triton_kernels.tile_pass_triton(
-            left_mean, right_mean, left_dev, right_dev, omega, precision=triton_precision, **kwargs)
+            left_mean, right_mean, left_dev, right_dev, omega, **kwargs)
     else:
         masked, sketch, stats, energy_total = tile_pass_torch(
             left_mean, right_mean, left_dev, right_dev, omega, tile_elements=tile_elements, **kwargs)
@@ -449,16 +464,21 @@ def batched_iga(
     tile pass for float32 CUDA tensors when Triton imports, False forces PyTorch;
     ``triton_precision`` is the kernel's ``tl.dot`` precision, "ieee", "tf32x3" or "tf32"
     (the last also runs the power iterations on TF32 tensor cores; measured error in
-    docs/PERFORMANCE.md). float16/bfloat16 inputs are computed in float32 and returned in
+    docs/PERFORMANCE.md), or "bf16" (on both tile passes: factors rounded to bfloat16, masked
+    matrices stored and multiplied in bfloat16 with float32 accumulation; the precision rule
+    in docs/PERFORMANCE.md says when that error is below the training's own). float16/bfloat16 inputs are computed in float32 and returned in
     their own dtype. ``factors``: ``split`` returns the SVD split as ``iga_update`` does;
     ``chain_rule`` maps it through :func:`iga_ds.methods.iga.reference.chain_rule_factors` on the whole
     stack (one batched product instead of one per module). ``svd``: ``randomized`` (power
     iterations over the stored masked matrices) or ``single_pass`` (both sketches in the tile
     pass, nothing stored; as :func:`iga_ds.methods.iga.rsvd.single_pass_svd`).
     """
-    _check(modules, generators, rank, normalize, tau, factors, svd)
+    _check(modules, generators, rank, normalize, tau, factors, svd, triton_precision)
     device = modules[0].gA.device if modules else torch.device("cpu")
-    stacks = stack_modules(modules, generators, resolve_batch_bytes(batch_bytes, device))
+    # bf16 masked matrices take half the bytes: twice the modules per stack, half the launches
+    element_bytes = torch.empty((), dtype=triton_kernels.masked_dtype(triton_precision)).element_size()
+    stacks = stack_modules(modules, generators, resolve_batch_bytes(batch_bytes, device),
+                           element_bytes if triton_precision == "bf16" else None)
     projected = []
     for st in stacks:  # the masked matrices of one stack are freed before the next is built
         # the kernel computes in float32; float64 stays on the PyTorch path

@@ -14,7 +14,7 @@ from iga_ds.methods.iga.reference import Normalize, masked_projection
 from iga_ds.methods.iga.rsvd import SVD_METHODS
 
 IMPLEMENTATIONS = ("auto", "reference", "fused")
-PRECISIONS = ("ieee", "tf32")
+PRECISIONS = ("ieee", "tf32", "bf16")
 
 # what IGA and its ablations report per module, and how a whole model's figure is formed
 MASK_STATISTICS = (
@@ -82,7 +82,10 @@ class IGA(MaskedProjectionMethod):
     ``fused`` on CUDA.
     ``precision``: ``tf32`` lets the fused CUDA path use TF32 tensor cores for the
     reconstruction and the power iterations (faster, about 1e-3 relative error; see
-    docs/PERFORMANCE.md); ``ieee`` keeps float32 throughout.
+    docs/PERFORMANCE.md); ``bf16`` rounds the factors to bfloat16 and stores and multiplies
+    the masked matrices in bfloat16 (float32 accumulation; the precision rule in
+    docs/PERFORMANCE.md compares its error with the noise of bf16 training itself);
+    ``ieee`` keeps float32 throughout.
     ``svd``: ``randomized`` (default; HMT with ``power_iters`` power iterations), ``exact``
     (full SVD, reference path only) or ``single_pass`` (Tropp et al. 2017: both sketches in
     one pass, no power iterations; on the fused path the masked matrices are never stored,
@@ -97,7 +100,7 @@ class IGA(MaskedProjectionMethod):
                  implementation: str = "auto", precision: str = "ieee", factors: str = "chain_rule"):
         super().__init__(tau, normalize, rank, svd, oversample, power_iters, seed, factors)
         if precision not in PRECISIONS:
-            raise ValueError(f"precision must be 'ieee' or 'tf32', got {precision!r}")
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         check_choice(implementation, IMPLEMENTATIONS, "implementation")
         if implementation == "fused" and svd == "exact":
             raise ValueError("implementation 'fused' needs a sketched svd, 'randomized' or 'single_pass' "

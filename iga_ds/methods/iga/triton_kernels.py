@@ -11,9 +11,11 @@ kernel is tested against.
 
 Import-guarded: without Triton, :func:`available` is False and nothing here is compiled.
 Only float32 runs here (float64 stays on the PyTorch path). ``precision`` is Triton's
-``input_precision`` of ``tl.dot``: ``"ieee"`` (default, true float32) or ``"tf32x3"``
-(three TF32 products, close to float32 and faster on tensor cores); plain TF32 loses about
-three digits and is not offered.
+``input_precision`` of ``tl.dot``: ``"ieee"`` (default, true float32), ``"tf32x3"`` (three
+TF32 products, close to float32 and faster on tensor cores) or ``"tf32"``; or ``"bf16"``:
+the factors arrive rounded to bfloat16 (half the bytes to load), the products run on bf16
+tensor cores with float32 accumulation, the mask and statistics stay float32, and the masked
+matrix is stored in whatever dtype ``out`` has (bfloat16 on that path).
 """
 from __future__ import annotations
 
@@ -29,11 +31,19 @@ except ImportError:  # pragma: no cover - depends on the installation
     tl = None
 
 _NORM_CODE = {"none": 0, "mean": 1, "snr": 2}
-PRECISIONS = ("ieee", "tf32x3", "tf32")
+PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16")
+# the factors' dtype in memory for each precision (bf16: rounded once on the host, half the loads)
+FACTOR_DTYPES = {"ieee": torch.float32, "tf32x3": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16}
 
 
 def available() -> bool:
     return triton is not None
+
+
+def masked_dtype(precision: str) -> torch.dtype:
+    """The dtype the masked matrices are stored in: bfloat16 for ``"bf16"`` (half the bytes for
+    every later pass over them), else float32."""
+    return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
 if triton is not None:
@@ -44,6 +54,14 @@ if triton is not None:
         return tl.load(ptr + rows[:, None] * row_stride + cols[None, :], mask=mask, other=0.0)
 
     @triton.jit
+    def _dot(a, b, PRECISION: tl.constexpr):
+        """a @ b with float32 accumulation: bf16 operands for "bf16", else tl.dot's input_precision."""
+        if PRECISION == "bf16":
+            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        else:
+            return tl.dot(a, b, input_precision=PRECISION)
+
+    @triton.jit
     def _masked_tile(left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, mod, rows, cols,
                      d_out, d_in, k2, tau, N: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr):
@@ -51,7 +69,7 @@ if triton is not None:
         ks = tl.arange(0, KP)  # 2r padded to a power of two >= 16 (tl.dot's minimum); pads load as 0
         lhs = _load_factor(left_mean + mod * d_out * k2, rows, ks, d_out, k2, k2)
         rhs = _load_factor(right_mean + mod * k2 * d_in, ks, cols, k2, d_in, d_in)
-        gbar = tl.dot(lhs, rhs, input_precision=PRECISION)
+        gbar = _dot(lhs, rhs, PRECISION)
         var = tl.zeros((BM, BN), dtype=tl.float32)
         total = tl.zeros((BM, BN), dtype=tl.float32)
         # the deviations from the mean sum to zero, so the last is minus the sum of the others:
@@ -59,7 +77,7 @@ if triton is not None:
         for n in tl.static_range(N - 1):
             lhs = _load_factor(left_dev + (mod * N + n) * d_out * k2, rows, ks, d_out, k2, k2)
             rhs = _load_factor(right_dev + (mod * N + n) * k2 * d_in, ks, cols, k2, d_in, d_in)
-            dev = tl.dot(lhs, rhs, input_precision=PRECISION)
+            dev = _dot(lhs, rhs, PRECISION)
             var += dev * dev
             total += dev
         var = (var + total * total) / N
@@ -137,14 +155,14 @@ if triton is not None:
             N, NORM, KP, BM, BN, PRECISION)
         ws = tl.arange(0, WP)  # width padded to a power of two >= 16; pads load as 0
         omega = _load_factor(omega_ptr + mod * d_in * width, cols, ws, d_in, width, width)
-        y = tl.dot(masked, omega, input_precision=PRECISION)  # BM x WP
+        y = _dot(masked, omega, PRECISION)  # BM x WP
         n_col_tiles = tl.num_programs(1)
         y_base = y_part + (mod * n_col_tiles + pid_c) * d_out * width
         tl.store(y_base + rows[:, None] * width + ws[None, :], y,
                  mask=(rows[:, None] < d_out) & (ws[None, :] < width))
         ls = tl.arange(0, LP)
         psi = _load_factor(psi_ptr + mod * co_width * d_out, ls, rows, co_width, d_out, d_out)
-        w = tl.dot(psi, masked, input_precision=PRECISION)  # LP x BN
+        w = _dot(psi, masked, PRECISION)  # LP x BN
         n_row_tiles = tl.num_programs(0)
         w_base = w_part + (mod * n_row_tiles + pid_r) * co_width * d_in
         tl.store(w_base + ls[:, None] * d_in + cols[None, :], w,
@@ -183,7 +201,8 @@ def tile_pass_triton(left_mean, right_mean, left_dev, right_dev, omega, *, tau, 
     reference :func:`iga_ds.methods.iga.fused.tile_pass_torch`: (masked, or with ``psi`` the
     co-range sketch psi @ masked), first sketch, stats, sum of masked^2. With ``psi`` the
     modules go through the sketching kernel in chunks whose per-tile partial sketches stay
-    under ``partial_bytes``."""
+    under ``partial_bytes``. With ``precision="bf16"`` the masked matrices come back in
+    bfloat16 (:func:`masked_dtype`); inputs are float32 whatever the precision."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     if precision not in PRECISIONS:
@@ -193,8 +212,9 @@ def tile_pass_triton(left_mean, right_mean, left_dev, right_dev, omega, *, tau, 
     M, N, d_out, k2 = left_dev.shape
     d_in = right_mean.shape[-1]
     kp = max(16, triton.next_power_of_2(k2))
-    left_mean, right_mean = left_mean.contiguous(), right_mean.contiguous()
-    left_dev, right_dev = left_dev.contiguous(), right_dev.contiguous()
+    wanted = FACTOR_DTYPES[precision]
+    left_mean, right_mean, left_dev, right_dev = (
+        t.to(wanted).contiguous() for t in (left_mean, right_mean, left_dev, right_dev))
     scale = mean_var.float().contiguous()
     eps = (SNR_EPS * mean_sq + torch.finfo(torch.float32).tiny).float().contiguous()
     device = left_mean.device
@@ -205,11 +225,11 @@ def tile_pass_triton(left_mean, right_mean, left_dev, right_dev, omega, *, tau, 
     consts = dict(N=N, NORM=_NORM_CODE[normalize], KP=kp, BM=block_m, BN=block_n, PRECISION=precision,
                   num_warps=num_warps)
     if psi is None:
-        masked = torch.empty(M, d_out, d_in, dtype=torch.float32, device=device)
+        masked = torch.empty(M, d_out, d_in, dtype=masked_dtype(precision), device=device)
         launch_tile_kernel(left_mean, right_mean, left_dev, right_dev, scale, eps, masked, parts, mins, tau=tau,
                            normalize=normalize, block_m=block_m, block_n=block_n, precision=precision,
                            num_warps=num_warps)
-        first, sketch = masked, torch.bmm(masked, omega)
+        first, sketch = masked, torch.bmm(masked, omega.to(masked.dtype)).float()
     else:
         width, co_width = omega.shape[-1], psi.shape[1]
         omega, psi = omega.float().contiguous(), psi.float().contiguous()
