@@ -23,9 +23,10 @@ from iga_ds.data import cli as data_cli
 from iga_ds.errors import UserError
 from iga_ds.evaluation import cli as evaluation_cli
 from iga_ds.experiments import cli as experiments_cli
+from iga_ds.models import cli as models_cli
 from iga_ds.train import cli as train_cli
 
-SUBCOMMAND_MODULES = (config_cli, data_cli, train_cli, evaluation_cli, experiments_cli, cluster_cli)
+SUBCOMMAND_MODULES = (config_cli, data_cli, models_cli, train_cli, evaluation_cli, experiments_cli, cluster_cli)
 
 
 class Parser(argparse.ArgumentParser):

@@ -35,9 +35,9 @@ def counted(monkeypatch):
     """Calls of encode_example (Dataset.map runs it in this process with one process)."""
     calls = []
 
-    def counting(tokenizer, prompt, target, max_length):
+    def counting(tokenizer, prompt, target, *rest):
         calls.append(prompt)
-        return encode_example(tokenizer, prompt, target, max_length)
+        return encode_example(tokenizer, prompt, target, *rest)
 
     monkeypatch.setattr(batching, "encode_example", counting)
     return calls

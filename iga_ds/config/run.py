@@ -131,6 +131,12 @@ class DataConfig(Section):
                                           expected="a positive integer", ge=1)
     max_length: int = setting(512, "prompt + target tokens; longer sequences lose prompt tokens first",
                               expected="an integer >= 8", ge=8)
+    prompt_format: Literal["auto", "plain", "chat"] = setting(
+        "auto", "how a record becomes model text: `chat` puts the problem in the user turn and the chain of thought "
+        "in the assistant turn of the tokenizer's chat template, the loss on the assistant turn only (an instruction "
+        "model); `plain` writes `Problem: ...`, the instruction, `Solution:` and the target (a base model); `auto`: "
+        "chat when the tokenizer has a chat template, else plain. The adapter records it, and `iga-ds eval` prompts "
+        "the same way")
     tokenize_processes: int = setting(1, "processes of the one tokenization of the training set (`Dataset.map`'s "
                                       "`num_proc`, on each node's local rank 0; the other ranks load its result from "
                                       "the cache under `HF_DATASETS_CACHE`); the result does not depend on it",

@@ -48,6 +48,10 @@ def register(subparsers: Any) -> None:
     ev.add_argument("--adapter", help="PEFT adapter directory (from training)")
     ev.add_argument("--tokenizer", help="a tokenizer folder, hub id or .gguf file (default: the adapter's if saved "
                     "there, else the base's)")
+    ev.add_argument("--prompt-format", choices=("auto", "plain", "chat"), default=None,
+                    help="how an item becomes the prompt: chat (the tokenizer's chat template, the problem as the user "
+                    "turn), plain, or auto (chat when the tokenizer has a template); default: the format the adapter "
+                    "was trained with, else auto")
     src = ev.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="isomer JSON Lines file")
     src.add_argument("--benchmark", help="logiqa2, reclor, math or arb (a local copy, see --benchmark-dir)")
@@ -124,13 +128,13 @@ def run_eval(args: argparse.Namespace) -> int:
         items = items[: args.limit]
     if not items:
         raise UserError("no items to evaluate")
-    from iga_ds.data.prompts import PROMPT_TEMPLATE, format_prompt
     from iga_ds.evaluation.consistency import lcs_block
-    from iga_ds.evaluation.generation import load_model
+    from iga_ds.evaluation.generation import eval_prompt_format, load_model
     from iga_ds.evaluation.runner import evaluate
     from iga_ds.models import check_model_source
 
     model, tokenizer = load_model(args.base, args.adapter, args.tokenizer, dtype=args.dtype, device=args.device)
+    fmt = eval_prompt_format(tokenizer, args.adapter, args.prompt_format)
     settings = {
         "model": {
             "base": check_model_source(args.base, "--base").label,  # a hub id stays an id
@@ -141,7 +145,7 @@ def run_eval(args: argparse.Namespace) -> int:
             "greedy": True,
             "max_new_tokens": args.max_new_tokens,
             "stop_after_answer": not args.no_stop_after_answer,
-            "prompt_template": PROMPT_TEMPLATE,
+            **fmt.settings(),
             "limit": args.limit,
         },
     }
@@ -149,14 +153,14 @@ def run_eval(args: argparse.Namespace) -> int:
     if records is not None and not args.no_lcs:
         try:
             extra["lcs"] = lcs_block(model, tokenizer, records, args.lcs_layers, args.lcs_max_groups,
-                                     args.batch_size, not args.no_progress)
+                                     args.batch_size, not args.no_progress, fmt)
         except ValueError as exc:
             raise UserError(f"--lcs-layers: {exc}") from None
     result = evaluate(
-        items, model, tokenizer, args.out, settings, format_prompt,
+        items, model, tokenizer, args.out, settings, fmt.prompt,
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
         stop_after_answer=not args.no_stop_after_answer, progress=not args.no_progress,
-        restart=args.restart, extra=extra,
+        restart=args.restart, extra=extra, add_special_tokens=fmt.add_special_tokens,
     )
     _print_summary(result, args.out)
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from iga_ds.data.groups import isomer_groups
-from iga_ds.data.prompts import format_prompt
+from iga_ds.data.prompts import PromptFormat, format_prompt
 from iga_ds.metrics.consistency import lcs, lcs_paper_units
 
 if TYPE_CHECKING:  # torch is imported when a model runs
@@ -40,8 +40,10 @@ def token_averaged_hidden_states(
     batch_size: int = 8,
     max_length: int | None = None,
     progress: bool = False,
+    add_special_tokens: bool = True,
 ) -> dict[int, "torch.Tensor"]:
-    """``{layer: len(texts) x H}`` float64 means of hidden states over non-padding tokens."""
+    """``{layer: len(texts) x H}`` float64 means of hidden states over non-padding tokens
+    (``add_special_tokens``: False for chat-template text, which carries its own)."""
     import torch
     from tqdm.auto import tqdm
 
@@ -64,6 +66,7 @@ def token_averaged_hidden_states(
                     padding=True,
                     truncation=max_length is not None,
                     max_length=max_length,
+                    add_special_tokens=add_special_tokens,
                 )
                 batch = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
                 hidden = model(**batch, output_hidden_states=True).hidden_states
@@ -89,13 +92,16 @@ def lcs_of_model(
     batch_size: int = 8,
     max_length: int | None = None,
     progress: bool = False,
+    add_special_tokens: bool = True,
 ) -> dict[int, float]:
     """LCS of a model on isomer groups at each layer: ``{layer index: LCS}`` (raw, not x1e-2).
 
     ``groups`` is a list of groups (each the N domain instances of one problem, same domain
     order in every group) or a flat list of isomer records, grouped here by ``group_id``.
-    Each instance is rendered by ``text_fn`` (default: the evaluation prompt, so LCS sees what
-    the model sees at test time) and its hidden states are averaged over non-padding tokens.
+    Each instance is rendered by ``text_fn`` (default: the plain evaluation prompt, so LCS sees
+    what the model sees at test time; an instruction model's is its prompt format's ``prompt``,
+    tokenized with its ``add_special_tokens``) and its hidden states are averaged over
+    non-padding tokens.
     """
     if groups and isinstance(groups[0], Mapping):
         groups, _ = isomer_groups(groups)  # type: ignore[arg-type]
@@ -108,20 +114,24 @@ def lcs_of_model(
         text_fn = format_prompt
     texts = [text_fn(rec) for group in groups for rec in group]
     states = token_averaged_hidden_states(
-        model, tokenizer, texts, layers=layers, batch_size=batch_size, max_length=max_length, progress=progress
+        model, tokenizer, texts, layers=layers, batch_size=batch_size, max_length=max_length, progress=progress,
+        add_special_tokens=add_special_tokens,
     )
     return {idx: lcs(h.reshape(len(groups), n, -1)) for idx, h in states.items()}
 
 
 def lcs_block(model: Any, tokenizer: Any, records: list[dict], layers: list[int] | None, max_groups: int,
-              batch_size: int, progress: bool) -> dict[str, Any] | None:
+              batch_size: int, progress: bool, prompt_format: PromptFormat | None = None) -> dict[str, Any] | None:
     """The ``lcs`` entry of eval.json: LCS at ``layers`` (default penultimate) over the first
-    ``max_groups`` complete isomer groups of ``records``; None without two domains."""
+    ``max_groups`` complete isomer groups of ``records``, each read as ``prompt_format`` writes
+    its prompt (default plain); None without two domains."""
     groups, domains = isomer_groups(records)
     groups = groups[:max_groups]
     if not groups or len(domains) < 2:
         return None
-    values = lcs_of_model(model, tokenizer, groups, layers=layers, batch_size=batch_size, progress=progress)
+    special = prompt_format.add_special_tokens if prompt_format else True
+    values = lcs_of_model(model, tokenizer, groups, layers=layers, batch_size=batch_size, progress=progress,
+                          text_fn=prompt_format.prompt if prompt_format else None, add_special_tokens=special)
     num_layers = getattr(model.config, "num_hidden_layers", None)
     return {
         "groups": len(groups),

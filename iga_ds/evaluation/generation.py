@@ -3,7 +3,8 @@
 The base is a local folder, a Hugging Face hub id or a .gguf file (``iga_ds.models``): only a
 hub id is downloaded (or read from the Hugging Face cache offline), and no remote code runs.
 Prompts are left-padded so every continuation starts right after its prompt; a batch is formed
-from prompts of similar length to waste little compute on padding.
+from prompts of similar length to waste little compute on padding. Prompts are written as
+training wrote them (:func:`eval_prompt_format`: the format the adapter records).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from iga_ds.data.prompts import AUTO, PromptFormat, prompt_format, saved_prompt_format
 from iga_ds.errors import UserError
 from iga_ds.models import TOKENIZER_FILES, check_model_source, load_auto_tokenizer, load_causal_lm
 
@@ -71,6 +73,16 @@ def load_model(
     return model, tokenizer
 
 
+def eval_prompt_format(tokenizer: Any, adapter: str | Path | None = None, wanted: str | None = None) -> PromptFormat:
+    """The prompt format of an evaluation: ``wanted`` (``--prompt-format``), else the one the
+    adapter was trained with, else ``auto`` (the chat template when the tokenizer has one)."""
+    if wanted:
+        return prompt_format(tokenizer, wanted, "--prompt-format", UserError)
+    saved = saved_prompt_format(adapter)
+    what = f"{adapter}: the adapter's prompt format" if saved else "prompt format"
+    return prompt_format(tokenizer, saved or AUTO, what, UserError)
+
+
 class _StopAfterAnswer:
     """Stopping criterion: a sequence is done once its continuation holds a full Answer line."""
 
@@ -94,11 +106,14 @@ def generate(
     stop_after_answer: bool = True,
     progress: bool = True,
     on_batch: Callable[[list[int], list[str]], None] | None = None,
+    add_special_tokens: bool = True,
 ) -> list[str]:
     """Greedy continuations of ``prompts`` (same order).
 
     ``on_batch(indices, texts)`` is called after each batch so a caller can save progress.
     With ``stop_after_answer`` a sequence stops after its first complete ``Answer:`` line.
+    ``add_special_tokens``: False for chat-template text, which carries its own
+    (:attr:`iga_ds.data.prompts.PromptFormat.add_special_tokens`).
     """
     import torch
     from tqdm.auto import tqdm
@@ -106,14 +121,15 @@ def generate(
 
     device = next(model.parameters()).device
     padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    lengths = [len(tokenizer(p, add_special_tokens=True)["input_ids"]) for p in prompts]
+    lengths = [len(tokenizer(p, add_special_tokens=add_special_tokens)["input_ids"]) for p in prompts]
     order = sorted(range(len(prompts)), key=lambda i: -lengths[i])
     outputs: list[str | None] = [None] * len(prompts)
     try:
         bar = tqdm(total=len(prompts), desc="generating", unit="prompt", disable=not progress)
         for start in range(0, len(order), batch_size):
             idx = order[start:start + batch_size]
-            batch = tokenizer([prompts[i] for i in idx], return_tensors="pt", padding=True)
+            batch = tokenizer([prompts[i] for i in idx], return_tensors="pt", padding=True,
+                              add_special_tokens=add_special_tokens)
             batch = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
             prompt_len = batch["input_ids"].shape[1]
             stops = StoppingCriteriaList([_StopAfterAnswer(tokenizer, prompt_len)]) if stop_after_answer else None

@@ -139,8 +139,11 @@ def evaluate(
     progress: bool = True,
     restart: bool = False,
     extra: dict[str, Any] | None = None,
+    add_special_tokens: bool = True,
 ) -> dict[str, Any]:
-    """Generate for every item not yet done, score all, write ``out`` (eval.json); return it."""
+    """Generate for every item not yet done, score all, write ``out`` (eval.json); return it.
+    ``format_prompt`` and ``add_special_tokens``: a :class:`iga_ds.data.prompts.PromptFormat`'s
+    ``prompt`` and ``add_special_tokens``, as training had them."""
     out = Path(out)
     ids = [item.id for item in items]
     if len(set(ids)) != len(ids):
@@ -160,6 +163,7 @@ def evaluate(
             stop_after_answer=stop_after_answer,
             progress=progress,
             on_batch=lambda idx, texts: store.add([todo[i].id for i in idx], texts),
+            add_special_tokens=add_special_tokens,
         )
     rows = score_items(items, store.done)
     result = {"schema": SCHEMA, **settings, **summarize(rows), **(extra or {})}

@@ -18,10 +18,9 @@ from typing import Sequence
 
 from iga_ds.config.deepspeed import default_ds_config
 from iga_ds.config.run import TinyBaseConfig, config_from_dict
-from iga_ds.data.prompts import format_prompt
 from iga_ds.data.splits import synthetic_eval_splits
 from iga_ds.data.synth import synthesize
-from iga_ds.evaluation.generation import load_model
+from iga_ds.evaluation.generation import eval_prompt_format, load_model
 from iga_ds.evaluation.records import isomer_eval_items
 from iga_ds.evaluation.runner import evaluate
 from iga_ds.files import atomic_write_json, atomic_write_text, read_jsonl
@@ -78,10 +77,12 @@ def _train_and_evaluate(s: DemoSettings, method: str, out: Path, base: Path, tra
     print(f"[4/4] greedy decoding on {n_id} ID + {len(items) - n_id} OOD instances", flush=True)
     t0 = time.perf_counter()
     model, tokenizer = load_model(base, result.adapter_dir, device="cpu", dtype="float32")
+    fmt = eval_prompt_format(tokenizer, result.adapter_dir)  # plain: the tiny base has no chat template
     settings = {"base": str(base), "adapter": str(result.adapter_dir), "max_new_tokens": s.max_new_tokens,
                 "greedy": True}
-    ev = evaluate(items, model, tokenizer, out / method / "eval.json", settings, format_prompt,
-                  max_new_tokens=s.max_new_tokens, batch_size=48, progress=True, restart=True)
+    ev = evaluate(items, model, tokenizer, out / method / "eval.json", settings, fmt.prompt,
+                  max_new_tokens=s.max_new_tokens, batch_size=48, progress=True, restart=True,
+                  add_special_tokens=fmt.add_special_tokens)
     return {
         "method": method,
         "id_accuracy": ev["id_accuracy"],

@@ -36,12 +36,11 @@ import yaml
 from iga_ds.config.run import BUILTIN_TINY, TinyBaseConfig, config_from_dict
 from iga_ds.data.benchmarks import load_benchmark, resolve_options
 from iga_ds.data.groups import complete_groups
-from iga_ds.data.prompts import PROMPT_TEMPLATE, format_prompt
 from iga_ds.data.splits import random_pairing, split_by_instance, synthetic_eval_splits
 from iga_ds.data.synth import synthesize
 from iga_ds.errors import ConfigError, UserError
 from iga_ds.evaluation.consistency import lcs_block
-from iga_ds.evaluation.generation import load_model
+from iga_ds.evaluation.generation import eval_prompt_format, load_model
 from iga_ds.evaluation.records import isomer_eval_items
 from iga_ds.evaluation.runner import evaluate
 
@@ -159,8 +158,9 @@ def _evaluate_cell(grid: Grid, cell_dir: Path, base_dir: str, adapter: Path, id_
     """Every evaluation of a cell into ``cell_dir/eval/<name>.json``; returns the summaries."""
     e = grid.eval
     model, tokenizer = load_model(base_dir, adapter, dtype=e.dtype, device=e.device)
+    fmt = eval_prompt_format(tokenizer, adapter)  # as the cell trained
     generation = {"greedy": True, "max_new_tokens": e.max_new_tokens, "stop_after_answer": e.stop_after_answer,
-                  "prompt_template": PROMPT_TEMPLATE, "limit": e.limit}
+                  **fmt.settings(), "limit": e.limit}
     model_info = {"base": str(base_dir), "adapter": str(adapter)}
     jobs: list[tuple[str, list, dict[str, Any]]] = []
     if id_records or ood_records:
@@ -177,16 +177,16 @@ def _evaluate_cell(grid: Grid, cell_dir: Path, base_dir: str, adapter: Path, id_
         if name == grid.data["name"] and e.lcs and lcs_records:
             try:
                 block = lcs_block(model, tokenizer, lcs_records, e.lcs_layers and list(e.lcs_layers),
-                                  e.lcs_max_groups, e.batch_size, progress)
+                                  e.lcs_max_groups, e.batch_size, progress, fmt)
             except ValueError as exc:
                 raise ConfigError(f"{grid.path}: eval.lcs_layers: {exc}") from None
             if block:
                 extra["lcs"] = block
         results[name] = evaluate(
             items, model, tokenizer, cell_dir / "eval" / f"{name}.json",
-            {"model": model_info, **source, "generation": generation}, format_prompt,
+            {"model": model_info, **source, "generation": generation}, fmt.prompt,
             max_new_tokens=e.max_new_tokens, batch_size=e.batch_size, stop_after_answer=e.stop_after_answer,
-            progress=progress, restart=True, extra=extra,
+            progress=progress, restart=True, extra=extra, add_special_tokens=fmt.add_special_tokens,
         )
     del model
     return results

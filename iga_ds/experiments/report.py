@@ -23,6 +23,7 @@ from iga_ds.experiments.results import (
     cell_median_step_ms,
     cell_metric_mean,
     headline_accuracy,
+    is_iga_row,
     load_results,
     row_order,
 )
@@ -112,14 +113,27 @@ def main_table(cells: Sequence[Cell]) -> str:
     return _markdown(header, body)
 
 
+def _iga_label(labels: Sequence[str]) -> str | None:
+    """The IGA row among method rows: at the shipped defaults if there is one."""
+    return next((label for label in row_order(list(labels)) if is_iga_row(label)), None)
+
+
+def _full_iga(main_cells: Sequence[Cell]) -> tuple[str, list[Cell]]:
+    """The row the ablations are measured against, and its label: "Full IGA", with the
+    settings of a row that is not at the shipped defaults (``Full IGA (normalize: mean)``)."""
+    full = [c for c in main_cells if c.method == "iga"]
+    label = full[0].label if full and is_iga_row(full[0].label) else "IGA"
+    return "Full " + label, full
+
+
 def ablation_table(main_cells: Sequence[Cell], ablation_cells: Sequence[Cell]) -> str:
     """Paper Table 3: OOD accuracy (or accuracy where no OOD split) per benchmark and its change
     from full IGA, LCS, and the average change."""
-    full = [c for c in main_cells if c.method == "iga"]
+    full_label, full = _full_iga(main_cells)
     erm = [c for c in main_cells if c.method == "erm"]
     rows: dict[str, list[Cell]] = {}
     if full:
-        rows["Full IGA"] = full
+        rows[full_label] = full
     rows.update(_group(ablation_cells))
     if erm:
         rows["ERM-SFT (reference)"] = erm
@@ -141,7 +155,7 @@ def ablation_table(main_cells: Sequence[Cell], ablation_cells: Sequence[Cell]) -
                 continue
             delta = mean - full_means[bench]
             deltas[label].append(delta)
-            delta_col[label] = "—" if label == "Full IGA" else f"{delta:+.1f}"
+            delta_col[label] = "—" if label == full_label else f"{delta:+.1f}"
         columns.append(delta_col)
         if _has_cue(cells_all, bench):
             header.append(f"{bench} OOD follows wrong cue ↓")
@@ -189,13 +203,14 @@ def lcs_layer_table(cells: Sequence[Cell]) -> str | None:
     order = row_order(list(rows))
     columns = [_column(rows, lambda c, l=layer: cell_lcs(c).get(l), False, 3) for layer in layers]
     body = [[lab] + [col[lab] for col in columns] for lab in order]
-    if "IGA" in rows and "ERM-SFT" in rows:
+    iga_label = _iga_label(rows)
+    if iga_label and "ERM-SFT" in rows:
         ratio = []
         for layer in layers:
-            iga = Stat([cell_lcs(c).get(layer) for c in rows["IGA"]]).mean
+            iga = Stat([cell_lcs(c).get(layer) for c in rows[iga_label]]).mean
             erm = Stat([cell_lcs(c).get(layer) for c in rows["ERM-SFT"]]).mean
             ratio.append(f"{iga / erm:.2f}" if iga is not None and erm else DASH)
-        body.append(["IGA / ERM ratio"] + ratio)
+        body.append([f"{iga_label} / ERM ratio"] + ratio)
     # hidden state 0 is the embedding output, which LoRA on attention never changes
     names = [f"Layer {layer}" + (" (embeddings)" if layer == 0 else "") for layer in layers]
     return _markdown(["Method"] + names, body)
@@ -250,9 +265,10 @@ def claims_section(cells: Sequence[Cell]) -> str | None:
     """The paper's claims as checks computed from the runs: IGA against ERM-SFT, and Full IGA
     against each ablation."""
     main = _group([c for c in cells if not c.ablation])
-    if "IGA" not in main or "ERM-SFT" not in main:
+    iga_label = _iga_label(main)
+    if iga_label is None or "ERM-SFT" not in main:
         return None
-    iga, erm = main["IGA"], main["ERM-SFT"]
+    iga, erm = main[iga_label], main["ERM-SFT"]
     lines = ["Rule: a difference counts when it exceeds twice its standard error over seeds "
              "(sqrt(s1²/n1 + s2²/n2)); with 3 seeds this is a screen, not a significance test.", ""]
     body = []
@@ -270,7 +286,8 @@ def claims_section(cells: Sequence[Cell]) -> str | None:
     body.append(["LCS (×1e-2)", Stat([cell_default_lcs(c) for c in iga]).text(2),
                  Stat([cell_default_lcs(c) for c in erm]).text(2), DASH if diff is None else f"{diff:+.2f}",
                  DASH if se is None else f"{se:.2f}", verdict])
-    lines.append(_markdown(["IGA against ERM-SFT", "IGA", "ERM-SFT", "difference", "std. error", "IGA is"], body))
+    lines.append(_markdown([f"{iga_label} against ERM-SFT", iga_label, "ERM-SFT", "difference", "std. error",
+                            f"{iga_label} is"], body))
     ablations = _group([c for c in cells if c.ablation])
     if ablations:
         benches = benchmarks_of(cells)
@@ -285,9 +302,10 @@ def claims_section(cells: Sequence[Cell]) -> str | None:
                     v2, d2, _ = compare([cue(c) for c in iga], [cue(c) for c in group], False)
                     row += [DASH if d2 is None else f"{d2:+.1f}", v2]
                 body.append(row)
-        header = ["Full IGA against", "evaluation", "OOD acc. difference", "std. error", "Full IGA is"]
+        full = f"Full {iga_label}"
+        header = [f"{full} against", "evaluation", "OOD acc. difference", "std. error", f"{full} is"]
         if any(_has_cue(cells, b) for b in benches):
-            header += ["wrong-cue following difference", "Full IGA is"]
+            header += ["wrong-cue following difference", f"{full} is"]
         lines += ["", _markdown(header, body)]
     return "\n".join(lines)
 

@@ -11,7 +11,9 @@ Layout (one cell = one method x seed x ablation run)::
                                ``step``, ``time_s`` and mask statistics such as ``mask_mean``
 
 Only ``method`` and ``seed`` are required in cell.json. Cells with the same label (default:
-the method's display name, or the ablation's) are seeds of one table row.
+the method's display name, or the ablation's) are seeds of one table row. A method row whose
+parameters are not the package's shipped defaults (as ``DIR/<cell>/cell_spec.json``, which
+``iga-ds experiment`` writes, records them) says which they are: ``IGA (normalize: mean)``.
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from iga_ds.errors import DataError
+from iga_ds.errors import ConfigError, DataError
 from iga_ds.files import iter_jsonl, read_json
+from iga_ds.methods import method_parameters
 from iga_ds.metrics.mask import metric_series
 
 # paper names of the methods (Table 2 order); unknown names are shown as given
@@ -71,12 +74,42 @@ class Cell:
         return float(wall) / float(epochs) / 3600.0
 
 
-def _label(method: str, ablation: str | None, given: Any) -> str:
+def _label(method: str, ablation: str | None, given: Any, settings: str = "") -> str:
     if isinstance(given, str) and given.strip():
         return given.strip()
     if ablation:
         return ABLATION_LABELS.get(ablation, ablation)
-    return METHOD_LABELS.get(method, method)
+    name = METHOD_LABELS.get(method, method)
+    return f"{name} ({settings})" if settings else name
+
+
+def is_iga_row(label: str) -> bool:
+    """Whether a method row's label is IGA's: ``IGA`` at the shipped defaults, else ``IGA (...)``."""
+    return label == METHOD_LABELS["iga"] or label.startswith(METHOD_LABELS["iga"] + " (")
+
+
+def non_default_settings(method: str, params: Any) -> str:
+    """``key: value, ...`` of the parameters in ``params`` that differ from the shipped defaults
+    of the gradient method ``method`` (empty for a method this installation does not know)."""
+    try:
+        defaults = method_parameters(method)
+    except ConfigError:
+        return ""
+    if not isinstance(params, dict):
+        return ""
+    return ", ".join(f"{key}: {value}" for key, value in sorted(params.items())
+                     if key not in defaults or defaults[key].default != value)
+
+
+def _cell_settings(folder: Path, info: dict[str, Any]) -> str:
+    """The non-default parameters of a cell's gradient method, from its ``cell_spec.json``."""
+    spec_path = folder / "cell_spec.json"
+    if not spec_path.is_file():
+        return ""
+    variant = read_json(spec_path, objects=True).get("variant")
+    if not isinstance(variant, dict):
+        return ""
+    return non_default_settings(str(info.get("train_method") or variant.get("method")), variant.get("params"))
 
 
 # the numbers the tables read: a number or null each, else an error naming the file and field
@@ -134,7 +167,8 @@ def _read_cell(folder: Path) -> Cell:
         raise DataError(f"{path}: field 'ablation': expected a name or null, got {ablation!r}")
     _check_numbers(info, CELL_NUMBERS, str(path))
     ablation = ablation or None
-    cell = Cell(folder.name, method, seed, ablation, _label(method, ablation, info.get("label")), info)
+    settings = "" if ablation or info.get("label") else _cell_settings(folder, info)
+    cell = Cell(folder.name, method, seed, ablation, _label(method, ablation, info.get("label"), settings), info)
     eval_files = [folder / "eval.json"] if (folder / "eval.json").is_file() else []
     eval_files += sorted((folder / "eval").glob("*.json")) if (folder / "eval").is_dir() else []
     for eval_path in eval_files:
@@ -163,11 +197,13 @@ def load_results(root: str | Path) -> list[Cell]:
 
 
 def row_order(labels: list[str]) -> list[str]:
-    """Paper order (baselines, then IGA), unknown labels alphabetically before IGA."""
+    """Paper order (baselines, then IGA: at the shipped defaults first, then IGA rows at other
+    settings), unknown labels alphabetically before IGA."""
     paper = list(METHOD_LABELS.values())
-    known = [lab for lab in paper if lab in labels and lab != "IGA"]
-    other = sorted(lab for lab in labels if lab not in paper)
-    return known + other + (["IGA"] if "IGA" in labels else [])
+    iga = sorted(lab for lab in labels if is_iga_row(lab))
+    known = [lab for lab in paper if lab in labels and not is_iga_row(lab)]
+    other = sorted(lab for lab in labels if lab not in paper and not is_iga_row(lab))
+    return known + other + iga
 
 
 # -- what a table reads from one cell ------------------------------------------------------------

@@ -5,13 +5,16 @@ domain is present in every step, as the per-domain gradients of IGA need). The o
 groups is a permutation seeded by (seed, epoch), so the batch of global step ``s`` does not
 depend on the world size: rank ``r`` of ``W`` takes the ``r``-th slice of the step's groups.
 The loss is token-level cross-entropy on the target (chain of thought and answer); prompt and
-padding tokens are masked.
+padding tokens are masked. How a record becomes prompt and target text is
+:class:`iga_ds.data.prompts.PromptFormat`'s, which evaluation shares: plain text for a base
+model, the tokenizer's chat template for an instruction model (the target then being the
+assistant turn alone).
 
 Tokenization runs once per training set, not per step: :func:`tokenize_groups` maps
 :func:`encode_example` over every instance with ``datasets.Dataset.map`` and keeps the result in
 a folder of the ``datasets`` cache named by a key of everything the token ids depend on (the
-prompt and target texts, the tokenizer's full definition, ``max_length``, the encoder's code and
-the library versions), so that a cached result can only be the one a fresh tokenization would
+prompt and target texts, whether special tokens are added, the tokenizer's full definition,
+``max_length``, the encoder's code and the library versions), so that a cached result can only be the one a fresh tokenization would
 give. Each step then pads pre-tokenized rows (:meth:`TokenizedGroups.micro_batch`).
 """
 from __future__ import annotations
@@ -29,12 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from iga_ds.data.prompts import format_prompt, format_target
+from iga_ds.data.prompts import PLAIN, PromptFormat
 from iga_ds.data.schema import read_isomer_jsonl
 from iga_ds.errors import ConfigError
 from iga_ds.files import make_dir
 
 IGNORE_INDEX = -100
+PLAIN_FORMAT = PromptFormat(PLAIN)  # the format of a tokenizer without a chat template
 
 
 # -- records ---------------------------------------------------------------------------------
@@ -46,9 +50,10 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     return read_isomer_jsonl(path, missing="data file not found (data.train)")
 
 
-def format_example(record: dict[str, Any]) -> tuple[str, str]:
-    """(prompt, target): the prompt evaluation decodes from, and the target after it."""
-    return format_prompt(record), format_target(record)
+def format_example(record: dict[str, Any], prompt_format: PromptFormat | None = None) -> tuple[str, str]:
+    """(prompt, target): the prompt evaluation decodes from, and the target after it (plain
+    text unless ``prompt_format`` says otherwise)."""
+    return (prompt_format or PLAIN_FORMAT).example(record)
 
 
 # -- sampler ---------------------------------------------------------------------------------
@@ -129,7 +134,8 @@ class MicroBatch:
         )
 
 
-def unknown_words(tokenizer, records: Sequence[dict[str, Any]], limit: int = 2000) -> tuple[float, list[str]]:
+def unknown_words(tokenizer, records: Sequence[dict[str, Any]], limit: int = 2000,
+                  prompt_format: PromptFormat | None = None) -> tuple[float, list[str]]:
     """(fraction of [UNK] tokens, up to 5 example words) over the first ``limit`` records' text.
     A word the tokenizer maps to [UNK] is invisible to the model, e.g. a planted cue."""
     unk = tokenizer.unk_token_id
@@ -138,7 +144,7 @@ def unknown_words(tokenizer, records: Sequence[dict[str, Any]], limit: int = 200
     total = unknown = 0
     examples: list[str] = []
     for rec in records[:limit]:
-        prompt, target = format_example(rec)
+        prompt, target = format_example(rec, prompt_format)
         enc = tokenizer(prompt + target, add_special_tokens=False, return_offsets_mapping=True)
         total += len(enc["input_ids"])
         for tok_id, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]):
@@ -150,13 +156,16 @@ def unknown_words(tokenizer, records: Sequence[dict[str, Any]], limit: int = 200
     return (unknown / total if total else 0.0), examples
 
 
-def encode_example(tokenizer, prompt: str, target: str, max_length: int) -> tuple[list[int], list[int]]:
-    """Token ids and labels for one instance: [bos] prompt target [eos], prompt labels masked.
-    Too long: the prompt loses tokens from its start, then the target from its end."""
+def encode_example(tokenizer, prompt: str, target: str, max_length: int,
+                   add_special_tokens: bool = True) -> tuple[list[int], list[int]]:
+    """Token ids and labels for one instance: [bos] prompt target [eos], prompt labels masked
+    (without ``add_special_tokens``, chat text that carries its own: prompt target). Too long:
+    the prompt loses tokens from its start, then the target from its end."""
     p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     t = tokenizer(target, add_special_tokens=False)["input_ids"]
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    special = add_special_tokens
+    bos = [tokenizer.bos_token_id] if special and tokenizer.bos_token_id is not None else []
+    eos = [tokenizer.eos_token_id] if special and tokenizer.eos_token_id is not None else []
     t = t + eos
     room = max_length - len(bos)
     if len(t) > room - 1:
@@ -167,15 +176,17 @@ def encode_example(tokenizer, prompt: str, target: str, max_length: int) -> tupl
     return ids, labels
 
 
-def collate(tokenizer, groups: Sequence[Sequence[dict]], domains: Sequence[str], max_length: int) -> MicroBatch:
+def collate(tokenizer, groups: Sequence[Sequence[dict]], domains: Sequence[str], max_length: int,
+            prompt_format: PromptFormat | None = None) -> MicroBatch:
     """Records of whole groups encoded (:func:`encode_example`) and padded into one micro-batch:
     what :meth:`TokenizedGroups.micro_batch` gives from the pre-tokenized rows."""
+    fmt = prompt_format or PLAIN_FORMAT
     rows, dom = [], []
     index = {d: i for i, d in enumerate(domains)}
     for group in groups:
         for rec in group:
-            prompt, target = format_example(rec)
-            rows.append(encode_example(tokenizer, prompt, target, max_length))
+            prompt, target = fmt.example(rec)
+            rows.append(encode_example(tokenizer, prompt, target, max_length, fmt.add_special_tokens))
             dom.append(index[rec["domain"]])
     return pad_rows(rows, dom, pad_id(tokenizer))
 
@@ -208,7 +219,7 @@ def pad_rows(rows: Sequence[tuple[Sequence[int], Sequence[int]]], domain_ids: Se
 
 # -- tokenization, once per training set -----------------------------------------------------
 
-TOKENIZED_FORMAT = 1  # bump when the rows' layout or what the key covers changes
+TOKENIZED_FORMAT = 2  # bump when the rows' layout or what the key covers changes
 TOKENIZED_FOLDER = "iga_ds-tokenized"  # under the datasets cache
 
 
@@ -253,12 +264,14 @@ def _version(package: str) -> str | None:
         return None
 
 
-def tokenized_key(tokenizer, prompts: Sequence[str], targets: Sequence[str], max_length: int) -> str:
+def tokenized_key(tokenizer, prompts: Sequence[str], targets: Sequence[str], max_length: int,
+                  add_special_tokens: bool = True) -> str:
     """The cache key of a tokenization: every prompt and target text in order, the tokenizer,
-    ``max_length``, the code of :func:`encode_example` and :func:`_encode_rows`, the versions of
-    the libraries that tokenize."""
+    ``max_length``, whether special tokens are added, the code of :func:`encode_example` and
+    :func:`_encode_rows`, the versions of the libraries that tokenize."""
     h = hashlib.sha256()
     header = {"format": TOKENIZED_FORMAT, "max_length": max_length, "tokenizer": tokenizer_digest(tokenizer),
+              "special_tokens": add_special_tokens,
               "encoder": [_code_digest(encode_example), _code_digest(_encode_rows)],
               "versions": {name: _version(name) for name in ("tokenizers", "transformers", "datasets")}}
     h.update(json.dumps(header, sort_keys=True).encode("utf-8"))
@@ -269,11 +282,11 @@ def tokenized_key(tokenizer, prompts: Sequence[str], targets: Sequence[str], max
     return h.hexdigest()[:32]
 
 
-def _encode_rows(batch: dict[str, list], tokenizer, max_length: int) -> dict[str, list]:
+def _encode_rows(batch: dict[str, list], tokenizer, max_length: int, add_special_tokens: bool) -> dict[str, list]:
     """``Dataset.map``'s function: :func:`encode_example` of each (prompt, target) of a batch."""
     input_ids, labels = [], []
     for prompt, target in zip(batch["prompt"], batch["target"]):
-        ids, lab = encode_example(tokenizer, prompt, target, max_length)
+        ids, lab = encode_example(tokenizer, prompt, target, max_length, add_special_tokens)
         input_ids.append(ids)
         labels.append(lab)
     return {"input_ids": input_ids, "labels": labels}
@@ -312,33 +325,35 @@ def tokenized_cache_root() -> Path:
 
 
 def tokenize_groups(tokenizer, groups: Sequence[Sequence[dict]], max_length: int, cache_root: str | Path,
-                    num_proc: int = 1) -> TokenizedGroups:
-    """Every instance of ``groups`` (each ordered like the domains) tokenized by ``Dataset.map``
-    with ``num_proc`` processes, or loaded from ``cache_root/KEY`` (:func:`tokenized_key`) when
-    an earlier call wrote it. A result is renamed into place only once whole."""
+                    num_proc: int = 1, prompt_format: PromptFormat | None = None) -> TokenizedGroups:
+    """Every instance of ``groups`` (each ordered like the domains) as ``prompt_format`` writes
+    it (default plain), tokenized by ``Dataset.map`` with ``num_proc`` processes, or loaded from
+    ``cache_root/KEY`` (:func:`tokenized_key`) when an earlier call wrote it. A result is renamed
+    into place only once whole."""
     import datasets
 
     datasets.disable_progress_bars()
+    fmt = prompt_format or PLAIN_FORMAT
     prompts, targets = [], []
     for group in groups:
         for rec in group:
-            prompt, target = format_example(rec)
+            prompt, target = fmt.example(rec)
             prompts.append(prompt)
             targets.append(target)
     per_group = len(groups[0]) if groups else 0
-    key = tokenized_key(tokenizer, prompts, targets, max_length)
+    key = tokenized_key(tokenizer, prompts, targets, max_length, fmt.add_special_tokens)
     folder = Path(cache_root) / key
     built = False
     rows = _load_tokenized(folder, len(prompts))
     if rows is None:
-        mapped = _map_tokenize(tokenizer, prompts, targets, max_length, num_proc, key)
+        mapped = _map_tokenize(tokenizer, prompts, targets, max_length, num_proc, key, fmt.add_special_tokens)
         _save_tokenized(mapped, folder)
         rows, built = _load_tokenized(folder, len(prompts)), True
     return TokenizedGroups(rows, per_group, pad_id(tokenizer), folder, built)
 
 
 def _map_tokenize(tokenizer, prompts: Sequence[str], targets: Sequence[str], max_length: int, num_proc: int,
-                  key: str):
+                  key: str, add_special_tokens: bool = True):
     """``Dataset.map`` of :func:`encode_example` over (prompt, target) rows, in memory: a
     ``datasets.Dataset`` with ``input_ids`` and ``labels`` (int32 lists). ``key`` is its
     fingerprint (``datasets`` need not hash the tokenizer)."""
@@ -347,7 +362,8 @@ def _map_tokenize(tokenizer, prompts: Sequence[str], targets: Sequence[str], max
     source = datasets.Dataset.from_dict({"prompt": list(prompts), "target": list(targets)})
     ints = datasets.Sequence(datasets.Value("int32"))
     return source.map(_encode_rows, batched=True, batch_size=1000, remove_columns=["prompt", "target"],
-                      fn_kwargs={"tokenizer": tokenizer, "max_length": max_length},
+                      fn_kwargs={"tokenizer": tokenizer, "max_length": max_length,
+                                 "add_special_tokens": add_special_tokens},
                       features=datasets.Features({"input_ids": ints, "labels": ints}),
                       num_proc=num_proc if num_proc > 1 else None, keep_in_memory=True, new_fingerprint=key)
 

@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 from iga_ds.config.run import TinyBaseConfig
 from iga_ds.errors import ConfigError
 from iga_ds.files import atomic_write_json, make_dir
-from iga_ds.models import EXPECTED, load_auto_tokenizer, load_causal_lm
+from iga_ds.models import EXPECTED, cache_root, load_auto_tokenizer, load_causal_lm
 
 # Word-level splitting with the leading space kept on the word: lossless, so decoding is a
 # plain concatenation and answer extraction sees the original text. Digits are single tokens
@@ -32,10 +32,6 @@ from iga_ds.models import EXPECTED, load_auto_tokenizer, load_causal_lm
 WORD_PATTERN = r" ?[A-Za-z]+| ?[0-9]| ?[^A-Za-z0-9\s]|\s"
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "<s>", "</s>")
 _TOKENIZER_VERSION = 2  # bump when WORD_PATTERN or the vocabulary rule changes
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("IGA_DS_CACHE") or Path.home() / ".cache" / "iga-ds")
 
 
 # -- tokenizer -------------------------------------------------------------------------------

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import os
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +77,12 @@ class ModelSource:
         if hub_offline():
             return "Hugging Face hub id, read from the cache (HF_HUB_OFFLINE is set)"
         return "Hugging Face hub id (downloaded into the Hugging Face cache on first use)"
+
+
+def cache_root() -> Path:
+    """Where iga-ds keeps what it builds once: ``$IGA_DS_CACHE``, by default ``~/.cache/iga-ds``
+    (the built-in tiny base under ``tiny-base/``, converted models under ``models/``)."""
+    return Path(os.environ.get("IGA_DS_CACHE") or Path.home() / ".cache" / "iga-ds")
 
 
 def hub_offline() -> bool:
@@ -190,7 +198,7 @@ def _load(auto_class, source: ModelSource, kwargs: dict[str, Any], what: str, er
     """``auto_class.from_pretrained`` with its failures said in one line."""
     try:
         return auto_class.from_pretrained(source.location, **kwargs)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, struct.error) as exc:  # struct.error: a GGUF file cut short
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         where = {"folder": "the local folder", "hub": "the Hugging Face hub id", "gguf": "the GGUF file"}[source.kind]
         raise error(f"{what}: could not load {where} {source.label}: {first}") from None
