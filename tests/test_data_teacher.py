@@ -63,7 +63,9 @@ class ScriptedTeacher:
                 n = self.per_key[(user, domain)]
             if "flaky" in directives and domain == "math" and n == 1:
                 return '{"problem": "unterminated'
-            steps = ["premise holds", "so the conclusion holds"]
+            # each step names the DAG nodes it uses and derives: the paper's filter compares them with the DAG
+            steps = [{"text": "premise holds", "uses": [], "derives": "a"},
+                     {"text": "so the conclusion holds", "uses": ["a"], "derives": "b"}]
             if "spread" in directives and domain == "legal":
                 steps = [f"step {i}" for i in range(7)]
             answer = 3 if ("types" in directives and domain == "science") else "yes"
@@ -343,11 +345,11 @@ def test_local_teacher_plumbing_with_tiny_random_model(tmp_path):
     assert stats["this_run"]["requests"] == 4
 
 
-def test_local_teacher_needs_a_directory(tmp_path, capsys):
+def test_local_teacher_names_a_missing_model(tmp_path, capsys):
     seeds = write_seeds(tmp_path / "seeds.jsonl", ["p"])
     assert main(["data", "build", "--seeds", str(seeds), "--out", str(tmp_path / "o"), "--teacher", "local",
-                 "--model", "org/some-hub-name"]) == 2
-    assert "expected a local directory" in capsys.readouterr().err
+                 "--model", str(tmp_path / "teacher.gguf")]) == 2
+    assert "--model: " + str(tmp_path / "teacher.gguf") + ": no such GGUF file" in capsys.readouterr().err
 
 
 def test_bad_seed_file(tmp_path, capsys):

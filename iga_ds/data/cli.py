@@ -1,4 +1,4 @@
-"""``iga-ds data``: validate, synth, build, split, export.
+"""``iga-ds data``: validate, synth, build, merge, split, export.
 
 The commands import what they run when they run, not when the parser is built: that keeps
 ``iga-ds --help`` and every other command's start-up fast.
@@ -22,6 +22,7 @@ def register(subparsers) -> None:
     _add_validate(sub)
     _add_synth(sub)
     _add_build(sub)
+    _add_merge(sub)
     _add_split(sub)
     _add_export(sub)
 
@@ -83,9 +84,17 @@ def _add_build(sub) -> None:
                    help="environment variable holding the API key (default OPENAI_API_KEY; unset: no key)")
     p.add_argument("--api-key-file", help="file holding the API key (overrides --api-key-env)")
     p.add_argument("--concurrency", type=int, default=8, help="seeds (and requests) in flight")
+    p.add_argument("--shard", metavar="I/N",
+                   help="build only shard I (from 0) of N: the seeds whose id hashes to I, into OUT/shard-I-of-N; "
+                        "`iga-ds data merge` joins the N shards")
     p.add_argument("--min-score", type=float, default=0.85)
     p.add_argument("--max-step-diff", type=int, default=2)
     p.add_argument("--max-regenerations", type=int, default=3)
+    p.add_argument("--outliers", choices=("discard", "regenerate"), default="discard",
+                   help="a group whose step counts differ by more than --max-step-diff, whose solutions do "
+                        "not follow the DAG's dependencies or whose answer types differ: discard it (the "
+                        "paper, default), or regenerate the outlying instance up to --max-regenerations "
+                        "times (departs from the paper: keeps groups the paper drops)")
     p.add_argument("--domains", help="comma-separated (default math,medical,legal,science)")
     p.add_argument("--templates", help="directory with edited dag_extraction.txt, domain_instantiation.txt, "
                                        "quality_verification.txt")
@@ -94,8 +103,24 @@ def _add_build(sub) -> None:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per HTTP request")
     p.add_argument("--max-retries", type=int, default=6, help="HTTP retries on 429/5xx/timeouts")
     p.add_argument("--backoff", type=float, default=1.0, help="first retry delay in seconds (doubles)")
+    p.add_argument("--no-json-mode", action="store_true",
+                   help="never ask the server for JSON mode (response_format); by default the prompts that ask "
+                        "for JSON ask for it, and a server that refuses it is asked without")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_build)
+
+
+def _add_merge(sub) -> None:
+    """``iga-ds data merge``."""
+    p = sub.add_parser("merge", help="join the shards of a build (--shard I/N) into one output",
+                       description="Check the shard folders OUT/shard-I-of-N of a sharded build: all N there, "
+                                   "built with the same settings, finished, every seed of the seeds file "
+                                   "exactly once in the shard it belongs to. Then write isomers.jsonl, "
+                                   "dropped.jsonl, build.json and stats.json into OUT, as an unsharded build "
+                                   "would, each file whole or not at all.")
+    p.add_argument("--seeds", required=True, help="the seeds file the shards were built from")
+    p.add_argument("--out", required=True, help="the --out the shards were built with")
+    p.set_defaults(func=cmd_merge)
 
 
 def _add_split(sub) -> None:
@@ -196,45 +221,94 @@ def cmd_synth(args) -> int:
     return 0
 
 
-def cmd_build(args) -> int:
-    from iga_ds.data.teacher.clients import Counters, LocalCausalLMClient, OpenAIChatClient, resolve_api_key
-    from iga_ds.data.teacher.pipeline import BuildSettings, build
-    from iga_ds.data.teacher.prompts import Prompts
-    from iga_ds.files import check_output_dir
+# (option, lowest allowed, whether the lowest itself is allowed) of `data build`'s numbers
+_BUILD_BOUNDS = (("concurrency", 1, True), ("min_score", 0.0, True), ("max_step_diff", 0, True),
+                 ("max_regenerations", 0, True), ("temperature", 0.0, True), ("max_tokens", 1, True),
+                 ("timeout", 0.0, False), ("max_retries", 0, True), ("backoff", 0.0, True))
 
-    check_output_dir(args.out)
-    if not 0.0 <= args.min_score <= 1.0:
+
+def _check_build_options(args) -> None:
+    """Each number of ``data build`` in its range: a one-line error naming the option."""
+    import math
+
+    for name, low, inclusive in _BUILD_BOUNDS:
+        value = getattr(args, name)
+        option = "--" + name.replace("_", "-")
+        if not math.isfinite(value) or value < low or (value == low and not inclusive):
+            relation = ">=" if inclusive else ">"
+            raise UserError(f"{option} {value}: expected a number {relation} {low:g}")
+    if args.min_score > 1.0:
         raise UserError(f"--min-score {args.min_score}: expected a number in [0, 1]")
-    if args.max_step_diff < 0 or args.max_regenerations < 0:
-        raise UserError("--max-step-diff and --max-regenerations must be >= 0")
-    counters = Counters()
-    if args.teacher == "openai":
-        if not args.base_url:
-            raise UserError("--base-url is required with --teacher openai (e.g. http://localhost:8000/v1)")
-        client = OpenAIChatClient(args.base_url, args.model,
-                                  api_key=resolve_api_key(args.api_key_env, args.api_key_file),
-                                  temperature=args.temperature, max_tokens=args.max_tokens,
-                                  timeout=args.timeout, max_retries=args.max_retries,
-                                  backoff=args.backoff, counters=counters)
-        concurrency = args.concurrency
-    else:
+    if args.shard is not None:
+        from iga_ds.data.teacher.shards import parse_shard
+
+        parse_shard(args.shard)
+
+
+def _teacher_client(args, counters):
+    """The client of ``--teacher`` and how many seeds it takes at once."""
+    from iga_ds.data.teacher.clients import LocalCausalLMClient, OpenAIChatClient, resolve_api_key
+
+    if args.teacher == "local":
         client = LocalCausalLMClient(args.model, max_new_tokens=args.max_tokens,
                                      temperature=args.temperature, counters=counters)
-        concurrency = 1  # one model in this process: requests run one after another
-    settings = BuildSettings(domains=list(_domains(args.domains)), min_score=args.min_score,
-                             max_step_diff=args.max_step_diff, max_regenerations=args.max_regenerations,
-                             teacher=args.teacher, model=args.model)
-    stats = build(args.seeds, args.out, client, settings, prompts=Prompts(args.templates),
-                  concurrency=concurrency, counters=counters, progress=not args.no_progress)
+        return client, 1  # one model in this process: requests run one after another
+    if not args.base_url:
+        raise UserError("--base-url is required with --teacher openai (e.g. http://localhost:8000/v1)")
+    client = OpenAIChatClient(args.base_url, args.model, api_key=resolve_api_key(args.api_key_env, args.api_key_file),
+                              temperature=args.temperature, max_tokens=args.max_tokens, timeout=args.timeout,
+                              max_retries=args.max_retries, backoff=args.backoff, counters=counters,
+                              json_mode=not args.no_json_mode)
+    return client, args.concurrency
+
+
+def _print_build_stats(out, stats: dict) -> int:
+    """The summary of a build; 1 (with what is left and why) when seeds are still to do."""
     retention = f"{stats['retention']:.1%}" if stats["retention"] is not None else "n/a"
-    print(f"{args.out}: kept {stats['kept_groups']} groups, dropped {stats['dropped_groups']}, "
+    print(f"{out}: kept {stats['kept_groups']} groups, dropped {stats['dropped_groups']}, "
           f"retention {retention} (paper: 78%), pending {stats['pending_seeds']}")
     if stats["drop_reasons"]:
         print("drop reasons: " + ", ".join(f"{k}={v}" for k, v in stats["drop_reasons"].items()))
-    if stats["pending_seeds"]:
-        print(f"{stats['pending_seeds']} seeds failed after retries; run the same command again to resume",
-              file=sys.stderr)
-        return 1
+    if not stats["pending_seeds"]:
+        return 0
+    why = (f" (this run: {stats['failed_this_run']} failed after retries, {stats['refused_this_run']} refused "
+           f"by the server; last: {stats['last_error']})") if stats["last_error"] else ""
+    print(f"{stats['pending_seeds']} seeds still to do{why}; run the same command again to resume", file=sys.stderr)
+    return 1
+
+
+def cmd_build(args) -> int:
+    from iga_ds.data.teacher.clients import Counters
+    from iga_ds.data.teacher.pipeline import BuildSettings, build
+    from iga_ds.data.teacher.prompts import Prompts
+    from iga_ds.data.teacher.shards import parse_shard, shard_dir
+    from iga_ds.files import check_output_dir
+
+    check_output_dir(args.out)
+    _check_build_options(args)
+    counters = Counters()
+    prompts = Prompts(args.templates)
+    client, concurrency = _teacher_client(args, counters)
+    settings = BuildSettings(domains=list(_domains(args.domains)), min_score=args.min_score,
+                             max_step_diff=args.max_step_diff, max_regenerations=args.max_regenerations,
+                             teacher=args.teacher, model=args.model, outliers=args.outliers)
+    try:
+        stats = build(args.seeds, args.out, client, settings, prompts=prompts, concurrency=concurrency,
+                      counters=counters, progress=not args.no_progress, shard=args.shard)
+    finally:
+        getattr(client, "close", lambda: None)()
+    out = shard_dir(args.out, *parse_shard(args.shard)) if args.shard else args.out
+    return _print_build_stats(out, stats)
+
+
+def cmd_merge(args) -> int:
+    from iga_ds.data.teacher.merge import merge_shards
+
+    stats = merge_shards(args.seeds, args.out)
+    retention = f"{stats['retention']:.1%}" if stats["retention"] is not None else "n/a"
+    print(f"{args.out}: merged {stats['merged_shards']} shards: {stats['seeds']} seeds, each exactly once; kept "
+          f"{stats['kept_groups']} groups ({stats['kept_instances']} instances), dropped {stats['dropped_groups']}, "
+          f"retention {retention}")
     return 0
 
 

@@ -1,40 +1,67 @@
-"""Teacher backends: any OpenAI-compatible chat-completions server, or a local causal LM.
+"""Teacher backends: any OpenAI-compatible chat-completions server, or a causal LM in this process.
 
-The HTTP client uses only the standard library. vLLM (``vllm serve MODEL``), TGI and hosted
-APIs all serve ``POST {base_url}/chat/completions``. Retries with exponential backoff and
-jitter on 429, 5xx, connection errors and timeouts; ``Retry-After`` is honoured up to the
-backoff cap. Authentication and not-found errors stop the build (the configuration is wrong);
-other 4xx answers fail only the current request.
+The HTTP client is httpx (docs/DATA.md says why): one pool of keep-alive connections shared by
+the build's threads. vLLM (``vllm serve MODEL``), TGI, llama.cpp's server and hosted APIs all
+serve ``POST {base_url}/chat/completions``.
+
+- Retries with exponential backoff and jitter on 408/409/425/429, 5xx, connection errors and
+  timeouts; ``Retry-After`` is honoured up to the backoff cap. When the retries are spent the
+  error says the last cause ("connection refused to http://...").
+- 401/403/404 stop the build (the key, the URL or the model name is wrong). Any other 4xx is a
+  :class:`TeacherRejected` carrying the server's message; the pipeline decides whether it is
+  the seed's fault or the setup's.
+- JSON mode: a request may ask for ``response_format={"type": "json_object"}`` (vLLM, OpenAI,
+  llama.cpp support it). A server that refuses it (a 400 or 422 naming ``response_format``)
+  gets the request again without it, and no JSON mode for the rest of the build.
+- Redirects are followed (at most 5, the POST kept as it is), but the ``Authorization`` header
+  only goes to the origin (scheme, host and port) of ``--base-url``: once a redirect leaves it,
+  the key is not sent again for that request. A key sent over plain HTTP to a host that is not
+  this machine is warned about once.
 """
 from __future__ import annotations
 
-import http.client
+import ipaddress
 import json
+import logging
+import os
 import random
-import socket
+import ssl
 import threading
 import time
-import urllib.error
-import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
+
+import httpx
 
 from iga_ds.errors import UserError
+from iga_ds.models import load_auto_tokenizer, load_causal_lm
+
+log = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
-FATAL_STATUS = frozenset({401, 403, 404})
+FATAL_STATUS = {401: "unauthorized (check the API key)", 403: "forbidden (check the API key)",
+                404: "not found (check --base-url and --model)"}
+REDIRECT_STATUS = frozenset({301, 302, 303, 307, 308})
+MAX_REDIRECTS = 5
+JSON_MODE = {"type": "json_object"}
+_MESSAGE_CHARS = 300
 
 
 class TeacherError(Exception):
-    """A request failed for good; the seed is retried on the next run."""
+    """A request failed for good in this run; the seed stays to do and the next run retries it."""
 
 
 class TeacherRejected(TeacherError):
-    """The server refused this request (e.g. 400: prompt too long); the group is dropped."""
+    """The server refused the request (a 4xx other than 401/403/404), with its message."""
+
+    def __init__(self, status: int, message: str, url: str):
+        super().__init__(f"HTTP {status} from {url}: {message}" if message else f"HTTP {status} from {url}")
+        self.status, self.message = status, message
 
 
 class ChatClient(Protocol):
-    def chat(self, messages: list[dict]) -> str: ...
+    def chat(self, messages: list[dict], json_reply: bool = False) -> str: ...
 
 
 class Counters:
@@ -55,8 +82,6 @@ class Counters:
 
 def resolve_api_key(env_var: str | None, key_file: str | None) -> str | None:
     """The key from ``--api-key-file`` or the named environment variable; never printed."""
-    import os
-
     if key_file:
         try:
             key = Path(key_file).read_text(encoding="utf-8").strip()
@@ -72,34 +97,114 @@ def resolve_api_key(env_var: str | None, key_file: str | None) -> str | None:
     return None
 
 
+def is_local_host(host: str) -> bool:
+    """Whether ``host`` is this machine: ``localhost`` or a loopback address."""
+    host = host.strip("[]").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def server_message(body: bytes) -> str:
+    """The error message of a refused request on one line: the ``error.message`` of OpenAI and
+    vLLM, TGI's ``error``, FastAPI's ``detail``, or the body's text."""
+    text = body.decode("utf-8", "replace")
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        obj = None
+    if isinstance(obj, dict):
+        found = obj.get("error", obj.get("message", obj.get("detail")))
+        if isinstance(found, dict):
+            found = found.get("message", found)
+        if found is not None:
+            text = found if isinstance(found, str) else json.dumps(found)
+    text = " ".join(text.split())
+    return text if len(text) <= _MESSAGE_CHARS else text[:_MESSAGE_CHARS - 3] + "..."
+
+
+def _refuses_json_mode(status: int, message: str) -> bool:
+    text = message.lower()
+    return status in (400, 422) and ("response_format" in text or "json_object" in text)
+
+
 class OpenAIChatClient:
-    """``POST {base_url}/chat/completions`` with retries; returns the first choice's text."""
+    """``POST {base_url}/chat/completions`` with retries; returns the first choice's text.
+
+    Thread-safe: each thread that calls :meth:`chat` keeps its own keep-alive connection.
+    """
 
     def __init__(self, base_url: str, model: str, api_key: str | None = None,
                  temperature: float = 0.7, max_tokens: int = 1024, timeout: float = 120.0,
                  max_retries: int = 6, backoff: float = 1.0, max_backoff: float = 60.0,
-                 counters: Counters | None = None, sleep: Callable[[float], None] = time.sleep):
+                 counters: Counters | None = None, sleep: Callable[[float], None] = time.sleep,
+                 json_mode: bool = True):
         if not base_url.startswith(("http://", "https://")):
             raise UserError(f"--base-url {base_url!r}: expected http://HOST:PORT/v1 or https://...")
         base = base_url.rstrip("/")
-        self.url = base if base.endswith("/chat/completions") else base + "/chat/completions"
+        self.url = httpx.URL(base if base.endswith("/chat/completions") else base + "/chat/completions")
         self.model = model
-        self._api_key = api_key
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.temperature, self.max_tokens, self.timeout = temperature, max_tokens, timeout
         self.max_retries, self.backoff, self.max_backoff = max_retries, backoff, max_backoff
         self.counters = counters or Counters()
+        self.json_mode = json_mode
         self._sleep = sleep
+        self._local = threading.local()
+        self._clients: list[httpx.Client] = []
+        self._clients_lock = threading.Lock()
+        self._tls: ssl.SSLContext | None = None  # one for all threads: each costs milliseconds to make
+        if api_key and self.url.scheme == "http" and not is_local_host(self.url.host):
+            log.warning("warning: the API key goes in clear text over plain HTTP to %s; "
+                        "use an https:// --base-url", self.url.host)
 
     def __repr__(self) -> str:  # never show the key
-        return f"OpenAIChatClient(url={self.url!r}, model={self.model!r})"
+        return f"OpenAIChatClient(url={str(self.url)!r}, model={self.model!r})"
 
-    def _request(self, body: bytes) -> bytes:
-        headers = {"Content-Type": "application/json", "Accept": "application/json"}
-        if self._api_key:
-            headers["Authorization"] = f"Bearer {self._api_key}"
-        req = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
-        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-            return resp.read()
+    def _http(self) -> httpx.Client:
+        """This thread's httpx client: one keep-alive connection per thread. A pool shared by
+        all threads costs more: httpcore looks at every pooled connection on every request
+        (about a third of the time at 64 threads)."""
+        http = getattr(self._local, "http", None)
+        if http is None:
+            with self._clients_lock:
+                if self._tls is None:
+                    self._tls = ssl.create_default_context()
+                http = httpx.Client(timeout=self.timeout, follow_redirects=False, verify=self._tls,
+                                    headers={"Content-Type": "application/json", "Accept": "application/json"},
+                                    limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
+                self._clients.append(http)
+            self._local.http = http
+        return http
+
+    def close(self) -> None:
+        with self._clients_lock:
+            for http in self._clients:
+                http.close()
+            self._clients.clear()
+
+    def __enter__(self) -> OpenAIChatClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _post(self, payload: bytes):
+        """POST to the URL, following redirects; the key goes only to the first URL's origin."""
+        url, headers = self.url, self._auth
+        for _ in range(MAX_REDIRECTS + 1):
+            response = self._http().post(url, content=payload, headers=headers)
+            location = response.headers.get("Location")
+            if response.status_code not in REDIRECT_STATUS or not location:
+                return response
+            target = url.join(location)
+            if (target.scheme, target.host, target.port) != (self.url.scheme, self.url.host, self.url.port):
+                headers = {}  # another origin: it gets no credentials, now or after a way back
+            url = target
+        raise UserError(f"teacher server {self.url}: more than {MAX_REDIRECTS} redirects (last to {url})")
 
     def _wait(self, attempt: int, retry_after: str | None) -> None:
         delay = self.backoff * (2 ** attempt)
@@ -111,35 +216,58 @@ class OpenAIChatClient:
         delay = min(delay, self.max_backoff) * (0.5 + random.random() / 2)
         self._sleep(delay)
 
-    def chat(self, messages: list[dict]) -> str:
-        body = json.dumps({"model": self.model, "messages": messages,
-                           "temperature": self.temperature, "max_tokens": self.max_tokens}).encode()
+    def _payload(self, messages: list[dict], json_reply: bool) -> bytes:
+        body = {"model": self.model, "messages": messages,
+                "temperature": self.temperature, "max_tokens": self.max_tokens}
+        if json_reply:
+            body["response_format"] = JSON_MODE
+        return json.dumps(body).encode()
+
+    def _attempt(self, messages: list[dict], json_reply: bool) -> tuple[str | None, str, str | None]:
+        """One request: (reply, "", None), or (None, why it failed, Retry-After) for a retry.
+
+        Raises what no retry can mend: UserError for 401/403/404, TeacherRejected for other 4xx.
+        """
+        use_json = json_reply and self.json_mode
+        try:
+            response = self._post(self._payload(messages, use_json))
+        except httpx.TimeoutException:
+            return None, f"no answer within {self.timeout:g} s from {self.url} (--timeout)", None
+        except httpx.ConnectError as exc:
+            reason = "connection refused" if "refused" in str(exc).lower() else f"cannot connect ({exc})"
+            return None, f"{reason} to {self.url}", None
+        except httpx.TransportError as exc:
+            return None, f"{type(exc).__name__} from {self.url}: {exc}", None
+        status = response.status_code
+        if 200 <= status < 300:
+            return _first_choice_text(response.content), "", None
+        message = server_message(response.content)
+        if use_json and _refuses_json_mode(status, message):
+            self.json_mode = False  # for the rest of the build: the server has no JSON mode
+            self.counters.add("json_mode_refused")
+            log.warning("warning: %s refuses JSON mode (%s); asking without response_format", self.url, message)
+            return self._attempt(messages, json_reply)
+        if status in FATAL_STATUS:
+            detail = f": {message}" if message else ""
+            raise UserError(f"teacher server {self.url}: HTTP {status} {FATAL_STATUS[status]}{detail}")
+        if status not in RETRYABLE_STATUS:
+            raise TeacherRejected(status, message, str(self.url))
+        return None, f"HTTP {status} from {self.url}" + (f": {message}" if message else ""), \
+            response.headers.get("Retry-After")
+
+    def chat(self, messages: list[dict], json_reply: bool = False) -> str:
+        """The reply's text; ``json_reply`` asks for JSON mode where the server has it."""
         last = "no attempt"
         for attempt in range(self.max_retries + 1):
             self.counters.add("requests")
-            retry_after = None
-            try:
-                raw = self._request(body)
-            except urllib.error.HTTPError as exc:
-                status = exc.code
-                retry_after = exc.headers.get("Retry-After") if exc.headers else None
-                exc.close()
-                if status in FATAL_STATUS:
-                    what = {401: "unauthorized (check the API key)", 403: "forbidden (check the API key)",
-                            404: "not found (check --base-url and --model)"}[status]
-                    raise UserError(f"teacher server {self.url}: HTTP {status} {what}") from None
-                if status not in RETRYABLE_STATUS:
-                    raise TeacherRejected(f"HTTP {status}") from None
-                last = f"HTTP {status}"
-            except (urllib.error.URLError, http.client.HTTPException, ConnectionError,
-                    socket.timeout, TimeoutError) as exc:
-                last = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
-            else:
-                return _first_choice_text(raw)
+            reply, last, retry_after = self._attempt(messages, json_reply)
+            if reply is not None:
+                return reply
             if attempt < self.max_retries:
                 self.counters.add("http_retries")
                 self._wait(attempt, retry_after)
-        raise TeacherError(f"{self.url}: gave up after {self.max_retries + 1} attempts ({last})")
+        attempts = self.max_retries + 1
+        raise TeacherError(f"gave up after {attempts} attempt{'s' if attempts > 1 else ''}: {last}")
 
 
 def _first_choice_text(raw: bytes) -> str:
@@ -153,29 +281,24 @@ def _first_choice_text(raw: bytes) -> str:
 
 
 class LocalCausalLMClient:
-    """A transformers causal LM run in-process from a local directory (no remote code)."""
+    """A causal LM run in this process, loaded through ``iga_ds.models``: a local folder, a hub
+    id or a single .gguf file (no remote code). Prompts go through the tokenizer's chat template
+    where it has one."""
 
-    def __init__(self, model_dir: str, max_new_tokens: int = 512, temperature: float = 0.7,
+    def __init__(self, model: str, max_new_tokens: int = 512, temperature: float = 0.7,
                  device: str | None = None, counters: Counters | None = None):
-        path = Path(model_dir)
-        if not path.is_dir():
-            raise UserError(f"--model {model_dir}: with --teacher local, expected a local "
-                            "directory holding a transformers model (config.json, weights, tokenizer)")
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(path)
-            self.model = AutoModelForCausalLM.from_pretrained(path)
-        except (OSError, ValueError) as exc:
-            raise UserError(f"--model {model_dir}: cannot load a causal LM ({exc})") from None
+        self.tokenizer = load_auto_tokenizer(model, what="--model")
+        self.model = load_causal_lm(model, what="--model", dtype=torch.float32)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model.to(self.device).eval()
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.counters = counters or Counters()
         self._lock = threading.Lock()  # one generate at a time: the model is shared
 
-    def _prompt_ids(self, messages: list[dict]):
+    def prompt_ids(self, messages: list[dict]):
+        """The token ids of ``messages`` as the model expects them, ready for its answer."""
         tok = self.tokenizer
         if getattr(tok, "chat_template", None):
             enc = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
@@ -184,11 +307,12 @@ class LocalCausalLMClient:
         text = "".join(f"{m['role']}: {m['content']}\n\n" for m in messages) + "assistant:"
         return tok(text, return_tensors="pt")["input_ids"]
 
-    def chat(self, messages: list[dict]) -> str:
+    def chat(self, messages: list[dict], json_reply: bool = False) -> str:
+        """Generate the reply (``json_reply`` is for servers: the prompt itself asks for JSON)."""
         import torch
 
         self.counters.add("requests")
-        ids = self._prompt_ids(messages).to(self.device)
+        ids = self.prompt_ids(messages).to(self.device)
         pad = self.tokenizer.pad_token_id
         if pad is None:
             pad = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0

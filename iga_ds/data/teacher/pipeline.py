@@ -6,39 +6,56 @@ Per seed (paper section 3.3 and appendix "Quality Filtering"):
 2. instantiation in each domain (prompt 2), then quality verification against the seed
    (prompt 3); an instance whose structural alignment score is below ``min_score`` (0.85)
    is regenerated;
-3. the group's CoT step counts must lie within ``max_step_diff`` (2) of each other, and its
-   answers must have one type; otherwise the outlying instance is regenerated;
+3. the group filter (``filters``): CoT step counts within ``max_step_diff`` (2) of each
+   other, each solution's steps following the DAG's dependencies, one answer type; a group
+   that fails is dropped, as in the paper (``outliers="regenerate"``: its outlying instance
+   is regenerated instead, a departure from the paper);
 4. each instance (and the DAG) may be regenerated up to ``max_regenerations`` times; then
    the group is dropped with a reason.
 
 Output in ``out_dir``: ``isomers.jsonl`` (kept groups, schema of ``iga_ds.data.schema``),
 ``dropped.jsonl`` (one line per dropped seed with its reason), ``stats.json`` (retention;
-the paper keeps 78%) and ``build.json`` (the settings, checked on resume). Each finished group
-is appended with one ``write`` and fsync'd; on start, a torn tail left by a kill is cut off,
-and seeds already in either file are skipped, so a killed build restarted with the same
-arguments loses and duplicates nothing. Seeds whose requests failed after all retries are in
-neither file and are retried by the next run.
+the paper keeps 78%) and ``build.json`` (the settings, checked on resume).
+
+Every seed ends exactly once, kept or dropped, whatever the moment of a kill. Outcomes are
+written by one thread, each seed's in one ``write``, fsync'd; one build at a time holds the
+output directory (a lock the kernel drops when the process dies). On start, a torn tail left
+by a kill (a cut line, or the first lines of a group) is cut off, and seeds already in either
+file are skipped; counts are of distinct seeds of the seeds file, so they never go negative.
+
+Seeds whose requests failed after all retries, or that the server refused before any seed of
+the run got through, are in neither file and are tried again by the next run. Seeds that fail
+or are refused several times in a row stop the build (a setup mistake would repeat for every
+seed) and nothing more is started; a stopped or interrupted build abandons its requests in
+flight instead of waiting for them.
 """
 from __future__ import annotations
 
+import fcntl
 import json
-import statistics
+import os
+import queue
+import re
 import threading
 from collections import Counter
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from iga_ds.data.domains import DEFAULT_DOMAINS
-from iga_ds.data.schema import answer_type
 from iga_ds.data.teacher.clients import ChatClient, Counters, TeacherError, TeacherRejected
+from iga_ds.data.teacher.filters import check_group
 from iga_ds.data.teacher.parse import Instance, MalformedOutput, parse_dag, parse_instance, parse_verification
-from iga_ds.data.teacher.prompts import Prompts
+from iga_ds.data.teacher.prompts import Prompts, Template
+from iga_ds.data.teacher.shards import in_shard, parse_shard, shard_dir
 from iga_ds.errors import DataError, UserError
-from iga_ds.files import append_lines, atomic_write_json, cut_torn_tail, iter_jsonl, make_dir, torn_tail_start
+from iga_ds.files import (append_lines, atomic_write_json, cut_torn_tail, iter_jsonl, jsonl_text, make_dir,
+                          torn_tail_start, write_jsonl)
 
 KEPT_FILE, DROPPED_FILE, STATS_FILE, SETTINGS_FILE = "isomers.jsonl", "dropped.jsonl", "stats.json", "build.json"
+LOCK_FILE = ".build.lock"
 PAPER_RETENTION = 0.78
+# seeds in a row whose requests failed after all retries, or were refused, stop the build
+STOP_AFTER = 3
 
 
 @dataclass
@@ -52,6 +69,8 @@ class BuildSettings:
     teacher: str = "openai"
     model: str = ""
     templates_sha256: str = ""
+    shard: str = ""  # "I/N" for shard I of N; "" for the whole seeds file
+    outliers: str = "discard"  # a group failing the filter: "discard" (the paper) or "regenerate"
 
 
 def read_seeds(path: str | Path) -> list[dict]:
@@ -93,22 +112,40 @@ class _Drop(Exception):
         self.reason = reason
 
 
+class SeedAbandoned(Exception):
+    """The build is stopping: a seed is left before its next request (it stays to do)."""
+
+
+def asks_for_json(template: Template) -> bool:
+    """Whether a prompt's own text (not what fills its placeholders) asks for a JSON reply."""
+    text = re.sub(r"\{[a-z_]+\}", " ", template.system + "\n" + template.user)
+    return "json" in text.lower()
+
+
 class SeedProcessor:
     """Runs the three prompts and the filters for one seed; thread-safe (stateless)."""
 
     def __init__(self, client: ChatClient, prompts: Prompts, settings: BuildSettings,
-                 counters: Counters):
+                 counters: Counters, stop: threading.Event | None = None):
         self.client, self.prompts, self.settings, self.counters = client, prompts, settings, counters
+        self.stop = stop or threading.Event()
+        self.json_reply = {name: asks_for_json(t) for name, t in prompts.templates.items()}
 
     def __call__(self, seed: dict) -> GroupOutcome:
+        """The seed's kept group or drop reason. A request that fails for good raises
+        (TeacherError, TeacherRejected, UserError), and so does a stop (SeedAbandoned)."""
         outcome = GroupOutcome(seed["seed_id"])
         try:
             outcome.records = self._build(seed, outcome)
         except _Drop as drop:
             outcome.reason = drop.reason
-        except TeacherRejected as exc:
-            outcome.reason = f"request_rejected ({exc})"
         return outcome
+
+    def _ask(self, template: str, messages: list[dict]) -> str:
+        """The teacher's reply to one prompt, in JSON mode where the prompt asks for JSON."""
+        if self.stop.is_set():
+            raise SeedAbandoned()
+        return self.client.chat(messages, json_reply=self.json_reply.get(template, False))
 
     def _regenerate(self, outcome: GroupOutcome, used: dict, key: str, reason: str) -> None:
         if used.get(key, 0) >= self.settings.max_regenerations:
@@ -126,7 +163,7 @@ class SeedProcessor:
         used: dict[str, int] = {}
         while True:
             try:
-                dag = parse_dag(self.client.chat(self.prompts.dag_extraction(seed["problem"])))
+                dag = parse_dag(self._ask("dag_extraction", self.prompts.dag_extraction(seed["problem"])))
                 break
             except MalformedOutput:
                 self._malformed(outcome)
@@ -137,7 +174,7 @@ class SeedProcessor:
         while True:
             for domain in pending:
                 accepted[domain] = self._instance(seed, dag, domain, outcome, used)
-            pending = self._filter_outliers(accepted, outcome, used)
+            pending = self._filter_outliers(accepted, dag, outcome, used)
             if not pending:
                 break
 
@@ -165,13 +202,14 @@ class SeedProcessor:
         s = self.settings
         while True:
             try:
-                inst = parse_instance(self.client.chat(self.prompts.domain_instantiation(dag, domain)))
+                inst = parse_instance(self._ask("domain_instantiation",
+                                                self.prompts.domain_instantiation(dag, domain)))
             except MalformedOutput:
                 self._malformed(outcome)
                 self._regenerate(outcome, used, domain, f"instance_malformed ({domain})")
                 continue
             try:
-                ver = parse_verification(self.client.chat(self.prompts.quality_verification(
+                ver = parse_verification(self._ask("quality_verification", self.prompts.quality_verification(
                     seed["problem"], inst.problem, dag, s.min_score)))
             except MalformedOutput:
                 self._malformed(outcome)
@@ -181,64 +219,128 @@ class SeedProcessor:
                 return inst, ver
             self._regenerate(outcome, used, domain, f"low_score ({domain})")
 
-    def _filter_outliers(self, accepted: dict, outcome: GroupOutcome, used: dict) -> list[str]:
-        """Domains to regenerate so that step counts and answer types agree; [] if they do."""
+    def _filter_outliers(self, accepted: dict, dag: dict, outcome: GroupOutcome, used: dict) -> list[str]:
+        """[] if the group passes the filter; else drop it (the paper), or name the domain to regenerate."""
         s = self.settings
-        types = Counter(answer_type(inst.answer) for inst, _ in accepted.values())
-        if len(types) > 1:
-            majority = types.most_common(1)[0][0]
-            odd = [d for d in s.domains if answer_type(accepted[d][0].answer) != majority][0]
-            self._regenerate(outcome, used, odd, "answer_type_mismatch")
-            return [odd]
-        counts = {d: accepted[d][0].step_count for d in s.domains}
-        if max(counts.values()) - min(counts.values()) <= s.max_step_diff:
+        failure = check_group({d: accepted[d][0] for d in s.domains}, dag, s.max_step_diff)
+        if failure is None:
             return []
-        median = statistics.median(counts.values())
-        odd = max(s.domains, key=lambda d: abs(counts[d] - median))
-        self._regenerate(outcome, used, odd, "step_count_spread")
-        return [odd]
+        if s.outliers != "regenerate":
+            raise _Drop(failure.reason)
+        self._regenerate(outcome, used, failure.domain, failure.reason)
+        return [failure.domain]
 
 
-def _repair_tail(path: Path, complete_group=None) -> None:
-    """Cut a torn last line (and, for the kept file, a torn last group) left by a kill."""
-    if not path.exists():
-        return
-    data = path.read_bytes()
+def repair_point(data: bytes, complete_group: int | None = None, path: Path | None = None) -> int:
+    """Where the whole lines (with ``complete_group``, the whole groups) of an output file end;
+    what lies past that point was being written when the build was killed."""
     end = torn_tail_start(data)
-    if complete_group is not None and end:
-        # a group is written in one write(): only the last group can be short
-        last_gid, tail_start, tail_count = None, 0, 0
-        offset = 0
-        for line in data[:end].splitlines(keepends=True):
-            try:
-                gid = json.loads(line)["group_id"]
-            except (ValueError, KeyError, TypeError):
-                raise DataError(f"{path}: unreadable line at byte {offset}; the file was edited "
-                                "by hand? Move it away to rebuild") from None
-            if gid != last_gid:
-                last_gid, tail_start, tail_count = gid, offset, 0
-            tail_count += 1
-            offset += len(line)
-        if tail_count < complete_group:
-            end = tail_start
-    cut_torn_tail(path, keep=end)
+    if complete_group is None or not end:
+        return end
+    # a group is written in one write(): only the last group can be short
+    last_gid, tail_start, tail_count, offset = None, 0, 0, 0
+    for line in data[:end].splitlines(keepends=True):
+        try:
+            gid = json.loads(line)["group_id"]
+        except (ValueError, KeyError, TypeError):
+            raise DataError(f"{path}: unreadable line at byte {offset}; the file was edited "
+                            "by hand? Move it away to rebuild") from None
+        if gid != last_gid:
+            last_gid, tail_start, tail_count = gid, offset, 0
+        tail_count += 1
+        offset += len(line)
+    return tail_start if tail_count < complete_group else end
 
 
-def _done_seeds(out: Path) -> dict[str, int]:
-    """seed_id -> how many times it is recorded (kept or dropped); > 1 would be a duplicate."""
-    seen: Counter = Counter()
-    kept = out / KEPT_FILE
-    if kept.exists():
-        groups = set()
-        for _, rec in iter_jsonl(kept):
-            if rec["group_id"] not in groups:
-                groups.add(rec["group_id"])
-                seen[rec["seed_id"]] += 1
-    dropped = out / DROPPED_FILE
-    if dropped.exists():
-        for _, rec in iter_jsonl(dropped):
-            seen[rec["seed_id"]] += 1
-    return dict(seen)
+def _repair_tail(path: Path, complete_group: int | None = None) -> None:
+    """Cut a torn last line (and, for the kept file, a torn last group) left by a kill."""
+    if path.exists():
+        cut_torn_tail(path, keep=repair_point(path.read_bytes(), complete_group, path))
+
+
+@dataclass
+class Outcomes:
+    """What an output directory records, by seed: the first kept group, the first drop record,
+    and the seeds recorded again after that (which :func:`_drop_repeats` removes)."""
+
+    kept: dict[str, list[dict]] = field(default_factory=dict)
+    dropped: dict[str, dict] = field(default_factory=dict)
+    repeated: list[str] = field(default_factory=list)
+
+    def finished(self) -> set[str]:
+        return set(self.kept) | set(self.dropped)
+
+
+def _seed_of(rec: dict, path: Path, lineno: int, fields: tuple[str, ...]) -> str:
+    for name in fields:
+        if not isinstance(rec.get(name), str):
+            raise DataError(f"{path}:{lineno}: field {name!r} missing or not a string")
+    return rec["seed_id"]
+
+
+def read_outcomes(out: str | Path) -> Outcomes:
+    """The outcomes recorded in ``out`` (kept groups are runs of lines of one group_id)."""
+    out, found = Path(out), Outcomes()
+    if (out / KEPT_FILE).exists():
+        group, seed = None, None
+        for lineno, rec in iter_jsonl(out / KEPT_FILE):
+            sid = _seed_of(rec, out / KEPT_FILE, lineno, ("seed_id", "group_id"))
+            if rec["group_id"] != group or sid != seed:
+                group, seed = rec["group_id"], sid
+                if sid in found.kept:
+                    found.repeated.append(sid)
+                    seed = None  # the lines of a repeated group are not kept
+                    continue
+                found.kept[sid] = []
+            if seed is not None:
+                found.kept[sid].append(rec)
+    if (out / DROPPED_FILE).exists():
+        for lineno, rec in iter_jsonl(out / DROPPED_FILE):
+            sid = _seed_of(rec, out / DROPPED_FILE, lineno, ("seed_id", "reason"))
+            if sid in found.kept or sid in found.dropped:
+                found.repeated.append(sid)
+            else:
+                found.dropped[sid] = rec
+    return found
+
+
+def _drop_repeats(out: Path, outcomes: Outcomes) -> None:
+    """Rewrite the outputs with one outcome per seed (a kept group wins over a drop record).
+    Builds of this version never repeat a seed; an earlier version's resume, or two builds
+    at once before the directory lock, could."""
+    if not outcomes.repeated:
+        return
+    write_jsonl(out / KEPT_FILE, [r for records in outcomes.kept.values() for r in records])
+    write_jsonl(out / DROPPED_FILE, list(outcomes.dropped.values()))
+    outcomes.repeated = []
+
+
+class hold_output_dir:
+    """One build (or merge) at a time in an output directory: an exclusive ``flock`` on its
+    lock file, which the kernel releases when the process ends, killed or not."""
+
+    def __init__(self, out: Path):
+        self.path = Path(out) / LOCK_FILE
+        self._fd: int | None = None
+
+    def __enter__(self) -> hold_output_dir:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise UserError(f"{self.path.parent}: another build (process {holder}) is writing here; "
+                            "wait for it to end or stop it") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def _check_settings(out: Path, settings: BuildSettings) -> None:
@@ -249,65 +351,62 @@ def _check_settings(out: Path, settings: BuildSettings) -> None:
             stored = json.loads(path.read_text(encoding="utf-8"))
         except ValueError:
             raise DataError(f"{path}: not valid JSON; move the output directory away to rebuild") from None
+        defaults = asdict(BuildSettings())  # a field added since: its default is what was used
         for key, value in wanted.items():
-            if stored.get(key) != value:
-                raise UserError(f"{out} was built with {key}={stored.get(key)!r}, this run has "
+            if stored.get(key, defaults[key]) != value:
+                raise UserError(f"{out} was built with {key}={stored.get(key, defaults[key])!r}, this run has "
                                 f"{value!r}: resume with the same arguments or use another --out")
     else:
         atomic_write_json(path, wanted)
 
 
-def compute_stats(out: Path, seeds_total: int, counters: Counters, failed: int) -> dict:
-    kept_groups, instances, scores = set(), 0, []
-    if (out / KEPT_FILE).exists():
-        for _, rec in iter_jsonl(out / KEPT_FILE):
-            kept_groups.add(rec["group_id"])
-            instances += 1
-            if rec.get("alignment_score") is not None:
-                scores.append(rec["alignment_score"])
-    reasons: Counter = Counter()
-    if (out / DROPPED_FILE).exists():
-        for _, rec in iter_jsonl(out / DROPPED_FILE):
-            reasons[rec["reason"].split(" (")[0]] += 1
-    dropped = sum(reasons.values())
-    finished = len(kept_groups) + dropped
+def compute_stats(out: Path, seed_ids: list[str], this_run: dict | None = None) -> dict:
+    """Counts of distinct seeds of the seeds file: kept + dropped + pending == seeds."""
+    outcomes = read_outcomes(out)
+    wanted = set(seed_ids)
+    kept = [sid for sid in outcomes.kept if sid in wanted]
+    dropped = [sid for sid in outcomes.dropped if sid in wanted]
+    scores = [r["alignment_score"] for sid in kept for r in outcomes.kept[sid] if r.get("alignment_score") is not None]
+    reasons = Counter(outcomes.dropped[sid]["reason"].split(" (")[0] for sid in dropped)
+    finished = len(kept) + len(dropped)
+    this_run = dict(this_run or {})
     return {
-        "seeds": seeds_total,
-        "kept_groups": len(kept_groups),
-        "kept_instances": instances,
-        "dropped_groups": dropped,
-        "pending_seeds": seeds_total - finished,
-        "failed_this_run": failed,
-        "retention": len(kept_groups) / finished if finished else None,
+        "seeds": len(wanted),
+        "kept_groups": len(kept),
+        "kept_instances": sum(len(outcomes.kept[sid]) for sid in kept),
+        "dropped_groups": len(dropped),
+        "pending_seeds": len(wanted) - finished,
+        "recorded_not_in_seeds": len(outcomes.finished() - wanted),
+        "failed_this_run": this_run.get("failed", 0),
+        "refused_this_run": this_run.get("refused", 0),
+        "last_error": this_run.pop("last_error", None),
+        "retention": len(kept) / finished if finished else None,
         "paper_retention": PAPER_RETENTION,
         "drop_reasons": dict(sorted(reasons.items())),
         "mean_alignment_score": sum(scores) / len(scores) if scores else None,
-        "this_run": dict(sorted(counters.values.items())),
+        "this_run": dict(sorted(this_run.items())),
     }
 
 
 class _Recorder:
-    """Appends each finished seed to the kept or dropped file and tallies the run for the bar."""
+    """Appends each finished seed to the kept or dropped file and tallies the run for the bar.
+    Called from the main thread only: one writer, one ``write`` per seed."""
 
     def __init__(self, out: Path, counters: Counters, bar=None):
         self.out, self.counters, self.bar = out, counters, bar
-        self.tally: Counter = Counter()  # kept, dropped, failed (this run)
-        self._lock = threading.Lock()
+        self.tally: Counter = Counter()  # kept, dropped, failed, refused, abandoned (this run)
 
     def __call__(self, outcome: GroupOutcome) -> None:
         """Append the kept group, or the drop reason, of one finished seed."""
-        with self._lock:
-            if outcome.records is not None:
-                append_lines(self.out / KEPT_FILE,
-                             [json.dumps(r, ensure_ascii=False) + "\n" for r in outcome.records])
-                self.tally["kept"] += 1
-            else:
-                append_lines(self.out / DROPPED_FILE, [json.dumps(
-                    {"seed_id": outcome.seed_id, "reason": outcome.reason,
-                     "regenerations": outcome.regenerations, "malformed": outcome.malformed},
-                    ensure_ascii=False) + "\n"])
-                self.tally["dropped"] += 1
-            self._show()
+        if outcome.records is not None:
+            append_lines(self.out / KEPT_FILE, [jsonl_text(outcome.records)])
+            self.tally["kept"] += 1
+        else:
+            append_lines(self.out / DROPPED_FILE, [jsonl_text([
+                {"seed_id": outcome.seed_id, "reason": outcome.reason,
+                 "regenerations": outcome.regenerations, "malformed": outcome.malformed}])])
+            self.tally["dropped"] += 1
+        self._show()
 
     def _show(self) -> None:
         """Advance the progress bar, if any, by one seed and refresh its counts."""
@@ -316,7 +415,7 @@ class _Recorder:
         self.bar.update(1)
         self.bar.set_postfix(kept=self.tally["kept"], dropped=self.tally["dropped"],
                              retried=self.counters.get("http_retries") + self.counters.get("regenerations"),
-                             failed=self.tally["failed"], refresh=False)
+                             failed=self.tally["failed"] + self.tally["refused"], refresh=False)
 
     def close(self) -> None:
         """Close the progress bar, if any."""
@@ -324,82 +423,184 @@ class _Recorder:
             self.bar.close()
 
 
+class _Run:
+    """What this run does with each seed's result: record it, hold it back, or stop the build.
+
+    A refused request (a 4xx) is the seed's own fault only if other seeds get through: until
+    one does, refused seeds are held back, not dropped, so that a setup mistake (a wrong model
+    name, a too-large --max-tokens) drops nothing. STOP_AFTER seeds in a row that fail or are
+    refused stop the build with the last cause.
+    """
+
+    def __init__(self, recorder: _Recorder):
+        self.recorder, self.tally = recorder, recorder.tally
+        self.streak, self.got_through = 0, False
+        self.held: list[tuple[str, TeacherRejected]] = []
+        self.last_error: str | None = None
+        self.stop: UserError | None = None
+
+    def take(self, seed_id: str, result) -> None:
+        if isinstance(result, GroupOutcome):
+            self.recorder(result)
+            self.streak, self.got_through = 0, True
+            self._drop_held()
+        elif isinstance(result, SeedAbandoned):
+            self.tally["abandoned"] += 1
+        elif isinstance(result, TeacherError):  # a refusal (TeacherRejected) or retries spent
+            self._failed(seed_id, result)
+        elif isinstance(result, UserError):  # 401/403/404: the setup is wrong
+            self.stop = self.stop or result
+        else:
+            raise result  # a bug: keep its traceback
+
+    def _failed(self, seed_id: str, exc: TeacherError) -> None:
+        self.streak += 1
+        self.last_error = str(exc)
+        if isinstance(exc, TeacherRejected):
+            self.held.append((seed_id, exc))
+        else:
+            self.tally["failed"] += 1
+        if self.streak >= STOP_AFTER and self.stop is None:
+            if isinstance(exc, TeacherRejected):
+                self.stop = UserError(f"stopped: {self.streak} seeds in a row were refused by the teacher server "
+                                      f"({exc}); nothing was dropped: fix the request and run the same command again")
+            else:
+                self.stop = UserError(f"stopped: {self.streak} seeds in a row failed ({exc}); nothing was dropped: "
+                                      "run the same command again once the server answers", exit_code=1)
+
+    def _drop_held(self) -> None:
+        """Refusals of seeds while others got through were the seeds' own: record them as drops."""
+        for seed_id, exc in self.held:
+            self.recorder(GroupOutcome(seed_id, reason=f"request_rejected ({exc})"))
+        self.held.clear()
+
+    def finish(self, abandoned: int) -> None:
+        """Settle the held refusals: drops if the run was not stopped and some seed got through."""
+        if self.stop is None and self.got_through:
+            self._drop_held()
+        self.tally["refused"] += len(self.held)
+        self.tally["abandoned"] += abandoned
+        self.held.clear()
+
+    def summary(self, counters: Counters) -> dict:
+        return {**counters.values, **self.tally, "last_error": self.last_error}
+
+
+class _Workers:
+    """Daemon threads that run the processor on submitted seeds and hand back the results.
+
+    Daemon threads, so that a stopped or interrupted build returns at once: a request in flight
+    is abandoned, not waited for, and its seed stays to do.
+    """
+
+    def __init__(self, processor: SeedProcessor, concurrency: int):
+        self.processor, self.concurrency = processor, concurrency
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(concurrency):
+            threading.Thread(target=self._work, name=f"teacher-{i}", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            seed = self._tasks.get()
+            if seed is None:
+                return
+            try:
+                result = self.processor(seed)
+            except Exception as exc:  # noqa: BLE001 (the main thread decides what it means)
+                result = exc
+            self._results.put((seed["seed_id"], result))
+
+    def submit(self, seed: dict) -> None:
+        self._tasks.put(seed)
+
+    def next_result(self) -> tuple[str, object]:
+        while True:
+            try:
+                return self._results.get(timeout=1.0)  # wakes up for Ctrl-C on any platform
+            except queue.Empty:
+                continue
+
+    def close(self) -> None:
+        for _ in range(self.concurrency):
+            self._tasks.put(None)
+
+
 def _seeds_to_do(out: Path, seeds: list[dict], settings: BuildSettings) -> list[dict]:
     """Prepare ``out`` for a new or resumed build; return the seeds in neither output file."""
-    make_dir(out)
     _check_settings(out, settings)
     _repair_tail(out / KEPT_FILE, complete_group=len(settings.domains))
     _repair_tail(out / DROPPED_FILE)
-    done = _done_seeds(out)
+    outcomes = read_outcomes(out)
+    _drop_repeats(out, outcomes)
+    done = outcomes.finished()
     return [s for s in seeds if s["seed_id"] not in done]
 
 
-def _process_seeds(todo: list[dict], processor: SeedProcessor, recorder: _Recorder,
-                   concurrency: int) -> list[BaseException]:
-    """Run ``processor`` on ``todo`` in threads, recording each outcome as it finishes.
-
-    Returns the fatal errors: after the first, no seed is started and queued ones are cancelled.
-    A seed whose requests failed after all retries is counted as failed and left unrecorded.
-    """
-    fatal: list[BaseException] = []
-    pending: set[Future] = set()
-    it = iter(todo)
-    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="teacher") as pool:
-        try:
-            while True:
-                # submit lazily, a bounded number ahead, so a fatal error stops the rest early
-                while len(pending) < 2 * concurrency and not fatal:
-                    seed = next(it, None)
-                    if seed is None:
-                        break
-                    pending.add(pool.submit(processor, seed))
-                if not pending:
+def _process_seeds(todo: list[dict], processor: SeedProcessor, run: _Run, concurrency: int) -> None:
+    """Run ``processor`` on ``todo`` in ``concurrency`` threads, a bounded number of seeds
+    ahead; ``run`` takes each result in this thread as it comes. On a stop or an interrupt
+    nothing more starts and the seeds in flight are abandoned (they stay to do)."""
+    workers = _Workers(processor, concurrency)
+    seeds, in_flight = iter(todo), 0
+    try:
+        while True:
+            while in_flight < 2 * concurrency and run.stop is None:
+                seed = next(seeds, None)
+                if seed is None:
                     break
-                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-                for fut in finished:
-                    try:
-                        recorder(fut.result())
-                    except TeacherError:
-                        recorder.tally["failed"] += 1  # not recorded: the next run retries this seed
-                    except UserError as exc:
-                        fatal.append(exc)
-                if fatal:
-                    for fut in pending:
-                        fut.cancel()
-        except KeyboardInterrupt:
-            for fut in pending:
-                fut.cancel()
-            raise
-        finally:
-            recorder.close()
-    return fatal
+                workers.submit(seed)
+                in_flight += 1
+            if in_flight == 0 or run.stop is not None:
+                break
+            seed_id, result = workers.next_result()
+            in_flight -= 1
+            run.take(seed_id, result)
+    finally:
+        processor.stop.set()  # seeds still running end before their next request
+        workers.close()
+    run.finish(abandoned=in_flight)
+
+
+def _progress_bar(progress: bool, total: int, done: int):
+    if not progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=done, unit="seed", desc="build")
 
 
 def build(seeds_path: str | Path, out_dir: str | Path, client: ChatClient, settings: BuildSettings,
           prompts: Prompts | None = None, concurrency: int = 4, counters: Counters | None = None,
-          progress: bool = True) -> dict:
-    """Run (or resume) the pipeline; return the stats also written to ``stats.json``."""
+          progress: bool = True, shard: str | None = None) -> dict:
+    """Run (or resume) the pipeline; return the stats also written to ``stats.json``.
+
+    ``shard="I/N"`` builds only shard I of N of the seeds, in ``out_dir/shard-I-of-N``.
+    Raises the UserError that stopped the build, after writing the stats.
+    """
     if concurrency < 1:
         raise UserError(f"--concurrency {concurrency}: expected at least 1")
     seeds = read_seeds(seeds_path)
+    out = Path(out_dir)
+    if shard:
+        index, count = parse_shard(shard)
+        seeds, settings.shard, out = in_shard(seeds, index, count), f"{index}/{count}", shard_dir(out, index, count)
     prompts = prompts or Prompts()
     if not settings.templates_sha256:
         settings.templates_sha256 = prompts.fingerprint()
     counters = counters or getattr(client, "counters", None) or Counters()
-    out = Path(out_dir)
-    todo = _seeds_to_do(out, seeds, settings)
-
-    processor = SeedProcessor(client, prompts, settings, counters)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(seeds), initial=len(seeds) - len(todo), unit="seed", desc="build")
-    recorder = _Recorder(out, counters, bar)
-    fatal = _process_seeds(todo, processor, recorder, concurrency)
-    # written after a fatal error too: the stats count what this run did record
-    stats = compute_stats(out, len(seeds), counters, recorder.tally["failed"])
-    atomic_write_json(out / STATS_FILE, stats)
-    if fatal:
-        raise fatal[0]
+    make_dir(out)
+    with hold_output_dir(out):
+        todo = _seeds_to_do(out, seeds, settings)
+        recorder = _Recorder(out, counters, _progress_bar(progress, len(seeds), len(seeds) - len(todo)))
+        run = _Run(recorder)
+        try:
+            _process_seeds(todo, SeedProcessor(client, prompts, settings, counters), run, concurrency)
+        finally:
+            recorder.close()
+            # written after a stop or an interrupt too: the stats count what is recorded
+            stats = compute_stats(out, [s["seed_id"] for s in seeds], run.summary(counters))
+            atomic_write_json(out / STATS_FILE, stats)
+    if run.stop is not None:
+        raise run.stop
     return stats
