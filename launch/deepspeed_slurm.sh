@@ -29,6 +29,9 @@ export MASTER_ADDR MASTER_PORT
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 export NCCL_ASYNC_ERROR_HANDLING=${NCCL_ASYNC_ERROR_HANDLING:-1}
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+# DeepSpeed's srun gives each rank the job's CPUs per task only when told (Slurm 22.05 and later
+# no longer read SLURM_CPUS_PER_TASK; slurm/job_lib.sh).
+if [[ -n ${SLURM_CPUS_PER_TASK:-} ]]; then export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK; fi
 
 # The hostfile gives nodes and ranks per node; srun keeps the GPUs the allocation already has.
 # --force_multi: srun starts the ranks even on one node. --no_ssh_check: the runner would

@@ -6,8 +6,10 @@
 #       --deepspeed ds_configs/zero2.json schedule.max_steps=100
 #
 # Runs as the calling user (files in the checkout stay yours); the checkout is mounted at
-# /workspace and IGA_CACHE_DIR (default ~/.cache/iga-ds) at /cache for Hugging Face downloads and
-# compiled ops. HF_TOKEN, if set, is passed by name (its value never appears on a command line).
+# /workspace and runs on the image's pinned dependencies (PYTHONPATH), and IGA_CACHE_DIR (default
+# ~/.cache/iga-ds) at /cache for Hugging Face downloads, compiled ops and Triton kernels. The
+# image's own entrypoint stays in front of each command. HF_TOKEN, if set, is passed by name (its
+# value never appears on a command line).
 # Variables: IGA_IMAGE (default iga-ds:0.1.0), IGA_NUM_GPUS (default: all), IGA_CACHE_DIR.
 set -euo pipefail
 
@@ -16,10 +18,12 @@ cache=${IGA_CACHE_DIR:-$HOME/.cache/iga-ds}
 mkdir -p "$cache"
 common=(--rm --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864
         --user "$(id -u):$(id -g)" -e HOME=/tmp
-        -v "$PWD:/workspace" -v "$cache:/cache" -w /workspace)
+        -v "$PWD:/workspace" -v "$cache:/cache" -w /workspace -e PYTHONPATH=/workspace
+        -e XDG_CACHE_HOME=/cache -e HF_HOME=/cache/huggingface -e TORCH_EXTENSIONS_DIR=/cache/torch_extensions
+        -e TRITON_CACHE_DIR=/cache/triton -e IGA_DS_CACHE=/cache/iga-ds)
 if [[ -n ${HF_TOKEN:-} ]]; then common+=(-e HF_TOKEN); fi
 
-docker run "${common[@]}" "$image" selfcheck --require-ops fused_adam
+docker run "${common[@]}" "$image" iga-ds selfcheck
 gpus=()
 if [[ -n ${IGA_NUM_GPUS:-} ]]; then gpus=(--num_gpus "$IGA_NUM_GPUS"); fi
-exec docker run "${common[@]}" --entrypoint deepspeed "$image" "${gpus[@]}" launch/train.py "$@"
+exec docker run "${common[@]}" "$image" deepspeed "${gpus[@]}" launch/train.py "$@"

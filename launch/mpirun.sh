@@ -56,9 +56,11 @@ export NCCL_ASYNC_ERROR_HANDLING=${NCCL_ASYNC_ERROR_HANDLING:-1}
 
 args=(-np "$np" --bind-to none --map-by slot)
 if [[ -n $hostfile ]]; then args+=(--hostfile "$hostfile"); fi
+# By name (-x): the values travel with mpirun's launch, never on a command line (HF_TOKEN).
 for var in MASTER_ADDR MASTER_PORT TORCH_NCCL_ASYNC_ERROR_HANDLING NCCL_ASYNC_ERROR_HANDLING \
-           PATH LD_LIBRARY_PATH PYTHONPATH DS_ACCELERATOR HF_HOME TORCH_EXTENSIONS_DIR TRITON_CACHE_DIR \
-           NCCL_NVLS_ENABLE NCCL_DEBUG; do
+           PATH LD_LIBRARY_PATH PYTHONPATH DS_ACCELERATOR OMP_NUM_THREADS TOKENIZERS_PARALLELISM \
+           XDG_CACHE_HOME HF_HOME HF_DATASETS_CACHE HF_TOKEN TORCH_EXTENSIONS_DIR TRITON_CACHE_DIR \
+           IGA_DS_CACHE NCCL_NVLS_ENABLE NCCL_DEBUG; do
     if [[ -n ${!var:-} ]]; then args+=(-x "$var"); fi
 done
 if [[ $(id -u) == 0 ]]; then

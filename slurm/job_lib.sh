@@ -23,7 +23,11 @@ iga_log() {
 # MASTER_ADDR/MASTER_PORT left by some earlier run would point every rank at a stale or busy
 # address, so only IGA_MASTER_ADDR / IGA_MASTER_PORT override the job's own values.
 iga_rendezvous() {
-    MASTER_ADDR=${IGA_MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
+    local hosts
+    # all of scontrol's output is read: `| head -n 1` would end it with SIGPIPE on a long node
+    # list, and pipefail would end the job with it
+    hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
+    MASTER_ADDR=${IGA_MASTER_ADDR:-${hosts%%$'\n'*}}
     MASTER_PORT=${IGA_MASTER_PORT:-$((20000 + SLURM_JOB_ID % 10000))}
     export MASTER_ADDR MASTER_PORT
 }
@@ -42,10 +46,46 @@ iga_nccl_env() {
 # templates mount it, since a container run as the calling user cannot write the image's /root.
 iga_cache_env() {
     export IGA_CACHE_DIR=${IGA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}}
+    export XDG_CACHE_HOME=${XDG_CACHE_HOME:-$IGA_CACHE_DIR}
     export HF_HOME=${HF_HOME:-$IGA_CACHE_DIR/huggingface}
     export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$IGA_CACHE_DIR/torch_extensions}
     export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$IGA_CACHE_DIR/triton}
-    mkdir -p "$HF_HOME" "$TORCH_EXTENSIONS_DIR" "$TRITON_CACHE_DIR"
+    export IGA_DS_CACHE=${IGA_DS_CACHE:-$IGA_CACHE_DIR/iga-ds}
+    mkdir -p "$HF_HOME" "$TORCH_EXTENSIONS_DIR" "$TRITON_CACHE_DIR" "$IGA_DS_CACHE"
+}
+
+# What every rank must see with the job's own values inside a container. Both runtimes let a
+# variable the image sets win over the host's: Apptainer ("an environment variable set on the
+# host will not override a variable of the same name that has been set inside the container
+# image") and pyxis ("their existing values in the image take precedence"). So these are passed
+# by name: APPTAINERENV_<NAME> for Apptainer, --container-env=<NAMES> for pyxis (0.15 or later).
+IGA_CONTAINER_VARS=(XDG_CACHE_HOME HF_HOME TORCH_EXTENSIONS_DIR TRITON_CACHE_DIR IGA_DS_CACHE
+                    PYTHONPATH OMP_NUM_THREADS)
+
+iga_apptainer_env() {
+    local name
+    for name in "${IGA_CONTAINER_VARS[@]}"; do
+        if [[ -n ${!name:-} ]]; then export "APPTAINERENV_$name=${!name}"; fi
+    done
+}
+
+# The names, comma-separated, for pyxis's --container-env.
+iga_pyxis_env_names() {
+    local IFS=,
+    echo "${IGA_CONTAINER_VARS[*]}"
+}
+
+# CPUs per rank: from Slurm 22.05 on, srun no longer takes the job's --cpus-per-task ("srun will
+# no longer read in SLURM_CPUS_PER_TASK", its release notes), and a rank bound to one CPU starves
+# its data loading, tokenization and the capture's host work. The templates pass --cpus-per-task
+# to their srun; SRUN_CPUS_PER_TASK covers the srun calls made by others (DeepSpeed's slurm
+# launcher, mpirun starting its daemons).
+# A rank's threads match its CPUs (sbatch exports the submitting shell's OMP_NUM_THREADS, which
+# says nothing about this job).
+iga_cpus_per_rank() {
+    IGA_CPUS_PER_RANK=${SLURM_CPUS_PER_TASK:-1}
+    export SRUN_CPUS_PER_TASK=$IGA_CPUS_PER_RANK
+    export OMP_NUM_THREADS=$IGA_CPUS_PER_RANK
 }
 
 iga_step_pid=""

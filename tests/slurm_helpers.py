@@ -1,4 +1,8 @@
-"""A real one-node Slurm on localhost for tests: munged, slurmctld and slurmd in a temp dir.
+"""Real Slurm clusters for tests: munged, slurmctld and slurmd in a temp dir.
+
+:class:`LocalSlurm` is one node on localhost; :class:`NamespacedSlurm` puts each node in its own
+network namespace with its own address and host name (tests/netns_helpers.py), so a job spans
+"nodes" that talk to each other only across a bridge the test built.
 
 Debian's ``slurm-wlm`` and ``munge`` are enough (``.ci/system-deps`` installs them). Everything the
 daemons write (key, sockets, state, spool, logs) stays under the given directory; ports are picked
@@ -108,6 +112,8 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
 class LocalSlurm:
     """Start and stop a one-node Slurm rooted at ``root``. Use as a context manager."""
 
+    stop_grace_s = 15.0  # how long stop() waits for a daemon after SIGTERM before SIGKILL
+
     def __init__(self, root: str | os.PathLike, cpus: int | None = None):
         self.root = Path(root)
         self.cpus = max(cpus or os.cpu_count() or 2, 4)
@@ -156,7 +162,7 @@ class LocalSlurm:
                 proc.send_signal(signal.SIGTERM)
         for proc in reversed(self._procs):
             try:
-                proc.wait(timeout=15)
+                proc.wait(timeout=self.stop_grace_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
@@ -350,6 +356,124 @@ print(f"rank {env.rank}: done after step {step}", flush=True)
 '''
 
 
+TWO_NODE_CONF = """\
+# A cluster of network namespaces on one machine; written by tests/slurm_helpers.py.
+ClusterName=igatest
+SlurmctldHost={ctl_name}({ctl_address})
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={munge_socket},cred_expire=10
+SlurmUser={user}
+SlurmdUser=root
+StateSaveLocation={root}/state
+# %n: each slurmd its own spool, pid and log file
+SlurmdSpoolDir={root}/spool/%n
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd-%n.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+# task/affinity pins each task to the CPUs its step was given: a rank that srun gives one CPU
+# sees one CPU, as on a production cluster
+TaskPlugin=task/affinity
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=2
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+ReturnToService=2
+SlurmdParameters=config_overrides
+SlurmdTimeout={slurmd_timeout}
+InactiveLimit=0
+KillWait=10
+MinJobAge=600
+{node_lines}
+PartitionName=debug Nodes={node_names} Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+class NamespacedSlurm(LocalSlurm):
+    """Slurm on a :class:`netns_helpers.NodeNetwork`: slurmctld in the hub namespace, one slurmd
+    per node namespace, each at its own address. munged runs on the machine itself: its socket
+    is a filesystem path, which every namespace shares. Clients (``run``) run in the hub.
+
+    The node's CPUs are its first ``cpus_per_node`` processors, bound through task/affinity."""
+
+    # after a node is powered off, slurmd and slurmctld would wait for it; their state is thrown away
+    stop_grace_s = 3.0
+
+    def __init__(self, root: str | os.PathLike, network, cpus_per_node: int = 2, slurmd_timeout: int = 30):
+        super().__init__(root, cpus=cpus_per_node)
+        self.cpus = cpus_per_node
+        self.network = network
+        self.slurmd_timeout = slurmd_timeout
+        self.nodes = [node.name for node in network.nodes]
+        self._slurmd: dict[str, subprocess.Popen] = {}
+
+    def start(self, timeout: float = 60.0) -> None:
+        for sub in ("munge", "state", *(f"spool/{name}" for name in self.nodes)):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root / "munge", 0o700)
+        self._start_munged()
+        node_lines = "\n".join(
+            f"NodeName={n.name} NodeAddr={n.address} CPUs={self.cpus} Boards=1 SocketsPerBoard=1 "
+            f"CoresPerSocket={self.cpus} ThreadsPerCore=1 RealMemory=1024 State=UNKNOWN"
+            for n in self.network.nodes)
+        self.conf.write_text(TWO_NODE_CONF.format(
+            ctl_name=self.network.hub.name, ctl_address=self.network.hub.address, munge_socket=self.munge_socket,
+            user=_current_user(), root=self.root, slurmd_timeout=self.slurmd_timeout, node_lines=node_lines,
+            node_names=",".join(self.nodes)))
+        self._spawn(self.network.argv(self.network.hub.name, [_which("slurmctld"), "-D", "-i", "-f", str(self.conf)]),
+                    "slurmctld.out")
+        for name in self.nodes:
+            self.start_node(name)
+        self.wait_idle(timeout)
+
+    def start_node(self, name: str) -> None:
+        """Start (or restart, after :meth:`power_off`) the slurmd of node ``name``."""
+        self._spawn(self.network.argv(name, [_which("slurmd"), "-D", "-N", name, "-f", str(self.conf)]),
+                    f"slurmd-{name}.out")
+        self._slurmd[name] = self._procs[-1]
+
+    def power_off(self, name: str) -> None:
+        """Node ``name`` fails: its link goes silent, then its slurmd and every job process on it die."""
+        self.network.power_off(name)
+        self._slurmd[name].wait(timeout=15)
+        self._procs.remove(self._slurmd.pop(name))
+
+    def run(self, *argv: str, check: bool = True, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+        env = dict(self.env, **kw.pop("env", {}))
+        return subprocess.run(
+            self.network.argv(self.network.hub.name, [_which(argv[0]), *argv[1:]]), env=env, check=check,
+            timeout=timeout, capture_output=True, text=True, **kw,
+        )
+
+    def node_states(self) -> dict[str, str]:
+        res = self.run("sinfo", "-h", "-N", "-o", "%N %T", check=False, timeout=10)
+        return dict(line.split() for line in res.stdout.splitlines() if len(line.split()) == 2)
+
+    def wait_idle(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        states: dict[str, str] = {}
+        while time.monotonic() < deadline:
+            self._check_alive()
+            states = self.node_states()
+            if sorted(states) == sorted(self.nodes) and all(s == "idle" for s in states.values()):
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"Slurm nodes not idle after {timeout:.0f} s ({states}); {self.logs_tail()}")
+
+    def logs_tail(self, lines: int = 15) -> str:
+        parts = []
+        for path in sorted(self.root.glob("*.log")):
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+            parts.append(f"--- {path.name}\n" + "\n".join(tail))
+        return "\n".join(parts)
+
+
 def local_slurm_fixture(tmp_path_factory):
     """Body of the module-scoped ``local_slurm`` fixture: skip cleanly where Slurm is absent."""
     import pytest
@@ -360,4 +484,24 @@ def local_slurm_fixture(tmp_path_factory):
                     "Debian slurm-wlm and munge, installed on CI by .ci/system-deps")
     root = tmp_path_factory.mktemp("slurm")
     with LocalSlurm(root) as cluster:
+        yield cluster
+
+
+def two_node_slurm_fixture(tmp_path_factory, slurmd_timeout: int = 30):
+    """Body of a module-scoped fixture: a :class:`NamespacedSlurm` of two nodes, skipped cleanly
+    where Slurm or network namespaces are missing; daemons and namespaces go away at the end,
+    also when a test or the start fails."""
+    import pytest
+
+    from netns_helpers import NodeNetwork, missing_netns_support
+
+    missing = missing_slurm_tools()
+    if missing:
+        pytest.skip(f"Slurm not installed (missing {', '.join(missing)}); "
+                    "Debian slurm-wlm and munge, installed on CI by .ci/system-deps")
+    why_not = missing_netns_support()
+    if why_not:
+        pytest.skip(f"two-node Slurm: {why_not}")
+    root = tmp_path_factory.mktemp("slurm2")
+    with NodeNetwork(root / "net") as network, NamespacedSlurm(root, network, slurmd_timeout=slurmd_timeout) as cluster:
         yield cluster

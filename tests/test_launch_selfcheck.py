@@ -55,6 +55,19 @@ def test_json_output_is_one_object(single_process, capsys):
     assert len(out) == 1 and json.loads(out[0])["ok"] is True
 
 
+def test_a_rank_with_fewer_cpus_than_its_task_asked_for_fails(single_process, monkeypatch, capsys):
+    # The symptom of an srun that did not pass the job's --cpus-per-task on (Slurm >= 22.05).
+    usable = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", str(usable))
+    report = run_selfcheck(check_ops=False)
+    assert report.ok and report.cpus == {"usable": usable, "asked_per_task": usable}
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", str(usable + 1))
+    assert main(["selfcheck", "--skip-ops"]) == 1
+    err = capsys.readouterr().err
+    assert f"may use {usable} CPU(s) but the job asks for {usable + 1} per task" in err
+    assert "--cpus-per-task" in err and "Traceback" not in err
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -7,6 +7,10 @@ The trainer calls::
     apply_dist_env(env)                                   # RANK, WORLD_SIZE, ... for env://
     deepspeed.init_distributed(dist_backend=...)
 
+Once the process group is up, the trainer also starts ``iga_ds.cluster.liveness.PeerWatch``:
+heartbeats beside the group, so that a lost rank is named within the configured timeout
+instead of leaving the others waiting in a collective.
+
 Nothing here imports torch at module level, so ``iga-ds --help`` stays fast.
 """
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """``iga-ds selfcheck``: is this node, container and job fit to train, before any model loads?
 
-Checks, cheapest first: package versions, the accelerator, which DeepSpeed ops can be used (built
-into the wheel, or compatible for a just-in-time build; nothing is built here), free host and
-device memory, and, when the job has more than one rank, a small all-reduce across all ranks
-(gloo on CPU, NCCL on GPU) under a hard timeout. Every failure ends in one line saying what
+Checks, cheapest first: package versions, the CPUs this rank may use (no fewer than the Slurm
+step's ``SLURM_CPUS_PER_TASK``), the accelerator, which DeepSpeed ops can be used (built into
+the wheel, or compatible for a just-in-time build; nothing is built here, and none is required
+unless asked: the trainer steps torch's AdamW), free host and device memory, and, when the job
+has more than one rank, a small all-reduce across all ranks (gloo on CPU, NCCL on GPU) under a
+hard timeout. Every failure ends in one line saying what
 failed and where, and a non-zero exit.
 """
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Report:
     host: str
     dist: dict
     versions: dict = field(default_factory=dict)
+    cpus: dict = field(default_factory=dict)
     accelerator: dict = field(default_factory=dict)
     deepspeed_ops: dict = field(default_factory=dict)
     memory: dict = field(default_factory=dict)
@@ -54,6 +57,29 @@ def package_versions() -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             versions[name] = None
     return versions
+
+
+def cpu_info(environ=None) -> dict:
+    """How many CPUs this process may run on (its affinity), and how many per task the Slurm
+    step asks for (``SLURM_CPUS_PER_TASK``; None outside Slurm)."""
+    environ = os.environ if environ is None else environ
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity outside Linux
+        usable = os.cpu_count() or 1
+    asked = environ.get("SLURM_CPUS_PER_TASK", "").strip()
+    return {"usable": usable, "asked_per_task": int(asked) if asked.isdigit() else None}
+
+
+def check_cpus(cpus: dict) -> None:
+    """A rank bound to fewer CPUs than its task asked for starves (data loading, tokenization,
+    the capture's host work): the srun that started it did not pass the job's CPUs on."""
+    asked = cpus.get("asked_per_task")
+    if asked and cpus["usable"] < asked:
+        raise SelfcheckFailure(
+            f"this rank may use {cpus['usable']} CPU(s) but the job asks for {asked} per task "
+            "(SLURM_CPUS_PER_TASK): since Slurm 22.05 srun needs --cpus-per-task or SRUN_CPUS_PER_TASK "
+            "(the templates in slurm/ pass both)")
 
 
 def accelerator_info() -> dict:
@@ -196,6 +222,8 @@ def run_selfcheck(
         missing = [name for name in ("torch", "deepspeed") if report.versions.get(name) is None]
         if missing:
             raise SelfcheckFailure(f"package(s) not installed: {', '.join(missing)}")
+        report.cpus = cpu_info()
+        check_cpus(report.cpus)
         report.accelerator = accelerator_info()
         kind = report.accelerator["kind"]
         if check_ops or require_ops:
@@ -234,6 +262,8 @@ def format_report(report: Report) -> str:
     if report.all_reduce:
         ar = report.all_reduce
         head += f" (all-reduce {ar['backend']} sum {ar['sum']:g} == {ar['expected']:g}, {ar['total_s']} s)"
+    if report.cpus:
+        head += f" cpus {report.cpus['usable']}"
     if d["rank"] != 0:
         return head
     lines = [head]

@@ -3,8 +3,9 @@
 A checkpoint is a DeepSpeed checkpoint (``engine.save_checkpoint`` with frozen weights
 excluded: only the LoRA factors, their optimizer state and the LR schedule) plus, in
 ``client_state``, the global step (the sampler needs nothing else), and one small file per
-rank with its random-number generator states. DeepSpeed writes the ``latest`` tag file last,
-so a run killed while saving resumes from the previous complete checkpoint.
+rank with its random-number generator states. The ``latest`` tag file is written last, once every
+rank has written its part, so a run killed while saving (or a node lost) resumes from the
+previous complete checkpoint.
 
 Another world size (2 ranks -> 1, or the reverse): DeepSpeed's engine refuses to load ZeRO
 optimizer partitions saved at another data-parallel size, so each checkpoint also holds
@@ -34,7 +35,7 @@ from typing import Any, Callable
 
 from iga_ds.engine.internals import load_full_optimizer_state, save_full_optimizer_state
 from iga_ds.errors import ConfigError
-from iga_ds.files import atomic_write_json
+from iga_ds.files import atomic_write_json, atomic_write_text
 
 TAG_PREFIX = "step_"
 FULL_OPTIMIZER_FILE = "optimizer_full.safetensors"
@@ -144,8 +145,13 @@ def save_checkpoint(
             save_adapter(path / "adapter")
     if dist.is_initialized():
         dist.barrier()
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, exclude_frozen_parameters=True)
+    # DeepSpeed writes its `latest` on rank 0 before the other ranks are done writing theirs; a
+    # node lost in between would leave `latest` naming a half-written checkpoint. Its save ends
+    # in a barrier, so `latest` written after it names one that every rank finished.
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, exclude_frozen_parameters=True,
+                           save_latest=False)
     if rank == 0:
+        atomic_write_text(ckpt_dir / "latest", tag)
         prune_checkpoints(ckpt_dir, keep_last)
     if dist.is_initialized():
         dist.barrier()

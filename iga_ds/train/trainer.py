@@ -32,15 +32,18 @@ import numpy as np
 import torch
 import yaml
 
+from iga_ds.cluster.liveness import PeerWatch
 from iga_ds.cluster.ranks import DistEnv
 from iga_ds.config.deepspeed import build_ds_config, load_ds_json
 from iga_ds.config.hook import HookConfig
 from iga_ds.config.run import BUILTIN_TINY, RunConfig, TinyBaseConfig
 from iga_ds.data.groups import complete_groups
+from iga_ds.data.prompts import CHAT, PromptFormat, prompt_format, save_prompt_format
 from iga_ds.engine.hook import EngineHook, attach
 from iga_ds.errors import ConfigError, DataError
 from iga_ds.files import atomic_write_text, check_output_dir
 from iga_ds.train.batching import (
+    PLAIN_FORMAT,
     GroupSampler,
     TokenizedGroups,
     check_batch_layout,
@@ -86,6 +89,7 @@ class Session:
     start_step: int
     out: Path
     stop: StopSignal
+    prompt_format: PromptFormat = PLAIN_FORMAT  # how records became the token rows; recorded with the adapter
 
     @property
     def domains(self) -> list[str]:
@@ -144,11 +148,15 @@ class Trainer:
                 if self.checkpoint_if_due(s, step) and step < s.total_steps:
                     status = "stopped"
                     break
+        except Exception as exc:
+            self.peers.raise_if_lost(exc)  # a collective failed: name the rank that is gone, if one is
+            raise
         finally:
             s.stop.uninstall()
             book.close()
             s.hook.detach()
         adapter_dir = self.finish(s, status)
+        self.peers.stop()
         return TrainResult(status, step, s.total_steps, s.out, adapter_dir, time.perf_counter() - t_start, history)
 
     # -- setup -------------------------------------------------------------------------------------
@@ -163,6 +171,7 @@ class Trainer:
         accum = check_batch_layout(cfg.data.groups_per_step, cfg.data.groups_per_micro_batch, dist.world_size)
         ds_dict, hook_config = build_ds_config(cfg, load_ds_json(cfg.deepspeed), dist.world_size, accum,
                                                cfg.deepspeed, run_source=cfg.source)
+        self.peers = PeerWatch(dist, hook_config.timeout_s).start()  # a lost rank gets a name, not a hang
         records, groups = self._load_groups(list(hook_config.domains))
         sampler = GroupSampler(len(groups), cfg.data.groups_per_step, cfg.seed)
         total_steps = cfg.schedule.max_steps or max(1, math.ceil(cfg.schedule.epochs * sampler.steps_per_epoch))
@@ -170,8 +179,8 @@ class Trainer:
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         base_dir = self._resolve_base(records)
-        tokenizer = self._load_tokenizer(base_dir, records)
-        batches = self._tokenize(tokenizer, groups)
+        tokenizer, fmt = self._load_tokenizer(base_dir, records)
+        batches = self._tokenize(tokenizer, groups, fmt)
         engine, counts = self._build_engine(base_dir, ds_dict, total_steps)
         hook = attach(engine, hook_config)
         out = Path(cfg.output_dir)
@@ -180,12 +189,13 @@ class Trainer:
         if dist.rank == 0:
             self._prepare_output(out, stop, start_step, {
                 "base_model_dir": str(base_dir), "world_size": dist.world_size, "total_steps": total_steps,
-                "trainable_parameters": counts[0], "total_parameters": counts[1], "deepspeed_config": ds_dict,
-                "iga": hook_config.to_dict()})
+                "trainable_parameters": counts[0], "total_parameters": counts[1], "prompt_format": fmt.name,
+                "deepspeed_config": ds_dict, "iga": hook_config.to_dict()})
         self._print(f"training LoRA r={cfg.lora.r}: {counts[0]:,} trainable of {counts[1]:,} parameters; "
                     f"method {hook_config.method}; {len(groups)} groups, {total_steps} steps, "
                     f"world size {dist.world_size}")
-        return Session(dist, engine, hook, hook_config, tokenizer, batches, sampler, total_steps, start_step, out, stop)
+        return Session(dist, engine, hook, hook_config, tokenizer, batches, sampler, total_steps, start_step, out, stop,
+                       fmt)
 
     def _load_groups(self, domains: list[str]) -> tuple[list[dict], list[list[dict]]]:
         train = self.cfg.data.train
@@ -228,13 +238,14 @@ class Trainer:
             tdist.barrier()  # also when local rank 0 failed, so that the others do not hang here
         return result if first else build()
 
-    def _tokenize(self, tokenizer, groups: list[list[dict]]) -> TokenizedGroups:
+    def _tokenize(self, tokenizer, groups: list[list[dict]], fmt: PromptFormat = PLAIN_FORMAT) -> TokenizedGroups:
         """Every training instance tokenized once by ``Dataset.map`` into the ``datasets`` cache,
         on each node's local rank 0 first; the other ranks then load that result."""
         root = tokenized_cache_root()
 
         def build() -> TokenizedGroups:
-            return tokenize_groups(tokenizer, groups, self.cfg.data.max_length, root, self.cfg.data.tokenize_processes)
+            return tokenize_groups(tokenizer, groups, self.cfg.data.max_length, root, self.cfg.data.tokenize_processes,
+                                   fmt)
 
         batches = self._local_rank_zero_first(build)
         if batches.built:
@@ -244,14 +255,19 @@ class Trainer:
             self._print(f"tokens of {len(batches.rows)} instances read from the cache {batches.path}")
         return batches
 
-    def _load_tokenizer(self, base_dir: str, records: list[dict]):
+    def _load_tokenizer(self, base_dir: str, records: list[dict]) -> tuple[Any, PromptFormat]:
+        """The tokenizer, and the prompt format for it (``data.prompt_format``)."""
         name = self.cfg.tokenizer or base_dir
         tokenizer = load_tokenizer(name)
-        unk_rate, unk_examples = unknown_words(tokenizer, records)
+        fmt = prompt_format(tokenizer, self.cfg.data.prompt_format)
+        if fmt.name == CHAT:
+            self._print("prompts: the tokenizer's chat template (problem as the user turn, loss on the assistant "
+                        "turn only)")
+        unk_rate, unk_examples = unknown_words(tokenizer, records, prompt_format=fmt)
         if unk_rate > 0.001:
             self._print(f"warning: {unk_rate:.1%} of the training tokens are unknown to the tokenizer of {name} "
                         f"(e.g. {', '.join(map(repr, unk_examples))}); the model cannot tell those words apart")
-        return tokenizer
+        return tokenizer, fmt
 
     def _build_engine(self, base_dir: str, ds_dict: dict, total_steps: int):
         """The LoRA model in a DeepSpeed engine, with the run YAML's AdamW and schedule; also
@@ -355,7 +371,7 @@ class Trainer:
         if stopping or step == s.total_steps or (every and step % every == 0):
             state = {"step": step, "world_size": s.dist.world_size, "total_steps": s.total_steps}
             save_checkpoint(s.engine, s.out / "checkpoints", step, state, s.dist.rank, self.cfg.checkpoint.keep_last,
-                            lambda path: save_adapter_atomic(s.engine.module, s.tokenizer, path))
+                            lambda path: save_adapter_atomic(s.engine.module, s.tokenizer, path, s.prompt_format))
         if stopping and s.stop.reason is not None and s.dist.rank == 0:
             s.stop.consume()  # done: the next run must not stop on it
         if stopping and step < s.total_steps:
@@ -369,7 +385,7 @@ class Trainer:
         if status == "completed":
             adapter_dir = s.out / "adapter"
             if s.dist.rank == 0:
-                save_adapter_atomic(s.engine.module, s.tokenizer, adapter_dir)
+                save_adapter_atomic(s.engine.module, s.tokenizer, adapter_dir, s.prompt_format)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
         self.engine = s.engine
@@ -380,14 +396,17 @@ class Trainer:
             print(msg, flush=True)
 
 
-def save_adapter_atomic(peft_model, tokenizer, path: Path) -> None:
-    """PEFT adapter (+ tokenizer) into ``path`` via a temporary folder and a rename."""
+def save_adapter_atomic(peft_model, tokenizer, path: Path, fmt: PromptFormat | None = None) -> None:
+    """PEFT adapter (+ tokenizer, + the prompt format it was trained with) into ``path`` via a
+    temporary folder and a rename."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     peft_model.save_pretrained(str(tmp), safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp))
+    if fmt is not None:
+        save_prompt_format(tmp, fmt)
     old = path.with_name(f".{path.name}.{os.getpid()}.old")
     if path.exists():
         os.rename(path, old)
