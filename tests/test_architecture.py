@@ -16,8 +16,8 @@ PACKAGE = REPO / "iga_ds"
 LAYERS = (
     ("errors",),
     ("files",),
-    ("metrics", "methods"),
-    ("data", "lora", "models"),
+    ("metrics", "methods", "models"),
+    ("data", "lora"),
     ("config",),
     ("engine", "cluster"),
     ("train", "evaluation"),

