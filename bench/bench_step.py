@@ -18,7 +18,9 @@ Under a launcher the script is one rank and runs the methods one after the other
 CPU smoke run: ``DS_ACCELERATOR=cpu python bench/bench_step.py --dtype fp32 --layers 1
 --hidden 64 --seq 16 --steps 2 --warmup 1``.
 
-Methods: ``erm``, ``iga`` (the registered method, module by module), ``iga_fused``
+Methods: ``erm`` (DeepSpeed's own path: LoRA gradients reduced after every micro-batch),
+``erm_captured`` (the same update through the hook's capture, reduced once per step),
+``iga`` (the registered method, module by module), ``iga_fused``
 (the same method through :func:`iga_ds.methods.iga.fused.batched_iga`), ``iga_bf16`` (that
 path with ``precision: bf16``) and ``iga_bf16_q1`` (bf16 with one power iteration); ``iga-wK`` and
 ``iga_fused-wK`` run the hook with ``overlap_waves`` K (the modules in K waves, so that one
@@ -62,7 +64,7 @@ from iga_ds.engine import HookConfig, attach
 from iga_ds.files import atomic_write_json
 from iga_ds.train.batching import sequence_losses
 
-METHODS = ("erm", "iga", "iga_fused", "iga_bf16", "iga_bf16_q1")
+METHODS = ("erm", "erm_captured", "iga", "iga_fused", "iga_bf16", "iga_bf16_q1")
 # the fused variants that fix their precision (iga_fused takes --precision) and power iterations
 FIXED_VARIANTS = {"iga_bf16": {"precision": "bf16"}, "iga_bf16_q1": {"precision": "bf16", "power_iters": 1}}
 DOMAINS = ["math", "medical", "legal", "science"]
@@ -179,12 +181,12 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
     # "iga" is the per-module reference path, "iga_fused" the batched fast path, "iga_bf16" that
     # path in bf16 (and "_q1" with one power iteration): one method
     base, waves = method_variant(method)
-    iga_params = {} if base == "erm" else {
+    iga_params = {} if base.startswith("erm") else {
         "tau": args.tau, "normalize": args.normalize,
         "implementation": "reference" if base == "iga" else "fused",
         **({"precision": args.precision} if base == "iga_fused" else FIXED_VARIANTS.get(base, {})),
     }
-    hook = attach(engine, HookConfig(method="erm" if base == "erm" else "iga", params=iga_params,
+    hook = attach(engine, HookConfig(method=base if base.startswith("erm") else "iga", params=iga_params,
                                     domains=list(DOMAINS), **({"overlap_waves": waves} if waves else {})))
     one_step = functools.partial(optimizer_step, engine, hook, args, config["vocab_size"], device)
 

@@ -93,6 +93,7 @@ CASES = [
     ("iga", {"tau": 1.0, "normalize": "mean"}, 2, EVEN_2x2, {"bucket": 200, "clip": 0.05}),
     ("erm", {}, 2, UNEVEN_2x2, {"overlap_comm": True, "bucket": 200}),
     ("erm", {}, 1, EVEN_2x1, {}),
+    ("erm_captured", {}, 2, UNEVEN_2x2, {"overlap_comm": True, "bucket": 200}),
     ("pcgrad", {}, 2, UNEVEN_2x2, {}),
     ("sand_mask", {"k": 10.0}, 1, EVEN_2x1, {"overlap_comm": True}),
     ("vrex", {"penalty_weight": 2.0}, 2, EVEN_2x2, {}),
@@ -125,6 +126,15 @@ def test_two_processes_match_single_process_reference(tmp_path, method, params, 
 def test_every_method_runs_two_steps_under_zero2(tmp_path, name):
     got = run(tmp_path, {"method": name, "gas": 1, "layout": EVEN_2x1, "steps": 2})
     assert all(torch.isfinite(v).all() for v in got["params"].values()), name
+
+
+def test_captured_erm_trains_like_deepspeeds_erm(tmp_path):
+    # the reduction once per step must not change the update: DeepSpeed's ERM (the loss-level
+    # reference, every micro-batch reduced) and the captured one train the same adapter
+    s = {"method": "erm_captured", "params": {}, "gas": 2, "layout": UNEVEN_2x2, "steps": 3}
+    got = run(tmp_path, s)
+    assert got["owns_gradients"]
+    assert_params_close(got["params"], reference(dict(s, method="erm")))
 
 
 def test_non_finite_loss_skips_the_step_on_every_rank(tmp_path):

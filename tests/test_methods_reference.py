@@ -183,6 +183,29 @@ def test_erm_objective_is_the_mean_and_takes_the_plain_path():
     assert method.objective(losses, domains, 3).item() == pytest.approx(float(np.mean(losses.numpy())))
 
 
+@covers("erm_captured")
+def test_captured_erm_is_the_mean_over_all_instances():
+    # equal instances per domain (an isomer batch): the mean of per-domain mean gradients is
+    # the gradient of the mean loss over all instances, computed directly here
+    torch.manual_seed(1)
+    A, B = torch.randn(2, 5, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    x, domains = torch.randn(6, 5, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1, 2])
+    A.requires_grad_(True)
+    B.requires_grad_(True)
+    losses = ((x @ A.T @ B.T) ** 2).sum(dim=1)
+    gA_all, gB_all = torch.autograd.grad(losses.mean(), (A, B), retain_graph=True)
+    per_domain = [torch.autograd.grad(losses[domains == d].mean(), (A, B), retain_graph=True) for d in range(3)]
+    grads = ModuleGrads("m", 0, A.detach(), B.detach(), torch.stack([g[0] for g in per_domain]),
+                        torch.stack([g[1] for g in per_domain]), 1.0)
+    (update,) = get_method("erm_captured").combine([grads], step=1)
+    torch.testing.assert_close(update.gA, gA_all, rtol=1e-12, atol=0)
+    torch.testing.assert_close(update.gB, gB_all, rtol=1e-12, atol=0)
+    spread = np.sqrt(sum(float((g[0] - gA_all).pow(2).sum() + (g[1] - gB_all).pow(2).sum()) for g in per_domain)
+                     / 3 / float(gA_all.pow(2).sum() + gB_all.pow(2).sum()))
+    assert update.stats["domain_spread"] == pytest.approx(spread, rel=1e-12)
+    assert get_method("erm_captured").needs_domain_gradients
+
+
 @covers("vrex")
 def test_vrex_objective_direct_formula():
     logits, labels, domains = _losses_and_scale()

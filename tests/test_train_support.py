@@ -79,3 +79,21 @@ def test_fixture_groups_are_complete(tmp_path):
     assert all([r["domain"] for r in g] == DOMAINS for g in groups)
     # isomers share the answer: the same logical problem in four surface forms
     assert all(len({r["answer"] for r in g}) == 1 for g in groups)
+
+
+def test_a_training_after_the_process_group_was_destroyed_in_this_process(tmp_path):
+    # DeepSpeed keeps a clone of the first world group per process; a second training after
+    # destroy_process_group (a notebook, launch/train.py's exit) must not reach for that clone
+    import torch.distributed as tdist
+
+    from iga_ds.config.run import config_from_dict
+    from iga_ds.train.trainer import Trainer
+
+    data = write_isomer_jsonl(tmp_path / "train.jsonl", groups=4, seed=3)
+    base = tiny_base(tmp_path, data)
+    for attempt in ("first", "second"):
+        over = {"model.name_or_path": str(base), "schedule.max_steps": 1, "output_dir": str(tmp_path / attempt)}
+        result = Trainer(config_from_dict(run_config_dict(tmp_path, data, **over)), quiet=True).run()
+        assert result.status == "completed", attempt
+        assert tdist.is_initialized()
+        tdist.destroy_process_group()

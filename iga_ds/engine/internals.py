@@ -115,6 +115,20 @@ def disable_cpu_shm_comm_op() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def forget_world_group() -> None:
+    """Drop DeepSpeed's cached clone of the world process group.
+
+    DeepSpeed clones the default group once per process (``deepspeed.utils.groups``) and keeps
+    the clone after that group is destroyed; a training started after
+    ``torch.distributed.destroy_process_group()`` in the same process (a notebook, a script
+    running two trainings, ``launch/train.py`` called twice) would otherwise hand the dead
+    clone to its first broadcast ("Group ... is not registered").
+    """
+    from deepspeed.utils import groups
+
+    groups._WORLD_GROUP = None
+
+
 # -- optimizer state that does not depend on the world size --------------------------------------
 #
 # DeepSpeed refuses to load ZeRO optimizer partitions saved at a different world size. Each

@@ -11,7 +11,7 @@ from typing import Any
 from iga_ds.errors import ConfigError
 from iga_ds.methods.and_mask import ANDMask
 from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, Statistic, module_generator
-from iga_ds.methods.erm import ERM
+from iga_ds.methods.erm import ERM, CapturedERM
 from iga_ds.methods.iga import IGA, IGABinaryMask, IGALoRASpace, IGANoProjection, MeanNoMask
 from iga_ds.methods.irm import IRM
 from iga_ds.methods.pareto import ParetoGS
@@ -20,7 +20,7 @@ from iga_ds.methods.sand_mask import SANDMask
 from iga_ds.methods.vrex import VREx
 
 BUILTIN_METHODS: tuple[type[GradientMethod], ...] = (
-    ERM, IGA, IGABinaryMask, IGANoProjection, MeanNoMask, IGALoRASpace, ANDMask, SANDMask, PCGrad, ParetoGS, IRM,
+    ERM, CapturedERM, IGA, IGABinaryMask, IGANoProjection, MeanNoMask, IGALoRASpace, ANDMask, SANDMask, PCGrad, ParetoGS, IRM,
     VREx,
 )
 _REGISTRY: dict[str, type[GradientMethod]] = {}

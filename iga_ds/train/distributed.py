@@ -9,7 +9,7 @@ import torch.distributed as tdist
 
 from iga_ds.cluster.ranks import DistEnv, apply_dist_env, free_port, resolve_dist_env
 from iga_ds.config.deepspeed import use_cpu
-from iga_ds.engine.internals import disable_cpu_shm_comm_op
+from iga_ds.engine.internals import disable_cpu_shm_comm_op, forget_world_group
 
 
 def resolve_dist(local_rank: int | None = None) -> DistEnv:
@@ -42,4 +42,5 @@ def init_distributed(dist: DistEnv) -> None:
     elif not os.environ.get("IGA_DS_CPU_SHM_OP"):
         disable_cpu_shm_comm_op()
     if not tdist.is_initialized():
+        forget_world_group()  # a group of an earlier run in this process is gone with it
         deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl", auto_mpi_discovery=False, verbose=False)
