@@ -50,7 +50,9 @@ class HookConfig(Section):
     skip_nonfinite: bool = setting(True, "a NaN or Inf in the loss or the combined gradient skips the step on every "
                                    "rank (false: stop the run with an error)")
     timeout_s: Number = setting(600.0, "the hook's collectives fail after this many seconds, so that a dead rank "
-                                "stops the others", expected="a positive number of seconds", gt=0)
+                                "stops the others; also the trainer's peer timeout: a rank whose heartbeat is "
+                                "silent this long is named as lost and the others exit",
+                                expected="a positive number of seconds", gt=0)
     owner_balance: Literal["out_x_in", "round_robin"] = setting(
         "out_x_in", "how modules are assigned to the ranks that combine them: by their out x in size, or in turn")
     overlap_waves: int = setting(1, "above 1: modules go in this many waves, one wave's collectives running while "
