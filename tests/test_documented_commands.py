@@ -381,9 +381,21 @@ def check_repo_script(checker, cmd, program, args, env):
         if not placeholder:
             _iga_ds(checker, cmd, ["experiment", "--grid", grid[0], "--out", "runs/x"])
         return
+    if program == "bench/gpu_runs.sh":
+        return _gpu_runs_stages(checker, cmd, args[1:])
     if program.startswith("bench/") and program.endswith(".sh"):
         return  # their own dry runs are tested in tests/test_node_runs.py
     checker.fail(cmd, f"no rule for {program}")
+
+
+def _gpu_runs_stages(checker, cmd, stages) -> None:
+    """bench/gpu_runs.sh needs GPUs to run; each stage named must be one its ``case`` knows
+    (``stepN`` for ``step*)``)."""
+    labels = re.findall(r"^\s+([a-z0-9]+)(\*?)\)$", (REPO / "bench" / "gpu_runs.sh").read_text(), re.M)
+    for stage in stages:
+        if not any(stage == name or (star and re.fullmatch(re.escape(name) + r"\d+", stage))
+                   for name, star in labels):
+            checker.fail(cmd, f"bench/gpu_runs.sh has no stage {stage!r}")
 
 
 def check_bash(checker, cmd, program, args, env):

@@ -49,10 +49,10 @@ def without_thinking(text: str) -> str:
     return _THINKING.sub(" ", text)
 
 
-def _block_ends(text: str) -> tuple[dict[int, int], int | None]:
-    """Where each bracket opening a ``{...}`` or ``[...]`` block closes, in one pass (brackets in
-    JSON strings ignored, quotes outside any block taken for prose); and the first ``{"`` left open."""
-    ends, stack, in_string, escaped = {}, [], False, False
+def _outside_strings(text: str, quote_opens):
+    """(index, character) of each character of ``text`` outside JSON strings; a ``"`` opens a
+    string only where ``quote_opens()`` says so (it is asked at that moment)."""
+    in_string, escaped = False, False
     for i, c in enumerate(text):
         if in_string:
             if escaped:
@@ -61,9 +61,18 @@ def _block_ends(text: str) -> tuple[dict[int, int], int | None]:
                 escaped = True
             elif c == '"':
                 in_string = False
-        elif c == '"' and stack:
+        elif c == '"' and quote_opens():
             in_string = True
-        elif c in "{[":
+        else:
+            yield i, c
+
+
+def _block_ends(text: str) -> tuple[dict[int, int], int | None]:
+    """Where each bracket opening a ``{...}`` or ``[...]`` block closes, in one pass (brackets in
+    JSON strings ignored, quotes outside any block taken for prose); and the first ``{"`` left open."""
+    ends, stack = {}, []
+    for i, c in _outside_strings(text, lambda: bool(stack)):
+        if c in "{[":
             stack.append(i)
         elif c in "}]" and stack:
             ends[stack.pop()] = i
@@ -77,21 +86,8 @@ _TRAILING_COMMA = re.compile(r",\s*[}\]]")
 
 def _without_trailing_commas(block: str) -> str:
     """``block`` minus each comma (outside strings) that only a ``}`` or ``]`` follows."""
-    out, in_string, escaped = [], False, False
-    for i, c in enumerate(block):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c == "," and _TRAILING_COMMA.match(block, i):
-            continue
-        out.append(c)
-    return "".join(out)
+    dropped = {i for i, c in _outside_strings(block, lambda: True) if c == "," and _TRAILING_COMMA.match(block, i)}
+    return "".join(c for i, c in enumerate(block) if i not in dropped)
 
 
 def _decode_at(text: str, pos: int, block_end: int | None):
