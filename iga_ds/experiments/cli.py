@@ -12,18 +12,7 @@ from typing import Any
 
 
 def register(subparsers: Any) -> None:
-    rep = subparsers.add_parser(
-        "report",
-        help="tables shaped like the paper's Tables 2, 3, 4, 6 and figures from a results folder",
-        description="Read DIR/<cell>/cell.json, eval.json (or eval/*.json) and metrics.jsonl; write "
-        "DIR/report.md and PNG figures under DIR/figures (see docs/EVALUATION.md for the layout).",
-    )
-    rep.add_argument("dir", help="results folder")
-    rep.add_argument("--out", help="report file (default: DIR/report.md)")
-    rep.add_argument("--no-figures", action="store_true")
-    rep.add_argument("--title", default="IGA results", help="the report's heading")
-    rep.add_argument("--discussion", help="Markdown file appended after the tables (interpretation)")
-    rep.set_defaults(func=run_report)
+    _register_report(subparsers)
 
     pk = subparsers.add_parser(
         "pack",
@@ -72,6 +61,25 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run_demo)
 
 
+def _register_report(subparsers: Any) -> None:
+    rep = subparsers.add_parser(
+        "report",
+        help="tables shaped like the paper's Tables 2, 3, 4, 6 and figures from a results folder",
+        description="Read DIR/<cell>/cell.json, eval.json (or eval/*.json), metrics.jsonl and "
+        "update_norms.json; write DIR/report.md and PNG figures under DIR/figures (see "
+        "docs/EVALUATION.md for the layout). Several folders, one --name each, share one report "
+        "(--out): their headline columns side by side, then each one's tables under its name.",
+    )
+    rep.add_argument("dir", nargs="+", help="results folder(s)")
+    rep.add_argument("--name", action="append", metavar="NAME",
+                     help="the name of each results folder, in order (repeatable; one per folder when several)")
+    rep.add_argument("--out", help="report file (default: DIR/report.md; required with several folders)")
+    rep.add_argument("--no-figures", action="store_true")
+    rep.add_argument("--title", default="IGA results", help="the report's heading")
+    rep.add_argument("--discussion", help="Markdown file appended after the tables (interpretation)")
+    rep.set_defaults(func=run_report)
+
+
 def run_pack(args: argparse.Namespace) -> int:
     from iga_ds.experiments.pack import pack, parse_size
 
@@ -116,7 +124,7 @@ def run_report(args: argparse.Namespace) -> int:
     from iga_ds.experiments.report import write_report
 
     out = write_report(args.dir, out=args.out, figures=not args.no_figures, title=args.title,
-                       discussion=args.discussion)
+                       discussion=args.discussion, names=args.name)
     print(f"wrote {out}")
     return 0
 

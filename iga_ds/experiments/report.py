@@ -1,16 +1,23 @@
 """``report.md``: tables shaped like the paper's main results, ablation, efficiency and LCS-by-layer
 tables (mean +- sample std over seeds, best in bold), plus PNG figures (``figures.py``).
 
-Numbers come only from the result files; a value a cell lacks is shown as "–".
+Numbers come only from the result files; a value a cell lacks is shown as "–". Several results
+folders ("students", e.g. the same grid trained from two bases) share one report: their headline
+columns side by side, then each student's own tables under its name.
 """
 from __future__ import annotations
 
 import math
+import os
+import re
 from collections import defaultdict
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
+from iga_ds.errors import UserError
 from iga_ds.experiments.figures import make_figures
+from iga_ds.experiments.tables import DASH, Stat, column, group_rows, markdown
+from iga_ds.experiments.update_size import UPDATE_SIZE_NOTE, update_size_table
 from iga_ds.experiments.results import (
     Cell,
     benchmarks_of,
@@ -28,58 +35,7 @@ from iga_ds.experiments.results import (
     row_order,
 )
 from iga_ds.files import atomic_write_text, check_output_file, read_text
-from iga_ds.metrics.accuracy import accuracy_per_compute_hour, mean_std
-
-DASH = "–"
-
-
-# -- aggregation and formatting ------------------------------------------------------------------
-
-
-class Stat:
-    """Mean and sample std over seeds of one table entry (or nothing)."""
-
-    def __init__(self, values: Sequence[float | None]):
-        vals = [float(v) for v in values if v is not None]
-        self.n = len(vals)
-        self.mean, self.std = mean_std(vals) if vals else (None, None)
-
-    def text(self, digits: int, bold: bool = False, with_std: bool = True) -> str:
-        if self.mean is None:
-            return DASH
-        mean = f"{self.mean:.{digits}f}"
-        mean = f"**{mean}**" if bold else mean
-        return f"{mean} ± {self.std:.{digits}f}" if with_std and self.n > 1 else mean
-
-
-def _group(cells: Sequence[Cell]) -> dict[str, list[Cell]]:
-    rows: dict[str, list[Cell]] = defaultdict(list)
-    for cell in cells:
-        rows[cell.label].append(cell)
-    return rows
-
-
-def _best(stats: dict[str, Stat], higher_is_better: bool) -> set[str]:
-    means = {k: s.mean for k, s in stats.items() if s.mean is not None}
-    if len(means) < 2:
-        return set()
-    target = max(means.values()) if higher_is_better else min(means.values())
-    return {k for k, m in means.items() if abs(m - target) < 1e-9}
-
-
-def _column(
-    rows: dict[str, list[Cell]], value: Callable[[Cell], float | None], higher_is_better: bool | None, digits: int
-) -> dict[str, str]:
-    stats = {label: Stat([value(c) for c in cells]) for label, cells in rows.items()}
-    best = _best(stats, higher_is_better) if higher_is_better is not None else set()
-    return {label: stats[label].text(digits, bold=label in best) for label in rows}
-
-
-def _markdown(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + [":---:"] * (len(header) - 1)) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in body]
-    return "\n".join(lines)
-
+from iga_ds.metrics.accuracy import accuracy_per_compute_hour
 
 def _has_ood(cells: Sequence[Cell], bench: str) -> bool:
     return any(c.evals.get(bench, {}).get("ood_accuracy") is not None for c in cells)
@@ -95,22 +51,22 @@ def _has_cue(cells: Sequence[Cell], bench: str) -> bool:
 
 def main_table(cells: Sequence[Cell]) -> str:
     """Paper Table 2: ID and OOD accuracy per benchmark, LCS (x1e-2), average Delta-gap."""
-    rows = _group(cells)
+    rows = group_rows(cells)
     order = row_order(list(rows))
     header, columns = ["Method"], []
     for bench in benchmarks_of(cells):
         header += [f"{bench} ID", f"{bench} OOD"]
-        columns.append(_column(rows, lambda c, b=bench: c.evals.get(b, {}).get("id_accuracy"), True, 1))
-        columns.append(_column(rows, lambda c, b=bench: c.evals.get(b, {}).get("ood_accuracy"), True, 1))
+        columns.append(column(rows, lambda c, b=bench: c.evals.get(b, {}).get("id_accuracy"), True, 1))
+        columns.append(column(rows, lambda c, b=bench: c.evals.get(b, {}).get("ood_accuracy"), True, 1))
         if _has_cue(cells, bench):
             header.append(f"{bench} OOD follows wrong cue ↓")
-            columns.append(_column(rows, lambda c, b=bench: cell_cue_follow(c, b), False, 1))
+            columns.append(column(rows, lambda c, b=bench: cell_cue_follow(c, b), False, 1))
     header += ["LCS (×1e-2) ↓", "Avg Δ-gap ↓", "Train loss, last 10%"]
-    columns.append(_column(rows, cell_default_lcs, False, 2))
-    columns.append(_column(rows, cell_avg_delta_gap, False, 2))
-    columns.append(_column(rows, cell_final_loss, None, 3))
+    columns.append(column(rows, cell_default_lcs, False, 2))
+    columns.append(column(rows, cell_avg_delta_gap, False, 2))
+    columns.append(column(rows, cell_final_loss, None, 3))
     body = [[label] + [col[label] for col in columns] for label in order]
-    return _markdown(header, body)
+    return markdown(header, body)
 
 
 def _iga_label(labels: Sequence[str]) -> str | None:
@@ -134,7 +90,7 @@ def ablation_table(main_cells: Sequence[Cell], ablation_cells: Sequence[Cell]) -
     rows: dict[str, list[Cell]] = {}
     if full:
         rows[full_label] = full
-    rows.update(_group(ablation_cells))
+    rows.update(group_rows(ablation_cells))
     if erm:
         rows["ERM-SFT (reference)"] = erm
     cells_all = [c for group in rows.values() for c in group]
@@ -146,7 +102,7 @@ def ablation_table(main_cells: Sequence[Cell], ablation_cells: Sequence[Cell]) -
         kind = "OOD" if _has_ood(cells_all, bench) else "Acc"
         header += [f"{bench} {kind}", "Δ"]
         acc = lambda c, b=bench: headline_accuracy(c.evals[b]) if b in c.evals else None  # noqa: E731
-        columns.append(_column(rows, acc, True, 1))
+        columns.append(column(rows, acc, True, 1))
         delta_col = {}
         for label, group in rows.items():
             mean = Stat([acc(c) for c in group]).mean
@@ -159,19 +115,19 @@ def ablation_table(main_cells: Sequence[Cell], ablation_cells: Sequence[Cell]) -
         columns.append(delta_col)
         if _has_cue(cells_all, bench):
             header.append(f"{bench} OOD follows wrong cue ↓")
-            columns.append(_column(rows, lambda c, b=bench: cell_cue_follow(c, b), False, 1))
+            columns.append(column(rows, lambda c, b=bench: cell_cue_follow(c, b), False, 1))
     header += ["LCS (×1e-2) ↓", "Avg Δ vs IGA", "Train loss, last 10%"]
-    columns.append(_column(rows, cell_default_lcs, False, 2))
+    columns.append(column(rows, cell_default_lcs, False, 2))
     columns.append({lab: (f"{sum(d) / len(d):+.2f}" if (d := deltas.get(lab)) else DASH) for lab in rows})
-    columns.append(_column(rows, cell_final_loss, None, 3))
+    columns.append(column(rows, cell_final_loss, None, 3))
     body = [[label] + [col[label] for col in columns] for label in rows]
-    return _markdown(header, body)
+    return markdown(header, body)
 
 
 def efficiency_table(cells: Sequence[Cell]) -> str:
     """Paper Table 4: training time per epoch, peak memory, trainable parameters, average OOD
     accuracy and accuracy per compute-hour (accuracy / wall-clock hours per epoch)."""
-    rows = _group(cells)
+    rows = group_rows(cells)
     benches = benchmarks_of(cells)
 
     def acc_per_hour(c: Cell) -> float | None:
@@ -183,25 +139,25 @@ def efficiency_table(cells: Sequence[Cell]) -> str:
         return p / 1e6 if isinstance(p, (int, float)) else None
 
     columns = [
-        _column(rows, cell_median_step_ms, None, 1),
-        _column(rows, lambda c: c.train_hours_per_epoch, None, 3),
-        _column(rows, lambda c: c.info.get("peak_mem_gb"), None, 1),
-        _column(rows, params_m, None, 2),
-        _column(rows, lambda c: cell_avg_headline(c, benches), True, 1),
-        _column(rows, acc_per_hour, True, 2),
+        column(rows, cell_median_step_ms, None, 1),
+        column(rows, lambda c: c.train_hours_per_epoch, None, 3),
+        column(rows, lambda c: c.info.get("peak_mem_gb"), None, 1),
+        column(rows, params_m, None, 2),
+        column(rows, lambda c: cell_avg_headline(c, benches), True, 1),
+        column(rows, acc_per_hour, True, 2),
     ]
     header = ["Method", "Median step (ms)", "Train time/epoch (h)", "Peak mem (GB)", "Trainable params (M)", "Avg OOD acc (%)", "Acc/CHr"]
-    return _markdown(header, [[lab] + [col[lab] for col in columns] for lab in row_order(list(rows))])
+    return markdown(header, [[lab] + [col[lab] for col in columns] for lab in row_order(list(rows))])
 
 
 def lcs_layer_table(cells: Sequence[Cell]) -> str | None:
     """Paper Table 6: LCS (x1e-2) at each layer computed; the IGA / ERM ratio when both exist."""
-    rows = _group(cells)
+    rows = group_rows(cells)
     layers = sorted({layer for c in cells for layer in cell_lcs(c)})
     if not layers:
         return None
     order = row_order(list(rows))
-    columns = [_column(rows, lambda c, l=layer: cell_lcs(c).get(l), False, 3) for layer in layers]
+    columns = [column(rows, lambda c, l=layer: cell_lcs(c).get(l), False, 3) for layer in layers]
     body = [[lab] + [col[lab] for col in columns] for lab in order]
     iga_label = _iga_label(rows)
     if iga_label and "ERM-SFT" in rows:
@@ -213,7 +169,7 @@ def lcs_layer_table(cells: Sequence[Cell]) -> str | None:
         body.append([f"{iga_label} / ERM ratio"] + ratio)
     # hidden state 0 is the embedding output, which LoRA on attention never changes
     names = [f"Layer {layer}" + (" (embeddings)" if layer == 0 else "") for layer in layers]
-    return _markdown(["Method"] + names, body)
+    return markdown(["Method"] + names, body)
 
 
 MASK_COLUMNS = (  # (training-log key, header, scale, tail fraction)
@@ -230,16 +186,16 @@ def mask_table(cells: Sequence[Cell]) -> str | None:
     """Does the mask act? Its statistics averaged over training (and over its last 10%), per
     row that logged them: mean mask, share of elements masked below 1/2, the smallest mask
     value, and the share of the masked matrix's energy the rank-r truncation keeps."""
-    rows = {lab: group for lab, group in _group(cells).items()
+    rows = {lab: group for lab, group in group_rows(cells).items()
             if any(cell_metric_mean(c, "hook.mask_mean") is not None for c in group)}
     if not rows:
         return None
     columns = []
     for key, _, scale, tail in MASK_COLUMNS:
-        columns.append(_column(rows, lambda c, k=key, f=scale, t=tail: (
+        columns.append(column(rows, lambda c, k=key, f=scale, t=tail: (
             None if (v := cell_metric_mean(c, k, t)) is None else f * v), None, 3 if scale == 1.0 else 1))
     body = [[lab] + [col[lab] for col in columns] for lab in sorted(rows)]
-    return _markdown(["Row"] + [h for _, h, _, _ in MASK_COLUMNS], body)
+    return markdown(["Row"] + [h for _, h, _, _ in MASK_COLUMNS], body)
 
 
 def compare(a: Sequence[float | None], b: Sequence[float | None], higher_is_better: bool) -> tuple[str, float | None, float | None]:
@@ -264,7 +220,7 @@ def compare(a: Sequence[float | None], b: Sequence[float | None], higher_is_bett
 def claims_section(cells: Sequence[Cell]) -> str | None:
     """The paper's claims as checks computed from the runs: IGA against ERM-SFT, and Full IGA
     against each ablation."""
-    main = _group([c for c in cells if not c.ablation])
+    main = group_rows([c for c in cells if not c.ablation])
     iga_label = _iga_label(main)
     if iga_label is None or "ERM-SFT" not in main:
         return None
@@ -286,9 +242,9 @@ def claims_section(cells: Sequence[Cell]) -> str | None:
     body.append(["LCS (×1e-2)", Stat([cell_default_lcs(c) for c in iga]).text(2),
                  Stat([cell_default_lcs(c) for c in erm]).text(2), DASH if diff is None else f"{diff:+.2f}",
                  DASH if se is None else f"{se:.2f}", verdict])
-    lines.append(_markdown([f"{iga_label} against ERM-SFT", iga_label, "ERM-SFT", "difference", "std. error",
+    lines.append(markdown([f"{iga_label} against ERM-SFT", iga_label, "ERM-SFT", "difference", "std. error",
                             f"{iga_label} is"], body))
-    ablations = _group([c for c in cells if c.ablation])
+    ablations = group_rows([c for c in cells if c.ablation])
     if ablations:
         benches = benchmarks_of(cells)
         body = []
@@ -306,60 +262,153 @@ def claims_section(cells: Sequence[Cell]) -> str | None:
         header = [f"{full} against", "evaluation", "OOD acc. difference", "std. error", f"{full} is"]
         if any(_has_cue(cells, b) for b in benches):
             header += ["wrong-cue following difference", f"{full} is"]
-        lines += ["", _markdown(header, body)]
+        lines += ["", markdown(header, body)]
     return "\n".join(lines)
 
 
-def build_report(cells: Sequence[Cell], figures: dict[str, str] | None = None, title: str = "IGA results",
-                 discussion: str | None = None) -> str:
+def report_body(cells: Sequence[Cell], level: int = 2) -> list[str]:
+    """The lines of one results folder's report under its title, with sections at heading ``level``:
+    the whole report's body, or one student's among several."""
+
+    h = "#" * level
     main_cells = [c for c in cells if not c.ablation]
     ablation_cells = [c for c in cells if c.ablation]
     seeds = sorted({c.seed for c in cells})
     parts = [
-        f"# {title}",
-        "",
-        f"{len(cells)} runs: {len(_group(main_cells))} methods, {len(_group(ablation_cells))} ablations, "
+        f"{len(cells)} runs: {len(group_rows(main_cells))} methods, {len(group_rows(ablation_cells))} ablations, "
         f"seeds {', '.join(map(str, seeds))}. Entries are mean ± sample std over seeds (std shown "
         "when there is more than one seed); best in bold. Accuracies in %, LCS in units of 1e-2.",
         "",
-        "## Main results (paper Table 2)",
+        f"{h} Main results (paper Table 2)",
         "",
         main_table(main_cells) if main_cells else "No runs without an ablation.",
         "",
     ]
-    parts += ["## Ablations (paper Table 3)", ""]
+    parts += [f"{h} Ablations (paper Table 3)", ""]
     parts += [ablation_table(main_cells, ablation_cells) if ablation_cells else "No ablation runs.", ""]
-    parts += ["## Efficiency (paper Table 4)", "", efficiency_table(main_cells) if main_cells else DASH, ""]
+    parts += [f"{h} Efficiency (paper Table 4)", "", efficiency_table(main_cells) if main_cells else DASH, ""]
     lcs_table = lcs_layer_table(cells)
-    parts += ["## LCS by layer (paper Table 6)", "", lcs_table or "No evaluation computed LCS.", ""]
+    parts += [f"{h} LCS by layer (paper Table 6)", "", lcs_table or "No evaluation computed LCS.", ""]
     masks = mask_table(cells)
     if masks:
-        parts += ["## Mask statistics over training", "", masks, ""]
+        parts += [f"{h} Mask statistics over training", "", masks, ""]
+    moved = update_size_table(cells)
+    if moved:
+        parts += [f"{h} How far each row moved the adapter, against ERM-SFT", "", UPDATE_SIZE_NOTE, "", moved, ""]
     claims = claims_section(cells)
     if claims:
-        parts += ["## The paper's claims, checked on these runs", "", claims, ""]
+        parts += [f"{h} The paper's claims, checked on these runs", "", claims, ""]
+    return parts
+
+
+def _ending(discussion: str | None, figures: dict[str, str] | None) -> list[str]:
+    """What follows the tables, once per report: the discussion, then the figures."""
+    parts = []
     if discussion:
         parts += [discussion.strip(), ""]
     if figures:
         parts += ["## Figures", ""]
-        parts += [f"![{title}]({path})" for title, path in figures.items()]
+        parts += [f"![{caption}]({path})" for caption, path in figures.items()]
         parts.append("")
-    return "\n".join(parts)
+    return parts
 
 
-def write_report(root: str | Path, out: str | Path | None = None, figures: bool = True, title: str = "IGA results",
-                 discussion: str | Path | None = None) -> Path:
-    """Write the report of the results folder ``root``; ``discussion`` is a Markdown file
-    appended as written (interpretation; every number stays in the generated tables)."""
-    root = Path(root)
-    cells = load_results(root)
-    out = Path(out) if out else root / "report.md"
+def build_report(cells: Sequence[Cell], figures: dict[str, str] | None = None, title: str = "IGA results",
+                 discussion: str | None = None) -> str:
+    return "\n".join([f"# {title}", "", *report_body(cells), *_ending(discussion, figures)])
+
+
+def side_by_side_table(students: Sequence[tuple[str, Sequence[Cell]]], bench: str) -> str:
+    """Each student's ID, OOD (and wrong-cue) columns on ``bench``: a row per method row of any
+    student, then a row per ablation (in the order first met), so that rows of the same setting
+    line up across students."""
+    all_cells = [c for _, cells in students for c in cells]
+    labels = row_order(sorted({c.label for c in all_cells if not c.ablation}))
+    labels += [label for label in dict.fromkeys(c.label for c in all_cells if c.ablation) if label not in labels]
+    header, columns = ["Method"], []
+    for name, cells in students:
+        rows = group_rows(cells)
+        header += [f"{name} ID", f"{name} OOD"]
+        columns.append(column(rows, lambda c: c.evals.get(bench, {}).get("id_accuracy"), True, 1))
+        columns.append(column(rows, lambda c: c.evals.get(bench, {}).get("ood_accuracy"), True, 1))
+        if _has_cue(cells, bench):
+            header.append(f"{name} OOD follows wrong cue ↓")
+            columns.append(column(rows, lambda c: cell_cue_follow(c, bench), False, 1))
+    return markdown(header, [[label] + [col.get(label, DASH) for col in columns] for label in labels])
+
+
+def build_students_report(students: Sequence[tuple[str, Sequence[Cell]]], figures: dict[str, str] | None = None,
+                          title: str = "IGA results", discussion: str | None = None) -> str:
+    """Several results folders in one report: their headline columns side by side, then each
+    student's own report body (tables and claims) under ``## Student: <name>``."""
+    listed = "; ".join(f"{name} ({len(cells)} runs)" for name, cells in students)
+    parts = [f"# {title}", "", f"{len(students)} students, one results folder each: {listed}. Each student's "
+             "own tables and claims follow the side-by-side table, under its name.", "", "## Side by side", ""]
+    benches = benchmarks_of([c for _, cells in students for c in cells])
+    if benches:
+        parts += [f"{benches[0]}: accuracy (%), mean ± sample std over seeds; the methods, then the ablations; "
+                  "bold marks each student's best.", "", side_by_side_table(students, benches[0]), ""]
+    else:
+        parts += ["No evaluated runs.", ""]
+    for name, cells in students:
+        parts += [f"## Student: {name}", "", *report_body(cells, level=3)]
+    return "\n".join(parts + _ending(discussion, figures))
+
+
+def slug(name: str) -> str:
+    """A student's name as a folder name: lowercase, every run of other characters one '-'."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def _student_names(roots: Sequence[Path], names: Sequence[str] | None) -> list[str]:
+    names = list(names or [])
+    if len(names) != len(roots):
+        raise UserError(f"--name: {len(names)} given for {len(roots)} results folders; give one --name per "
+                        "folder, in the same order")
+    seen: dict[str, str] = {}
+    for name in names:
+        if not slug(name):
+            raise UserError(f"--name {name!r}: expected a name with a letter or a digit")
+        if slug(name) in seen:
+            raise UserError(f"--name {seen[slug(name)]!r} and --name {name!r}: two students would share "
+                            f"figures/{slug(name)}; give distinct names")
+        seen[slug(name)] = name
+    return names
+
+
+def _draw(cells: Sequence[Cell], folder: Path, out: Path, prefix: str = "") -> dict[str, str]:
+    """The figures of ``cells`` in ``folder``: {caption: path relative to the report when it can be}."""
+    made = {}
+    for caption, name in make_figures(cells, folder).items():
+        path = Path(name)
+        made[prefix + caption] = str(path.relative_to(out.parent) if path.is_relative_to(out.parent) else path)
+    return made
+
+
+def write_report(root: str | os.PathLike | Sequence[str | os.PathLike], out: str | Path | None = None,
+                 figures: bool = True, title: str = "IGA results", discussion: str | Path | None = None,
+                 names: Sequence[str] | None = None) -> Path:
+    """Write the report of the results folder ``root``, or of several folders side by side, one
+    name in ``names`` each; ``discussion`` is a Markdown file appended as written
+    (interpretation; every number stays in the generated tables)."""
+    roots = [Path(root)] if isinstance(root, (str, os.PathLike)) else [Path(r) for r in root]
+    students = len(roots) > 1 or bool(names)
+    if students:
+        names = _student_names(roots, names)
+        if out is None and len(roots) > 1:
+            raise UserError("--out: required with several results folders (the report belongs to none of them)")
+    loaded = [load_results(r) for r in roots]
+    out = Path(out) if out else roots[0] / "report.md"
     check_output_file(out)
     # read before the figures are drawn: a bad discussion file leaves nothing written
     text = read_text(discussion, "discussion file") if discussion is not None else None
     made: dict[str, str] = {}
-    if figures:
-        for caption, path in make_figures(cells, out.parent / "figures").items():
-            made[caption] = str(Path(path).relative_to(out.parent)) if Path(path).is_relative_to(out.parent) else str(path)
-    atomic_write_text(out, build_report(cells, made, title=title, discussion=text))
+    if figures and not students:
+        made = _draw(loaded[0], out.parent / "figures", out)
+    elif figures:
+        for name, cells in zip(names, loaded):
+            made.update(_draw(cells, out.parent / "figures" / slug(name), out, prefix=f"{name}: "))
+    report = (build_students_report(list(zip(names, loaded)), made, title=title, discussion=text) if students
+              else build_report(loaded[0], made, title=title, discussion=text))
+    atomic_write_text(out, report)
     return out

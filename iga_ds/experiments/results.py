@@ -9,6 +9,9 @@ Layout (one cell = one method x seed x ablation run)::
     DIR/<cell>/eval/<name>.json  several (one per benchmark)
     DIR/<cell>/metrics.jsonl   the training log (optional): one JSON object per step with
                                ``step``, ``time_s`` and mask statistics such as ``mask_mean``
+    DIR/<cell>/update_norms.json  how far training moved each LoRA module (optional):
+                               {"steps": 600, "modules": {"<module>": {"path": 0.12,
+                                "displacement": 0.045}, ...}}
 
 Only ``method`` and ``seed`` are required in cell.json. Cells with the same label (default:
 the method's display name, or the ablation's) are seeds of one table row. A method row whose
@@ -17,6 +20,7 @@ parameters are not the package's shipped defaults (as ``DIR/<cell>/cell_spec.jso
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -64,6 +68,8 @@ class Cell:
     info: dict[str, Any]
     evals: dict[str, dict[str, Any]] = field(default_factory=dict)
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    # per LoRA module {"path": .., "displacement": ..}, from update_norms.json (None: no file)
+    update_norms: dict[str, dict[str, float]] | None = None
 
     @property
     def train_hours_per_epoch(self) -> float | None:
@@ -155,6 +161,32 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+UPDATE_NORMS_FILE = "update_norms.json"
+UPDATE_NORM_FIELDS = ("path", "displacement")
+
+
+def _read_update_norms(path: Path) -> dict[str, dict[str, float]] | None:
+    """Per LoRA module, the norm of its final weight change (``displacement``) and the summed
+    norms of its per-step changes (``path``): how far a row moved the adapter. None without the file."""
+    if not path.is_file():
+        return None
+    modules = read_json(path, objects=True).get("modules")
+    if not isinstance(modules, dict):
+        raise DataError(f"{path}: field 'modules': expected an object {{module: {{\"path\": number, "
+                        f"\"displacement\": number}}}}, got {modules!r:.60}")
+    norms = {}
+    for name, entry in modules.items():
+        if not isinstance(entry, dict):
+            raise DataError(f"{path}: field 'modules.{name}': expected an object with 'path' and "
+                            f"'displacement', got {entry!r:.60}")
+        for key in UPDATE_NORM_FIELDS:
+            value = entry.get(key)
+            if not _is_number(value) or not math.isfinite(value) or value < 0:
+                raise DataError(f"{path}: field 'modules.{name}.{key}': expected a number >= 0, got {value!r:.60}")
+        norms[name] = {key: float(entry[key]) for key in UPDATE_NORM_FIELDS}
+    return norms
+
+
 def _read_cell(folder: Path) -> Cell:
     path = folder / "cell.json"
     info = read_json(path, objects=True)
@@ -182,6 +214,7 @@ def _read_cell(folder: Path) -> Cell:
         cell.evals[name] = result
     if (folder / "metrics.jsonl").is_file():
         cell.metrics = _read_metrics(folder / "metrics.jsonl")
+    cell.update_norms = _read_update_norms(folder / UPDATE_NORMS_FILE)  # beside metrics.jsonl
     return cell
 
 

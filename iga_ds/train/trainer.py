@@ -59,6 +59,7 @@ from iga_ds.train.logbook import METRICS_FILE, Logbook, truncate_metrics
 from iga_ds.train.model import add_lora, load_base_model, load_tokenizer
 from iga_ds.train.optim import GroupStepAdamW, lr_lambda
 from iga_ds.train.pretrain import default_tiny_base
+from iga_ds.train.update_norms import UpdateNorms
 
 log = logging.getLogger("iga_ds.train")
 
@@ -89,6 +90,7 @@ class Session:
     start_step: int
     out: Path
     stop: StopSignal
+    updates: UpdateNorms  # how far each LoRA module moved (update_norms.json)
     prompt_format: PromptFormat = PLAIN_FORMAT  # how records became the token rows; recorded with the adapter
 
     @property
@@ -183,8 +185,9 @@ class Trainer:
         batches = self._tokenize(tokenizer, groups, fmt)
         engine, counts = self._build_engine(base_dir, ds_dict, total_steps)
         hook = attach(engine, hook_config)
+        updates = UpdateNorms(engine.module)
         out = Path(cfg.output_dir)
-        start_step = self._resume(engine, out)
+        start_step = self._resume(engine, out, updates)
         stop = StopSignal(out / STOP_FILE)
         if dist.rank == 0:
             self._prepare_output(out, stop, start_step, {
@@ -195,7 +198,7 @@ class Trainer:
                     f"method {hook_config.method}; {len(groups)} groups, {total_steps} steps, "
                     f"world size {dist.world_size}")
         return Session(dist, engine, hook, hook_config, tokenizer, batches, sampler, total_steps, start_step, out, stop,
-                       fmt)
+                       updates, fmt)
 
     def _load_groups(self, domains: list[str]) -> tuple[list[dict], list[list[dict]]]:
         train = self.cfg.data.train
@@ -288,11 +291,13 @@ class Trainer:
                                                config=ds_dict, dist_init_required=False)
         return engine, counts
 
-    def _resume(self, engine, out: Path) -> int:
+    def _resume(self, engine, out: Path, updates: UpdateNorms) -> int:
         resume_from = resolve_resume(self.cfg.resume, out / "checkpoints")
         if resume_from is None:
             return 0
-        start_step = int(load_checkpoint(engine, resume_from, self.dist.rank).get("step", 0))
+        client = load_checkpoint(engine, resume_from, self.dist.rank)
+        start_step = int(client.get("step", 0))
+        updates.load_state(client.get("update_path"))
         self._print(f"resumed from {resume_from} at step {start_step}")
         return start_step
 
@@ -319,6 +324,7 @@ class Trainer:
         totals = StepTotals(torch.zeros(len(domains), dtype=torch.float64, device=engine.device),
                             torch.zeros(len(domains), dtype=torch.float64))
         lr = engine.get_lr()[0]
+        s.updates.begin_step()
         for i in range(0, len(mine), per_micro):
             mb = s.batches.micro_batch(mine[i: i + per_micro])
             host_ids = mb.domain_ids  # the hook reads domain ids on the host
@@ -336,11 +342,12 @@ class Trainer:
             totals.tokens += mb.num_tokens
             totals.target_tokens += mb.num_target_tokens
         totals.all_reduce(engine.device)
-        return self._step_record(step + 1, totals, domains, lr, engine, hook, time.perf_counter() - t0)
+        update_norm = s.updates.end_step()
+        return self._step_record(step + 1, totals, domains, lr, engine, hook, update_norm, time.perf_counter() - t0)
 
     @staticmethod
     def _step_record(step: int, totals: StepTotals, domains: list[str], lr: float, engine, hook,
-                     seconds: float) -> dict[str, Any]:
+                     update_norm: torch.Tensor, seconds: float) -> dict[str, Any]:
         losses, counts = totals.loss_sums, totals.sequences
         record: dict[str, Any] = {
             "step": step,
@@ -351,6 +358,7 @@ class Trainer:
             record[f"loss.{d}"] = float(losses[i] / counts[i].clamp(min=1))
         norm = engine.get_global_grad_norm()
         record["grad_norm"] = float(norm) if norm is not None else None
+        record["update_norm"] = float(update_norm)
         for k, v in (hook.pop_stats() or {}).items():
             if hasattr(v, "item") and getattr(v, "numel", lambda: 1)() == 1:
                 v = v.item()
@@ -369,7 +377,8 @@ class Trainer:
         every = self.cfg.checkpoint.every_steps
         stopping = s.stop.requested(s.engine.device) or step == self.cfg.checkpoint.stop_at_step
         if stopping or step == s.total_steps or (every and step % every == 0):
-            state = {"step": step, "world_size": s.dist.world_size, "total_steps": s.total_steps}
+            state = {"step": step, "world_size": s.dist.world_size, "total_steps": s.total_steps,
+                     "update_path": s.updates.state()}
             save_checkpoint(s.engine, s.out / "checkpoints", step, state, s.dist.rank, self.cfg.checkpoint.keep_last,
                             lambda path: save_adapter_atomic(s.engine.module, s.tokenizer, path, s.prompt_format))
         if stopping and s.stop.reason is not None and s.dist.rank == 0:
@@ -386,6 +395,7 @@ class Trainer:
             adapter_dir = s.out / "adapter"
             if s.dist.rank == 0:
                 save_adapter_atomic(s.engine.module, s.tokenizer, adapter_dir, s.prompt_format)
+                s.updates.write(s.out, s.total_steps)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
         self.engine = s.engine
