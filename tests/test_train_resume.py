@@ -67,6 +67,10 @@ def test_signal_then_resume_matches_uninterrupted_run(setup):
     for key in a:
         assert torch.equal(a[key], b[key]), key
     assert _metric_steps(tmp / "cut") == list(range(1, steps + 1))
+    # how far each module moved: the resumed run's paths continue the stopped run's
+    assert [h["update_norm"] for h in first.history + second.history] == [h["update_norm"] for h in full.history]
+    moved = [json.loads((tmp / run / "update_norms.json").read_text()) for run in ("full", "cut")]
+    assert moved[0] == moved[1] and moved[0]["steps"] == steps
 
 
 def test_stop_file_stops_like_a_signal_and_is_removed(setup):
