@@ -78,8 +78,9 @@ def tiny(tmp_path_factory):
 
 
 def _slow_greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
-    """Reference: one prompt, no padding, argmax of a full forward pass per new token."""
-    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    """Reference: one prompt, no padding, argmax of a full forward pass per new token, from the
+    ids a training row starts with: the BOS token, then the prompt's own tokens."""
+    ids = torch.tensor([[tokenizer.bos_token_id] + tokenizer(prompt, add_special_tokens=False)["input_ids"]])
     new = []
     with torch.no_grad():
         for _ in range(max_new_tokens):
@@ -104,6 +105,25 @@ def test_batched_generation_matches_unbatched_reference(tiny):
     assert fast == slow
     assert tokenizer.padding_side == side  # generate pads left only while it runs
     assert any(fast)
+
+
+def test_evaluation_prompts_are_the_start_of_training_rows(tiny):
+    """A plain-format prompt is fed with the BOS token training put first, even though this
+    tokenizer's own post-processor adds none; chat text gets no extra token on either side."""
+    from iga_ds.data.prompts import prompt_token_ids
+    from iga_ds.evaluation.generation import load_model
+    from iga_ds.train.batching import encode_example
+
+    base, adapter, _ = tiny
+    _, tokenizer = load_model(base, adapter, device="cpu")
+    record = _records()[0]
+    prompt = format_prompt(record)
+    assert tokenizer(prompt)["input_ids"][:1] != [tokenizer.bos_token_id]  # the case this guards
+    for special in (True, False):
+        ids, labels = encode_example(tokenizer, prompt, " yes", max_length=512, add_special_tokens=special)
+        first_target = next(i for i, label in enumerate(labels) if label != -100)
+        assert ids[:first_target] == prompt_token_ids(tokenizer, prompt, special)
+        assert (ids[0] == tokenizer.bos_token_id) == special
 
 
 def test_adapter_is_applied(tiny):
@@ -161,14 +181,16 @@ def test_lcs_of_model_batched_equals_one_by_one(tiny):
     model, tok = load_model(base, device="cpu")
     recs = _records()
     batched = lcs_of_model(model, tok, recs, layers=[1, -2], batch_size=5)
-    # reference: each text alone (no padding), mean over its tokens, then the float64 LCS
+    # reference: each text alone (no padding) after the BOS token training rows start with, mean
+    # over its tokens, then the float64 LCS
     groups = [[r for r in recs if r["group_id"] == g] for g in ("g0", "g1", "g2")]
     for layer in (1, 2):
         hidden = []
         for group in groups:
             states = []
             for rec in sorted(group, key=lambda r: r["domain"]):
-                ids = tok(format_prompt(rec), return_tensors="pt")["input_ids"]
+                text = tok(format_prompt(rec), add_special_tokens=False)["input_ids"]
+                ids = torch.tensor([[tok.bos_token_id] + text])
                 with torch.no_grad():
                     states.append(model(ids, output_hidden_states=True).hidden_states[layer][0].double().mean(0))
             hidden.append(torch.stack(states))

@@ -16,7 +16,10 @@ YAML, ``--prompt-format`` for ``iga-ds eval``):
 
 :class:`PromptFormat` is what training (``iga_ds.train.batching``) and evaluation
 (``iga_ds.evaluation``) both call, so the prompt of an example is the same text, and the same
-tokens, on either side. Changing the wording here changes both sides together (and invalidates
+tokens, on either side: :func:`leading_ids` is the one rule for the special token in front
+(the tokenizer's BOS in the plain format, none in the chat format), whether or not the
+tokenizer's own post-processor would add it, and :func:`prompt_token_ids` is a prompt's ids as
+training's rows begin. Changing the wording here changes both sides together (and invalidates
 trained adapters' prompt format). An adapter records the format it was trained with
 (:data:`PROMPT_FORMAT_FILE`); evaluation reads it.
 """
@@ -59,6 +62,20 @@ def format_target(record: Mapping[str, Any]) -> str:
 def format_user_message(record: Mapping[str, Any]) -> str:
     """The chat format's user turn: the problem and the instruction."""
     return USER_TEMPLATE.format(problem=str(record["problem"]).strip(), instruction=INSTRUCTION)
+
+
+def leading_ids(tokenizer: Any, add_special_tokens: bool = True) -> list[int]:
+    """What every row starts with, in training and evaluation alike: ``[bos]`` when the format
+    adds special tokens and the tokenizer has a BOS token, else nothing. Spelled out rather than
+    left to ``tokenizer(..., add_special_tokens=True)``: some tokenizers' post-processors add no
+    BOS (the built-in tiny base's), and the rows must not depend on that."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return [bos] if add_special_tokens and bos is not None else []
+
+
+def prompt_token_ids(tokenizer: Any, prompt: str, add_special_tokens: bool = True) -> list[int]:
+    """A prompt's token ids exactly as a training row begins: :func:`leading_ids`, then the text."""
+    return leading_ids(tokenizer, add_special_tokens) + tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
 
 def has_chat_template(tokenizer: Any) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from iga_ds.data.groups import isomer_groups
-from iga_ds.data.prompts import PromptFormat, format_prompt
+from iga_ds.data.prompts import PromptFormat, format_prompt, prompt_token_ids
 from iga_ds.metrics.consistency import lcs, lcs_paper_units
 
 if TYPE_CHECKING:  # torch is imported when a model runs
@@ -60,14 +60,9 @@ def token_averaged_hidden_states(
     try:
         with torch.no_grad():
             for start in tqdm(range(0, len(texts), batch_size), desc="hidden states", disable=not progress):
-                batch = tokenizer(
-                    list(texts[start:start + batch_size]),
-                    return_tensors="pt",
-                    padding=True,
-                    truncation=max_length is not None,
-                    max_length=max_length,
-                    add_special_tokens=add_special_tokens,
-                )
+                ids = [prompt_token_ids(tokenizer, text, add_special_tokens)[:max_length]
+                       for text in texts[start:start + batch_size]]  # as training's rows begin
+                batch = tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt")
                 batch = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
                 hidden = model(**batch, output_hidden_states=True).hidden_states
                 if resolved is None:

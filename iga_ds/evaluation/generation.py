@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from iga_ds.data.prompts import AUTO, PromptFormat, prompt_format, saved_prompt_format
+from iga_ds.data.prompts import AUTO, PromptFormat, prompt_format, prompt_token_ids, saved_prompt_format
 from iga_ds.errors import UserError
 from iga_ds.models import TOKENIZER_FILES, check_model_source, load_auto_tokenizer, load_causal_lm
 
@@ -113,7 +113,8 @@ def generate(
     ``on_batch(indices, texts)`` is called after each batch so a caller can save progress.
     With ``stop_after_answer`` a sequence stops after its first complete ``Answer:`` line.
     ``add_special_tokens``: False for chat-template text, which carries its own
-    (:attr:`iga_ds.data.prompts.PromptFormat.add_special_tokens`).
+    (:attr:`iga_ds.data.prompts.PromptFormat.add_special_tokens`); True puts the tokenizer's BOS
+    first, as training did (:func:`iga_ds.data.prompts.prompt_token_ids`).
     """
     import torch
     from tqdm.auto import tqdm
@@ -121,15 +122,16 @@ def generate(
 
     device = next(model.parameters()).device
     padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    lengths = [len(tokenizer(p, add_special_tokens=add_special_tokens)["input_ids"]) for p in prompts]
+    # the prompt's ids exactly as training's rows begin (the same leading BOS, or none)
+    encoded = [prompt_token_ids(tokenizer, p, add_special_tokens) for p in prompts]
+    lengths = [len(ids) for ids in encoded]
     order = sorted(range(len(prompts)), key=lambda i: -lengths[i])
     outputs: list[str | None] = [None] * len(prompts)
     try:
         bar = tqdm(total=len(prompts), desc="generating", unit="prompt", disable=not progress)
         for start in range(0, len(order), batch_size):
             idx = order[start:start + batch_size]
-            batch = tokenizer([prompts[i] for i in idx], return_tensors="pt", padding=True,
-                              add_special_tokens=add_special_tokens)
+            batch = tokenizer.pad({"input_ids": [encoded[i] for i in idx]}, padding=True, return_tensors="pt")
             batch = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
             prompt_len = batch["input_ids"].shape[1]
             stops = StoppingCriteriaList([_StopAfterAnswer(tokenizer, prompt_len)]) if stop_after_answer else None

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from iga_ds.data.prompts import PLAIN, PromptFormat
+from iga_ds.data.prompts import PLAIN, PromptFormat, leading_ids
 from iga_ds.data.schema import read_isomer_jsonl
 from iga_ds.errors import ConfigError
 from iga_ds.files import make_dir
@@ -163,9 +163,8 @@ def encode_example(tokenizer, prompt: str, target: str, max_length: int,
     the prompt loses tokens from its start, then the target from its end."""
     p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     t = tokenizer(target, add_special_tokens=False)["input_ids"]
-    special = add_special_tokens
-    bos = [tokenizer.bos_token_id] if special and tokenizer.bos_token_id is not None else []
-    eos = [tokenizer.eos_token_id] if special and tokenizer.eos_token_id is not None else []
+    bos = leading_ids(tokenizer, add_special_tokens)  # what evaluation's prompts start with too
+    eos = [tokenizer.eos_token_id] if add_special_tokens and tokenizer.eos_token_id is not None else []
     t = t + eos
     room = max_length - len(bos)
     if len(t) > room - 1:
@@ -272,7 +271,7 @@ def tokenized_key(tokenizer, prompts: Sequence[str], targets: Sequence[str], max
     h = hashlib.sha256()
     header = {"format": TOKENIZED_FORMAT, "max_length": max_length, "tokenizer": tokenizer_digest(tokenizer),
               "special_tokens": add_special_tokens,
-              "encoder": [_code_digest(encode_example), _code_digest(_encode_rows)],
+              "encoder": [_code_digest(encode_example), _code_digest(_encode_rows), _code_digest(leading_ids)],
               "versions": {name: _version(name) for name in ("tokenizers", "transformers", "datasets")}}
     h.update(json.dumps(header, sort_keys=True).encode("utf-8"))
     for prompt, target in zip(prompts, targets, strict=True):
