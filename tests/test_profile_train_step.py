@@ -1,0 +1,40 @@
+"""bench/profile_train_step.py on the CPU: the real trainer on a grid's cells, under torch.profiler."""
+from __future__ import annotations
+
+import yaml
+
+import profile_train_step  # bench/ is on the path: pytest's pythonpath option (pyproject.toml)
+from test_train_support import tiny_base, write_isomer_jsonl
+
+
+def test_device_busy_time_is_read_from_the_profilers_own_total():
+    table = "...\nSelf CPU time total: 2.107s\nSelf CUDA time total: 106.627ms\n"
+    assert profile_train_step.device_busy_ms(table) == 106.627
+    assert profile_train_step.device_busy_ms("Self CUDA time total: 1.5s") == 1500.0
+    assert profile_train_step.device_busy_ms("Self device time total: 250us") == 0.25
+    assert profile_train_step.device_busy_ms("Self CPU time total: 2.107s") == 0.0  # a CPU-only profile
+
+
+def test_it_profiles_each_cell_with_its_own_run_config(tmp_path, capsys):
+    data = write_isomer_jsonl(tmp_path / "fixture.jsonl", groups=4, seed=4)
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(yaml.safe_dump({
+        "train": {"model": {"name_or_path": str(tiny_base(tmp_path, data))}, "lora": {"r": 4, "alpha": 8},
+                  "data": {"groups_per_step": 2, "groups_per_micro_batch": 1, "max_length": 96}},
+        "data": {"synthetic": {"groups": 20, "seed": 1, "shortcut": 1.0, "id_groups": 2, "ood_groups": 2}},
+        "methods": {"erm": {}, "cot_distill": {"method": "erm", "grouping": "none"}},
+    }))
+    out = tmp_path / "out"
+    rc = profile_train_step.main(["--grid", str(grid), "--out", str(out), "--methods", "erm,cot_distill",
+                                  "--steps", "5", "--warmup", "2", "--active", "2", "--top", "3",
+                                  "--set", "model.attn_implementation=sdpa"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "card: CPU" in text and "model.attn_implementation=sdpa" in text
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in text.splitlines()
+            if line.startswith("| ") and "---" not in line and "method" not in line}
+    assert set(rows) == {"erm", "cot_distill"} and all(float(ms) > 0 for ms in rows.values())
+    for key, domains in (("erm", None), ("cot_distill", ["pooled"])):  # CoT-Distill: single instances, one pool
+        resolved = yaml.safe_load((out / f"profile-{key}" / "config.resolved.yaml").read_text())
+        assert resolved["model"]["attn_implementation"] == "sdpa" and resolved["schedule"]["max_steps"] == 5
+        assert resolved["data"]["domains"] == domains
