@@ -1,11 +1,12 @@
 """docs/REPLICATION.md is what `iga-ds report` makes of the archived runs, to the byte."""
 from __future__ import annotations
 
+import shlex
+import shutil
+import subprocess
 import sys
 import tarfile
 from pathlib import Path
-
-from iga_ds.experiments.report import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 # each student's archived runs: (archive, the folder it unpacks to, the student's name in the report)
@@ -14,19 +15,28 @@ STUDENTS = [
     (ROOT / "docs" / "results" / "replication-smollm2-2026-11-27" / "runs.tar.xz", "replication-smollm2",
      "SmolLM2-135M-Instruct"),
 ]
-TITLE = "Controlled replication: IGA against ERM on a planted shortcut"
+
+
+def _documented_report_command() -> list[str]:
+    """The `iga-ds report` line of docs/replication_discussion.md's command block, as arguments."""
+    text = (ROOT / "docs" / "replication_discussion.md").read_text(encoding="utf-8")
+    block = text.split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    line = next(line for line in block.splitlines() if line.startswith("iga-ds report "))
+    return shlex.split(line)[1:]
 
 
 def test_replication_report_regenerates_from_the_archived_runs(tmp_path):
-    """The documented command (docs/replication_discussion.md) on the two archives gives
-    docs/REPLICATION.md and its figures."""
+    """The documented command (docs/replication_discussion.md), run as written by the real
+    program on the two unpacked archives, gives docs/REPLICATION.md and its figures."""
     for archive, _, _ in STUDENTS:
         with tarfile.open(archive) as tar:
-            tar.extractall(tmp_path, filter="data")
+            tar.extractall(tmp_path / "runs", filter="data")
+    (tmp_path / "docs").mkdir()
+    shutil.copy(ROOT / "docs" / "replication_discussion.md", tmp_path / "docs")
+    done = subprocess.run([sys.executable, "-m", "iga_ds", *_documented_report_command()], cwd=tmp_path,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
     out = tmp_path / "docs" / "REPLICATION.md"
-    out.parent.mkdir()
-    write_report([tmp_path / folder for _, folder, _ in STUDENTS], out, figures=True, title=TITLE,
-                 discussion=ROOT / "docs" / "replication_discussion.md", names=[name for _, _, name in STUDENTS])
     assert out.read_text(encoding="utf-8") == (ROOT / "docs" / "REPLICATION.md").read_text(encoding="utf-8")
     figures = sorted(str(p.relative_to(out.parent / "figures")) for p in (out.parent / "figures").rglob("*.png"))
     assert figures == sorted(f"{student}/{name}" for student in ("tiny-llama-4-layers", "smollm2-135m-instruct")
