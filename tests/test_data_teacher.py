@@ -28,13 +28,8 @@ from iga_ds.data.teacher.clients import Counters, OpenAIChatClient, TeacherError
 from iga_ds.data.teacher.parse import MalformedOutput, parse_instance, parse_verification
 from iga_ds.data.teacher.pipeline import BuildSettings, build
 from iga_ds.errors import UserError
+from teacher_server import DAG  # the seed DAG every scripted teacher of these tests returns
 
-DAG = {"nodes": [{"id": "a", "type": "PROPOSITION", "description": "premise"},
-                 {"id": "b", "type": "PROPOSITION", "description": "conclusion"},
-                 {"id": "g", "type": "GOAL", "description": "is b true"}],
-       "edges": [{"from": "a", "to": "b", "label": "IMPLIES"},
-                 {"from": "g", "to": "b", "label": "REQUIRES"}],
-       "step_count": 2}
 
 
 class ScriptedTeacher:

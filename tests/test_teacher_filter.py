@@ -18,6 +18,7 @@ from iga_ds.data.teacher.filters import (check_group, dependency_arcs, leads_to,
 from iga_ds.data.teacher.parse import Instance, StepDependencies
 from iga_ds.data.teacher.pipeline import BuildSettings, build
 from iga_ds.errors import UserError
+from teacher_server import DAG as SEED_DAG  # the seed DAG the scripted teachers return
 
 SAMPLERS = {"rule_chain": rule_chain, "conjunction": conjunction, "syllogism": syllogism,
             "arithmetic": arithmetic}
@@ -199,12 +200,6 @@ def test_the_paper_rules_come_before_the_answer_type():
 
 # ---------------------------------------------------------------- through a build
 
-SEED_DAG = {"nodes": [{"id": "a", "type": "PROPOSITION", "description": "premise"},
-                      {"id": "b", "type": "PROPOSITION", "description": "conclusion"},
-                      {"id": "g", "type": "GOAL", "description": "is b true"}],
-            "edges": [{"from": "a", "to": "b", "label": "IMPLIES"},
-                      {"from": "g", "to": "b", "label": "REQUIRES"}],
-            "step_count": 2}
 GOOD_STEPS = [{"text": "a holds", "uses": [], "derives": "a"},
               {"text": "so b holds", "uses": ["a"], "derives": "b"}]
 
