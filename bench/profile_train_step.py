@@ -32,7 +32,7 @@ def device_busy_ms(table: str) -> float:
 
 
 def profile_method(grid, key: str, out: Path, steps: int, warmup: int, active: int, top: int,
-                   overrides: dict[str, object]) -> dict:
+                   overrides: dict[str, object], python_profile: bool = False) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -60,19 +60,61 @@ def profile_method(grid, key: str, out: Path, steps: int, warmup: int, active: i
             node = node.setdefault(part, {})
         node[last] = value
     cfg = config_from_dict(run)
+    if python_profile:
+        return python_profile_method(cfg, key, warmup, active, top)
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     prof = profile(activities=activities, schedule=schedule(wait=warmup, warmup=1, active=active))
     with prof:
         result = Trainer(cfg, quiet=True, on_step_end=lambda step, record: prof.step()).run()
-    # unprofiled steps after the first two (start-up) give the wall time; the profiler slows the others
-    walls = [r["step_time_s"] * 1e3 for r in result.history[2:warmup] or result.history]
+    walls = _unprofiled_walls(result.history, warmup)
     events = prof.key_averages()
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"))
     table = events.table(sort_by="cpu_time_total", row_limit=top)
     busy = device_busy_ms(events.table(row_limit=1)) / active
-    return {"method": key, "step_ms": statistics.median(walls), "device_busy_ms": busy,
+    return {"method": key, **_wall_summary(walls), "device_busy_ms": busy,
             "kernels_per_step": launches / active, "table": table}
+
+
+def _unprofiled_walls(history: list[dict], warmup: int) -> list[float]:
+    """Step wall times (ms) of the steps after the first two (start-up) and before profiling (the
+    profilers slow the steps they watch)."""
+    return [r["step_time_s"] * 1e3 for r in history[2:warmup] or history]
+
+
+def _wall_summary(walls: list[float]) -> dict:
+    """The median step and the spread (10th and 90th percentiles) of the steps timed."""
+    ordered = sorted(walls)
+    pick = lambda q: ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]  # noqa: E731
+    return {"step_ms": statistics.median(ordered), "p10_ms": pick(0.1), "p90_ms": pick(0.9), "timed_steps": len(ordered)}
+
+
+def python_profile_method(cfg, key: str, warmup: int, active: int, top: int) -> dict:
+    """The Python functions the host spends the step in (cProfile over ``active`` steps after
+    ``warmup``): where a host-bound step's time goes, below the operator level."""
+    import cProfile
+    import io
+    import pstats
+
+    from iga_ds.train.trainer import Trainer
+
+    prof = cProfile.Profile()
+
+    def on_step_end(step: int, record) -> None:
+        if step == warmup:
+            prof.enable()
+        elif step == warmup + active:
+            prof.disable()
+
+    result = Trainer(cfg, quiet=True, on_step_end=on_step_end).run()
+    prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    for order in ("tottime", "cumulative"):
+        text.write(f"\n### sorted by {order}\n")
+        stats.sort_stats(order).print_stats(top)
+    return {"method": key, **_wall_summary(_unprofiled_walls(result.history, warmup)),
+            "device_busy_ms": None, "kernels_per_step": None, "table": text.getvalue()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=10, help="steps before profiling starts")
     p.add_argument("--active", type=int, default=10, help="profiled steps")
     p.add_argument("--top", type=int, default=25, help="rows of each operator table")
+    p.add_argument("--python-profile", action="store_true",
+                   help="the Python functions by host time (cProfile) instead of torch's operator table")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a run setting of every profiled cell (YAML value), e.g. model.attn_implementation=sdpa")
     args = p.parse_args(argv)
@@ -102,18 +146,25 @@ def main(argv: list[str] | None = None) -> int:
 
     grid = load_grid(args.grid)
     card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    rows = [profile_method(grid, key.strip(), Path(args.out), args.steps, args.warmup, args.active, args.top, overrides)
+    rows = [profile_method(grid, key.strip(), Path(args.out), args.steps, args.warmup, args.active, args.top, overrides,
+                           args.python_profile)
             for key in args.methods.split(",") if key.strip()]
+    what = "Python functions" if args.python_profile else "operators"
     for row in rows:
-        print(f"\n## {row['method']}: operators by host time over {args.active} steps\n{row['table']}")
+        print(f"\n## {row['method']}: {what} by host time over {args.active} steps\n{row['table']}")
     print(f"\ncard: {card}; grid {args.grid}; {args.active} profiled steps after {args.warmup}"
           + "".join(f"; {item}" for item in args.set))
-    print("| method | step ms (median) | device busy ms/step | busy share | kernel launches/step |")
-    print("|---|---|---|---|---|")
+    print("| method | step ms (median) | p10-p90 ms | timed steps | device busy ms/step | busy share "
+          "| kernel launches/step |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
-        share = row["device_busy_ms"] / row["step_ms"] if row["step_ms"] else 0.0
-        print(f"| {row['method']} | {row['step_ms']:.1f} | {row['device_busy_ms']:.1f} | {share:.0%} "
-              f"| {row['kernels_per_step']:.0f} |")
+        if row["device_busy_ms"] is None:  # cProfile watches the host only
+            device = "- | - | -"
+        else:
+            share = row["device_busy_ms"] / row["step_ms"] if row["step_ms"] else 0.0
+            device = f"{row['device_busy_ms']:.1f} | {share:.0%} | {row['kernels_per_step']:.0f}"
+        print(f"| {row['method']} | {row['step_ms']:.1f} | {row['p10_ms']:.1f}-{row['p90_ms']:.1f} "
+              f"| {row['timed_steps']} | {device} |")
     return 0
 
 

@@ -48,6 +48,34 @@ def make_optimizer(params, s):
     return torch.optim.AdamW(params, lr=s.get("lr", 1e-2), betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
+def compare_gradient_checks(optimizer) -> list[dict]:
+    """At each step, the hook's multi-tensor overflow test and norm against DeepSpeed's own loops
+    on the same gradients: as they are, and with a NaN, +Inf or -Inf put into one element.
+    (DeepSpeed tests for overflow only in bf16 and fp16, which it refuses on a CPU; its norm,
+    taken at every step, is where both are compared.)"""
+    fused_overflow, fused_norm = optimizer.has_overflow_partitioned_grads_serial, optimizer.get_grad_norm_direct
+    records: list[dict] = []
+
+    def overflow_both_ways():
+        return bool(fused_overflow()), bool(type(optimizer).has_overflow_partitioned_grads_serial(optimizer))
+
+    def checked(gradients, params, norm_type=2):
+        record = {"clean": overflow_both_ways(),
+                  "norm": (float(fused_norm(gradients, params)),
+                           float(type(optimizer).get_grad_norm_direct(optimizer, gradients, params)))}
+        target = gradients[len(gradients) // 2].view(-1)
+        kept = target[target.numel() // 2].clone()
+        for name, value in (("nan", float("nan")), ("inf", float("inf")), ("-inf", float("-inf"))):
+            target[target.numel() // 2] = value
+            record[name] = overflow_both_ways()
+        target[target.numel() // 2] = kept
+        records.append(record)
+        return fused_norm(gradients, params, norm_type)
+
+    optimizer.get_grad_norm_direct = checked
+    return records
+
+
 def main() -> int:
     import deepspeed
 
@@ -72,6 +100,7 @@ def main() -> int:
     cfg = HookConfig(method=s["method"], params=s.get("params", {}), domains=["a", "b", "c"], seed=7,
                     timeout_s=timeout, overlap_waves=s.get("waves", HookConfig().overlap_waves))
     hook = attach(engine, cfg)
+    checks = compare_gradient_checks(engine.optimizer) if s.get("compare_checks") else None
     straddles = any(
         getattr(p, "_hp_mapping", None) is not None and p._hp_mapping.lp_fragment_address.numel < p.numel()
         for p in params
@@ -109,7 +138,8 @@ def main() -> int:
         owns = hook.capture is not None and hook.capture.owns_gradients
         waves = len(hook.layout.waves) if hook.capture is not None else 0
         torch.save({"params": state, "stats": stats, "straddles": straddles,
-                    "skipped": engine.skipped_steps, "owns_gradients": owns, "waves": waves}, out_path)
+                    "skipped": engine.skipped_steps, "owns_gradients": owns, "waves": waves,
+                    "checks": checks, "fused_checks": hook.fused_checks}, out_path)
     hook.detach()
     torch.distributed.destroy_process_group()  # a clean exit: no group threads alive at teardown
     return 0

@@ -10,7 +10,8 @@ Example block (every field optional)::
       "skip_nonfinite": true,
       "timeout_s": 600,
       "owner_balance": "out_x_in",
-      "overlap_waves": 1
+      "overlap_waves": 1,
+      "fused_gradient_checks": true
     }
 
 ``iga-ds train`` also takes ``method`` and ``domains`` from the run YAML (``method.name``,
@@ -58,6 +59,10 @@ class HookConfig(Section):
     overlap_waves: int = setting(1, "above 1: modules go in this many waves, one wave's collectives running while "
                                  "another's method does (measured slower so far: docs/PERFORMANCE.md)",
                                  expected="a whole number of waves, at least 1", ge=1)
+
+    fused_gradient_checks: bool = setting(
+        True, "DeepSpeed's per-step NaN/Inf test and gradient norm as a few multi-tensor kernels for all "
+        "gradients, not several kernels per tensor (the same results; false: DeepSpeed's own loops)")
 
     @field_validator("domains")
     @classmethod

@@ -29,9 +29,11 @@ from iga_ds.config.hook import HookConfig
 from iga_ds.engine.collectives import Collectives
 from iga_ds.engine.internals import (
     check_engine,
+    fuse_gradient_checks,
     lora_gradients_can_be_left_out,
     prepare_backward,
     skip_optimizer_step,
+    unfuse_gradient_checks,
     write_full_grad,
 )
 from iga_ds.engine.layout import Wave, build_layout, run_waves
@@ -66,6 +68,8 @@ class EngineHook:
         self.modules: list[LoraModule] = []
         if self.method.needs_domain_gradients:
             self._setup_capture()
+        # for every method, ERM included: a host-bound step pays for DeepSpeed's per-tensor checks
+        self.fused_checks = config.fused_gradient_checks and fuse_gradient_checks(engine.optimizer)
         self._original_step = engine.optimizer.step
         engine.optimizer.step = self._boundary_step
 
@@ -374,6 +378,8 @@ class EngineHook:
             self.capture.remove()
             self.capture = None
         self.engine.optimizer.step = self._original_step
+        if self.fused_checks:
+            unfuse_gradient_checks(self.engine.optimizer)
         self.comm.destroy()
 
 
