@@ -187,7 +187,8 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
         **({"precision": args.precision} if base == "iga_fused" else FIXED_VARIANTS.get(base, {})),
     }
     hook = attach(engine, HookConfig(method=base if base.startswith("erm") else "iga", params=iga_params,
-                                    domains=list(DOMAINS), **({"overlap_waves": waves} if waves else {})))
+                                    domains=list(DOMAINS), fused_gradient_checks=not args.deepspeed_checks,
+                                    **({"overlap_waves": waves} if waves else {})))
     one_step = functools.partial(optimizer_step, engine, hook, args, config["vocab_size"], device)
 
     # each timed step in two phases, split by a synchronization before engine.step() (the same
@@ -232,6 +233,7 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
         "method_ms": 1e3 * statistics.median(s["time/method_s"] for s in hook_stats),
         "comm_ms": 1e3 * statistics.median(s["time/comm_s"] for s in hook_stats),
         "trainable_params": sum(p.numel() for p in params),
+        "fused_gradient_checks": hook.fused_checks,
     }
     if args.profile:  # after the timed steps and the peak-memory reading: neither sees the profiler
         summary = profile_steps(one_step, args.warmup + args.steps, args, method, rank, device)
@@ -384,7 +386,7 @@ def summarize(results: list[dict], env: dict, args) -> dict:
                 r["boundary_other_ms"] = r["boundary_ms"] - erm["boundary_ms"] - r["method_ms"] - r["comm_ms"]
     settings = {k: getattr(args, k, None) for k in ("micro", "seq", "gas", "rank", "alpha", "dtype", "tau", "normalize",
                                                     "warmup", "steps", "rounds", "layers", "hidden", "config",
-                                                    "grad_ckpt")}
+                                                    "grad_ckpt", "deepspeed_checks")}
     return {"env": env, "settings": settings, "results": results}
 
 
@@ -392,7 +394,8 @@ def print_table(report: dict) -> None:
     env, s = report["env"], report["settings"]
     print("\n" + environment_line(env))
     print(f"micro-batch {s['micro']} x {s['seq']} tokens, accumulation {s['gas']}, LoRA r {s['rank']} alpha {s['alpha']}, "
-          f"{s['dtype']}, median of {s['steps']} steps after {s['warmup']}")
+          f"{s['dtype']}, median of {s['steps']} steps after {s['warmup']}"
+          + (", DeepSpeed's own per-tensor gradient checks" if s.get("deepspeed_checks") else ""))
     head = ["method", "step ms", "tok/s", "tok/s/GPU", "peak GiB", "fwd+bwd ms", "boundary ms", "method ms",
             "comm ms", "capture ms", "other ms", "step x", "peak x"]
     print("".join(f"{h:>12}" for h in head))
@@ -535,6 +538,9 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=1,
                    help="run the methods this many times, reversing their order every other round; steps pooled")
     p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing (non-reentrant)")
+    p.add_argument("--deepspeed-checks", action="store_true",
+                   help="DeepSpeed's own per-tensor NaN/Inf test and gradient norm (iga.fused_gradient_checks "
+                        "false), to compare with the hook's multi-tensor ones")
     p.add_argument("--out", default="bench_step.json")
     p.add_argument("--profile", metavar="DIR",
                    help=f"after the timed steps, profile {PROFILE_STEPS} more per method; tables, summaries to DIR")

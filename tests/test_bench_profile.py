@@ -103,13 +103,16 @@ def test_bench_step_profile_writes_tables_and_summaries_on_cpu(tmp_path):
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     cmd = [sys.executable, os.path.join(BENCH, "bench_step.py"), "--dtype", "fp32", "--layers", "1", "--hidden", "64",
            "--seq", "16", "--steps", "2", "--warmup", "1", "--methods", "erm,iga_fused", "--profile", str(prof),
-           "--out", str(out)]
+           "--out", str(out), "--deepspeed-checks"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert [r["method"] for r in report["results"]] == ["erm", "iga_fused"]
+    # --deepspeed-checks reached the hook: DeepSpeed's own per-tensor loops ran
+    assert report["settings"]["deepspeed_checks"] is True
     for r in report["results"]:
         assert r["profile_wall_ms"] > 0 and len(r["step_ms_all"]) == 2  # the profiled steps are not timed ones
+        assert r["fused_gradient_checks"] is False
     assert sorted(p.name for p in prof.iterdir()) == [  # no Chrome trace without --profile-trace
         "erm_rank0_ops.txt", "erm_rank0_summary.json", "iga_fused_rank0_ops.txt", "iga_fused_rank0_summary.json"]
     for method in ("erm", "iga_fused"):

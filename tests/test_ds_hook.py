@@ -126,9 +126,13 @@ def test_two_processes_match_single_process_reference(tmp_path, method, params, 
 def test_every_method_runs_two_steps_under_zero2(tmp_path, name):
     got = run(tmp_path, {"method": name, "gas": 1, "layout": EVEN_2x1, "steps": 2, "compare_checks": True})
     assert all(torch.isfinite(v).all() for v in got["params"].values()), name
-    # DeepSpeed's per-tensor NaN/Inf test and gradient norm, replaced by multi-tensor kernels,
-    # give DeepSpeed's answers on the same gradients at every step (rank 0's partition)
-    assert got["fused_checks"] and len(got["checks"]) == 2
+    assert_checks_agree(got, steps=2)
+
+
+def assert_checks_agree(got: dict, steps: int) -> None:
+    """DeepSpeed's per-tensor NaN/Inf test and gradient norm, replaced by multi-tensor kernels,
+    gave DeepSpeed's answers on the same gradients at every step (rank 0's partition)."""
+    assert got["fused_checks"] and len(got["checks"]) == steps
     for record in got["checks"]:
         assert record["clean"] == (False, False)
         assert record["nan"] == record["inf"] == record["-inf"] == (True, True)

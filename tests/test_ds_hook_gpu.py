@@ -24,7 +24,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from test_ds_hook import reference, run
+from test_ds_hook import assert_checks_agree, reference, run
 from tiny_models import tiny_peft_llama
 
 MICRO = 3  # sequences per micro-batch
@@ -201,3 +201,17 @@ def test_overlap_waves_leave_the_result_unchanged_under_nccl(tmp_path):
         with open(os.path.join(out, "gpu_overlap_waves.json"), "w") as f:
             json.dump(record, f, indent=2)
     assert diff <= 1e-4, record
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(_devices() < 1, reason="needs a CUDA device")
+@pytest.mark.parametrize("method", ["erm", "iga"])
+def test_fused_gradient_checks_give_deepspeeds_answers_in_bf16(tmp_path, method):
+    """In bf16 DeepSpeed runs its per-tensor NaN/Inf test at every step (on a CPU, where bf16 is
+    refused, only the norm runs): the hook's multi-tensor test and norm against DeepSpeed's own
+    loops on the same gradients, clean and with a NaN, +Inf or -Inf put into one element."""
+    got = run(tmp_path, {"method": method, "params": {}, "gas": 2, "layout": [[[0, 1, 2], [3, 4, 5]]], "steps": 2,
+                         "cuda": True, "bf16": True, "compare_checks": True}, world=1)
+    assert got["skipped"] == 0
+    assert_checks_agree(got, steps=2)
