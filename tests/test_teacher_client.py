@@ -196,7 +196,10 @@ def test_ctrl_c_stops_at_once_and_the_build_resumes(tmp_path):
     with TeacherServer() as server:
         cmd[cmd.index("URL")] = server.url
         server.teacher.delay = 120  # every request hangs: only abandoning them ends the build quickly
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        # Ctrl-C's default action, as in a terminal: a suite started in the background of a
+        # non-interactive shell ignores SIGINT, and Python keeps an ignored SIGINT ignored
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.monotonic() + 60
         while server.teacher.in_flight < 4 and time.monotonic() < deadline:
             time.sleep(0.05)
