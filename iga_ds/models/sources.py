@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from iga_ds.errors import UserError
-from iga_ds.models.packaged import PACKAGED_PREFIX, cache_root, packaged_folder  # noqa: F401  (cache_root: re-exported)
+from iga_ds.models.packaged import PACKAGED_PREFIX, packaged_folder
 
 EXPECTED = ("a local model folder, a Hugging Face hub id (org/name or org/name@revision), a .gguf file or "
             "packaged:NAME")

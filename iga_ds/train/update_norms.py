@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from iga_ds.files import atomic_write_json
+from iga_ds.lora.modules import find_lora_modules
 
 UPDATE_NORMS_FILE = "update_norms.json"
 _PEFT_PREFIX = "base_model.model."  # PeftModel's wrapper names; the base model's own names are shorter
@@ -31,16 +32,15 @@ class UpdateNorms:
     """The LoRA factors of ``model`` (a PEFT model), tracked step by step."""
 
     def __init__(self, model):
+        modules = find_lora_modules(model)
+        adapters = {m.name.rsplit(".", 1)[1] for m in modules}
         self.names: list[str] = []
-        self.factors: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (A, B, scaling) per module
-        for name, module in model.named_modules():
-            lora_a, lora_b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
-            if not isinstance(lora_a, torch.nn.ModuleDict) or not isinstance(lora_b, torch.nn.ModuleDict):
-                continue
-            for adapter in lora_a:
-                short = name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
-                self.names.append(short if len(lora_a) == 1 else f"{short}.{adapter}")
-                self.factors.append((lora_a[adapter].weight, lora_b[adapter].weight, float(module.scaling[adapter])))
+        for m in modules:  # "layers.0.self_attn.q_proj", with ".<adapter>" only when there are several
+            layer, adapter = m.name.rsplit(".", 1)
+            short = layer.removeprefix(_PEFT_PREFIX)
+            self.names.append(short if len(adapters) == 1 else f"{short}.{adapter}")
+        # (A, B, scaling) per module
+        self.factors = [(m.lora_A.weight, m.lora_B.weight, m.scaling) for m in modules]
         self.params = [w for a, b, _ in self.factors for w in (a, b)]  # A0, B0, A1, B1, ...
         device = self.params[0].device if self.params else torch.device("cpu")
         self.path = torch.zeros(len(self.names), dtype=torch.float64, device=device)
