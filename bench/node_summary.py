@@ -22,6 +22,9 @@ import re
 import sys
 from pathlib import Path
 
+from iga_ds.errors import DataError
+from iga_ds.files import iter_jsonl
+
 BENCH_NAME = re.compile(r"bench_step_(\d+)gpu\.json$")
 # the trainer says why it stopped: "stopping (signal SIGUSR1): checkpoint saved at step 150; ..."
 STOPPED = re.compile(r"stopping(?: \([^)]*\))?: checkpoint saved at step (\d+)")
@@ -160,6 +163,22 @@ def _read(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
+def logged_steps(metrics: Path, problems: list[str]) -> list[int]:
+    """The step of each record of metrics.jsonl, read as the package reads JSON Lines (a last
+    line cut off by a kill is skipped). A record without a step is a problem; so is a line that
+    is not JSON, which ends the reading."""
+    steps = []
+    try:
+        for lineno, record in iter_jsonl(metrics, objects=False):
+            try:
+                steps.append(int(record["step"]))
+            except (ValueError, KeyError, TypeError):
+                problems.append(f"metrics.jsonl line {lineno}: not a step record")
+    except DataError as exc:
+        problems.append(str(exc))
+    return steps
+
+
 def check_train(out: Path, train_steps: int | None = None) -> dict:
     """The interrupted run stopped on its signal, the second resumed there, every step logged once to the end."""
     metrics = out / "train" / "metrics.jsonl"
@@ -178,15 +197,10 @@ def check_train(out: Path, train_steps: int | None = None) -> dict:
             result["train_steps"] = train_steps = total
         elif total != train_steps:
             problems.append(f"the trainer planned {total} steps, not {train_steps}")
-    steps = []
     if metrics.exists():
-        for n, line in enumerate(metrics.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    steps.append(int(json.loads(line)["step"]))
-                except (ValueError, KeyError, TypeError):
-                    problems.append(f"metrics.jsonl line {n}: not a step record")
+        steps = logged_steps(metrics, problems)
     else:
+        steps = []
         problems.append("no train/metrics.jsonl")
     result["steps_logged"] = len(steps)
     result["last_step"] = steps[-1] if steps else None

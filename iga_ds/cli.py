@@ -1,9 +1,9 @@
 """`iga-ds` command line: each package's commands live in its own ``cli`` module.
 
 A ``cli`` module exposes ``register(subparsers)``, which adds its parsers and sets ``func``
-(called with the parsed namespace, returning an exit code). ``cli`` modules import argparse
-and little else at the top, and import the code a command runs when it runs: every command
-starts without loading torch or DeepSpeed.
+(called with the parsed namespace, returning an exit code). ``cli`` modules import at the top
+whatever loads no heavy library, and inside a command only the modules that load one (torch,
+DeepSpeed, transformers, pydantic, httpx, ...): every command starts without them.
 
 Every expected failure ends in one line on stderr, ``iga-ds: error: ...``, and exit status 2:
 a ``UserError`` (bad input: the message names the file, line or key), a usage error of the

@@ -1,10 +1,14 @@
 """The shape docs/ARCHITECTURE.md describes, enforced: layers that import downward only, no
 cycles, no private names across packages, internal imports at the top of files (except where
-start-up speed needs them inside functions), short functions, and benchmarks that use the
-package's public names without editing sys.path."""
+start-up speed needs them inside functions), collectives only where the page says, an engine
+that names no method's statistic, short functions, and benchmarks that use the package's
+public names without editing sys.path."""
 from __future__ import annotations
 
 import ast
+import functools
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +32,10 @@ LAYERS = (
 RANK = {pkg: rank for rank, group in enumerate(LAYERS) for pkg in group}
 ROOT = "iga_ds"  # the facade: __version__, and public names imported on first use
 MAX_FUNCTION_LINES = 60
+# Besides third-party libraries, the standard-library modules as slow to import as one
+# (importlib.metadata brings email, zipfile and csv along: some 25 ms). A command line's
+# start-up loads none of them.
+SLOW_STANDARD_MODULES = ("importlib.metadata",)
 # functions allowed to be longer, each with why
 LONG_FUNCTIONS: dict[str, str] = {}
 
@@ -143,28 +151,248 @@ def _docstring(module: str) -> str:
     return ast.get_docstring(ast.parse(MODULES[module].read_text(encoding="utf-8"))) or ""
 
 
+def is_heavy(module: str) -> bool:
+    """Whether a command line's start-up must not load ``module``: a third-party library, or a
+    slow part of the standard library."""
+    root = module.split(".")[0]
+    if root == ROOT:
+        return False
+    if root not in sys.stdlib_module_names:
+        return True
+    return any(module == slow or module.startswith(slow + ".") for slow in SLOW_STANDARD_MODULES)
+
+
+def _import_time_statements(body: list[ast.stmt]):
+    """The import statements that run when a module is imported: not those in functions, nor
+    those under ``if TYPE_CHECKING:``."""
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from _import_time_statements(node.orelse)
+        else:  # class bodies, try/except, with, if, loops: all run on import
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                yield from _import_time_statements(getattr(node, field, None) or [])
+
+
+@functools.cache
+def _import_time_imports(module: str) -> tuple[frozenset[str], frozenset[str]]:
+    """(iga_ds modules, other modules) that importing ``module`` imports itself. A ``from X
+    import y`` counts as X and X.y: y may be a submodule (``from importlib import metadata``)."""
+    internal, external = set(), set()
+    for node in _import_time_statements(ast.parse(MODULES[module].read_text(encoding="utf-8")).body):
+        if isinstance(node, ast.ImportFrom) and node.module.split(".")[0] == ROOT:
+            internal |= {_resolve(node.module, a.name) for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            external |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        else:
+            for alias in node.names:
+                (internal if alias.name.split(".")[0] == ROOT else external).add(alias.name)
+    return frozenset(internal), frozenset(external)
+
+
+def _with_packages(module: str) -> list[str]:
+    """``module`` and the packages above it, which Python imports first."""
+    parts = module.split(".")
+    return [".".join(parts[:n]) for n in range(1, len(parts) + 1)]
+
+
+@functools.cache
+def heavy_imports_of(module: str) -> frozenset[str]:
+    """The heavy modules (:func:`is_heavy`) that ``import module`` loads, through every iga_ds
+    module it imports at import time."""
+    seen: set[str] = set()
+    todo = _with_packages(module)
+    heavy = set()
+    while todo:
+        current = todo.pop()
+        if current in seen or current not in MODULES:
+            continue
+        seen.add(current)
+        internal, external = _import_time_imports(current)
+        heavy |= {name for name in external if is_heavy(name)}
+        todo += [m for target in internal for m in _with_packages(target)]
+    return frozenset(heavy)
+
+
 def test_internal_imports_sit_at_the_top_unless_start_up_needs_them():
-    """Function-level imports of iga_ds only in command-line modules and the facade, each of
-    which says why in its docstring (start-up: ``iga-ds --help`` loads no torch)."""
+    """An iga_ds import inside a function only in a command-line module or the facade, whose
+    docstring says why (start-up), and only of a module that loads a heavy library when
+    imported (:func:`is_heavy`, directly or through the modules it imports); any other import
+    belongs at the top of the file, where the dependency graph can be read."""
     wrong = []
     for module, edges in GRAPH.items():
-        inner = [e for e in edges if e["in_function"]]
-        if not inner:
-            continue
-        allowed = module == ROOT or module.endswith(".cli")
-        if not allowed or "start-up" not in _docstring(module).replace("startup", "start-up"):
-            wrong += [f"{MODULES[module].relative_to(REPO)}:{e['line']}: {e['target']}" for e in inner]
+        for edge in (e for e in edges if e["in_function"]):
+            where = f"{MODULES[module].relative_to(REPO)}:{edge['line']}: {edge['target']}"
+            if module != ROOT and not module.endswith(".cli"):
+                wrong.append(f"{where} (only command-line modules and the facade import inside functions)")
+            elif "start-up" not in _docstring(module).replace("startup", "start-up"):
+                wrong.append(f"{where} (the module's docstring does not say why: start-up)")
+            elif not heavy_imports_of(edge["target"]):
+                wrong.append(f"{where} (loads no heavy library when imported)")
     assert not wrong, "imports inside functions (move them to the top of the file):\n" + "\n".join(wrong)
 
 
-def test_command_line_start_up_loads_no_torch():
-    import subprocess
-    import sys
+def test_the_start_up_rule_sees_heavy_libraries_behind_other_modules():
+    assert heavy_imports_of("iga_ds.errors") == frozenset()
+    assert "torch" in heavy_imports_of("iga_ds.methods")  # through methods/base.py
+    assert "importlib.metadata" in heavy_imports_of("iga_ds.cluster.selfcheck")  # from importlib import metadata
+    assert "httpx" in heavy_imports_of("iga_ds.data.teacher.pipeline")  # through teacher/clients.py
 
-    code = ("import sys; import iga_ds.cli as c; c.build_parser(); "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed', 'transformers')))")
+
+def test_command_line_start_up_loads_no_heavy_library():
+    """``iga-ds --help``: building every command's parser loads no torch, nor any other heavy
+    library (what the interpreter loaded before iga_ds does not count)."""
+    import subprocess
+
+    code = ("import sys; before = set(sys.modules); import iga_ds.cli as c; c.build_parser(); "
+            "print('\\n'.join(sorted(set(sys.modules) - before)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
-    assert out.stdout.strip() == "[]", out.stdout
+    loaded = out.stdout.split()
+    assert not [m for m in loaded if m.split(".")[0] == "torch"]
+    assert not [m for m in loaded if is_heavy(m)], [m for m in loaded if is_heavy(m)]
+
+
+# The modules that call collectives themselves, each with why: the hook's go through
+# engine.collectives, and no other module calls any. docs/ARCHITECTURE.md lists the same.
+COLLECTIVE_CALLERS = {
+    "iga_ds.engine.collectives": "the hook's gradient collectives: reduce-scatter, all-gather, all-reduces",
+    "iga_ds.engine.internals": "the gradient norm it computes for DeepSpeed, all-reduced over ZeRO's group "
+                               "as DeepSpeed's own norm is",
+    "iga_ds.train.trainer": "a step's losses and token counts summed over ranks; barriers after work one rank does",
+    "iga_ds.train.checkpoint": "barriers around a checkpoint's save; all ranks agree on a stop request",
+    "iga_ds.cluster.selfcheck": "the all-reduce and all-gather that `iga-ds selfcheck` checks",
+    "iga_ds.cluster.ranks": "MPI broadcasts of the rendezvous address and port, before any process group exists",
+    "iga_ds.cluster.liveness": "its heartbeat store's port broadcast from rank 0; a barrier once every rank's "
+                               "first heartbeat is in",
+}
+# The modules that use a process group's library without a collective, each with why.
+OTHER_PROCESS_GROUP_USERS = {
+    "iga_ds.train.distributed": "starts the process group (through DeepSpeed), reads the ranks of one already up",
+}
+PROCESS_GROUP_LIBRARIES = ("torch.distributed", "deepspeed.comm", "mpi4py.MPI")
+COLLECTIVE_OPERATIONS = frozenset({
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "all_to_all_single",
+    "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "reduce_scatter",
+    "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list", "send", "recv", "isend",
+    "irecv", "batch_isend_irecv", "inference_all_reduce",
+    "allreduce", "allgather", "alltoall", "bcast",  # mpi4py's spellings (compared in lower case)
+})
+
+
+def _dotted_names(tree: ast.AST) -> dict[ast.AST, str]:
+    """Each name and attribute chain of a module that leads to an imported module, as the
+    module's full name (``tdist.barrier`` -> ``torch.distributed.barrier``), through import
+    aliases and plain assignments (``comm = MPI.COMM_WORLD``). Names are resolved per module,
+    not per scope: enough to find these libraries, whose aliases are only ever bound to them."""
+    aliases: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                bound = a.asname or a.name.split(".")[0]  # `import torch.distributed` binds `torch`
+                aliases[bound] = a.name if a.asname else bound
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            aliases.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names})
+
+    def resolve(node: ast.AST) -> str | None:
+        if isinstance(node, ast.Name):
+            return aliases.get(node.id)
+        if isinstance(node, ast.Attribute):
+            base = resolve(node.value)
+            return f"{base}.{node.attr}" if base else None
+        return None
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            target = resolve(node.value)
+            if target:
+                aliases[node.targets[0].id] = target
+    return {node: name for node in ast.walk(tree) if (name := resolve(node))}
+
+
+def process_group_use(source: str) -> tuple[bool, list[str]]:
+    """(whether a module's source uses a process-group library, the collectives it calls as
+    'line: name')."""
+    names = _dotted_names(ast.parse(source))
+
+    def of_library(name: str) -> bool:
+        return any(name == lib or name.startswith(lib + ".") for lib in PROCESS_GROUP_LIBRARIES)
+
+    calls = []
+    for node, name in names.items():
+        parent, _, operation = name.rpartition(".")
+        if of_library(parent) and operation.lower() in COLLECTIVE_OPERATIONS:
+            calls.append(f"{node.lineno}: {name}")
+    return any(of_library(name) for name in names.values()), sorted(set(calls))
+
+
+PROCESS_GROUP_USE = {m: process_group_use(path.read_text(encoding="utf-8")) for m, path in MODULES.items()}
+
+
+def test_collectives_are_called_only_where_the_architecture_says():
+    """The hook's collectives go through engine.collectives; a few modules call their own, for
+    reasons that are not the hook's (COLLECTIVE_CALLERS, and docs/ARCHITECTURE.md)."""
+    callers = {m: calls for m, (_, calls) in PROCESS_GROUP_USE.items() if calls}
+    unlisted = [f"{MODULES[m].relative_to(REPO)}:{call}" for m, calls in callers.items()
+                if m not in COLLECTIVE_CALLERS for call in calls]
+    assert not unlisted, ("collectives outside the modules allowed to call them (use engine.collectives, "
+                          "or list the module with why here and in docs/ARCHITECTURE.md):\n" + "\n".join(unlisted))
+    assert set(COLLECTIVE_CALLERS) <= set(callers), f"listed but calling none: {set(COLLECTIVE_CALLERS) - set(callers)}"
+
+
+def test_process_group_libraries_are_used_only_where_the_architecture_says():
+    """Process groups are set up, and talked to, only in the modules listed above."""
+    users = {m for m, (uses, _) in PROCESS_GROUP_USE.items() if uses}
+    allowed = set(COLLECTIVE_CALLERS) | set(OTHER_PROCESS_GROUP_USERS)
+    assert users <= allowed, f"modules using {', '.join(PROCESS_GROUP_LIBRARIES)} unlisted: {sorted(users - allowed)}"
+    assert set(OTHER_PROCESS_GROUP_USERS) <= users, f"listed but not using them: {set(OTHER_PROCESS_GROUP_USERS) - users}"
+
+
+def test_the_collectives_check_reads_aliases_and_assignments():
+    source = ("import torch\nimport torch.distributed as tdist\nfrom deepspeed import comm as dist\n"
+              "from mpi4py import MPI\nfrom torch.distributed import all_to_all\ncomm = MPI.COMM_WORLD\n"
+              "td = torch.distributed\ntdist.barrier(); dist.all_reduce(x); comm.Bcast(y); td.all_gather(z)\n"
+              "all_to_all(v); torch.distributed.is_initialized(); rank.all_reduce(w)\n")
+    uses, calls = process_group_use(source)
+    assert uses and calls == ["8: deepspeed.comm.all_reduce", "8: mpi4py.MPI.COMM_WORLD.Bcast",
+                              "8: torch.distributed.all_gather", "8: torch.distributed.barrier",
+                              "9: torch.distributed.all_to_all"]
+    assert process_group_use("import torch\ntorch.cuda.synchronize()\n") == (False, [])
+
+
+def declared_statistics() -> set[str]:
+    """The name of every ``Statistic(...)`` in methods/: what the methods' ``statistics`` hold
+    (read from the source, so that this file needs no torch)."""
+    names, wrong = set(), []
+    for path in sorted((PACKAGE / "methods").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Statistic":
+                name = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "name"), None)
+                if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                    names.add(name.value)
+                else:
+                    wrong.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not wrong, "statistics whose name is not written out (this check cannot read them): " + ", ".join(wrong)
+    return names
+
+
+def test_the_engine_names_no_statistic():
+    """The hook carries and combines statistics by each method's declaration
+    (``GradientMethod.statistics``): no declared name appears in a string of engine/. A name
+    with a placeholder (``weight_<n>``) is looked for with any number in its place."""
+    names = declared_statistics()
+    assert {"gir", "conflicting_pairs", "weight_<n>"} <= names, names  # the reading finds the declarations
+    patterns = {name: re.compile(r"(?<!\w)" + r"\d*".join(map(re.escape, re.split(r"<\w+>", name))) + r"(?!\w)")
+                for name in names}
+    wrong = []
+    for path in sorted((PACKAGE / "engine").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                wrong += [f"{path.relative_to(REPO)}:{node.lineno}: {name}" for name, pattern in patterns.items()
+                          if pattern.search(node.value)]
+    assert not wrong, "statistic names in the engine (let the method's declaration carry them):\n" + "\n".join(wrong)
 
 
 def test_functions_are_short():

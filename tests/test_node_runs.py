@@ -220,6 +220,22 @@ def test_check_train_passes_a_resumed_run_and_fails_broken_ones(tmp_path):
         assert res.returncode == 1 and "FAIL" in res.stdout, (name, res.stdout)
 
 
+def test_check_train_reads_metrics_as_the_package_reads_json_lines(tmp_path):
+    write_training(tmp_path, list(range(1, 11)), stopped=4, resumed=4)
+    metrics = tmp_path / "train" / "metrics.jsonl"
+    with metrics.open("a") as f:
+        f.write('{"step": 11, "lo')  # a last line cut off by a kill: skipped
+    result = node_summary.check_train(tmp_path, 10)
+    assert result["ok"] and result["last_step"] == 10, result["problems"]
+    lines = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text("".join(lines[:4]) + '{"loss": 1.0}\n' + "".join(lines[4:10]))
+    result = node_summary.check_train(tmp_path, 10)
+    assert "metrics.jsonl line 5: not a step record" in result["problems"] and result["steps_logged"] == 10
+    metrics.write_text("".join(lines[:4]) + '{"step": 5, "lo\n' + "".join(lines[4:10]))
+    result = node_summary.check_train(tmp_path, 10)
+    assert not result["ok"] and any("metrics.jsonl:5: not valid JSON" in p for p in result["problems"])
+
+
 def test_summary_lists_stages_and_skips(tmp_path):
     (tmp_path / "stages.tsv").write_text("gpus\t0\nbench_step_1gpu\t0\nequivalence\t124\n")
     (tmp_path / "skipped.txt").write_text("bench_step_4gpu\tneeds 4 GPUs, 2 visible\n")

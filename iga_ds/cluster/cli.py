@@ -1,7 +1,8 @@
 """``iga-ds selfcheck`` and ``iga-ds hostfile``.
 
-The commands import what they run when they run, not when the parser is built: that keeps
-``iga-ds --help`` and every other command's start-up fast.
+``selfcheck`` imports the self-check when it runs, not when the parser is built: that module
+loads importlib.metadata (tens of milliseconds) to read package versions, and torch once it
+checks. That keeps ``iga-ds --help`` and every other command's start-up fast.
 """
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import json
 import os
 import sys
 
+from iga_ds.cluster.nodelist import expand_nodelist, expand_tasks_per_node, hostfile_text
 from iga_ds.errors import UserError
+from iga_ds.files import atomic_write_text, check_output_file
 
 
 def register(subparsers) -> None:
@@ -70,9 +73,6 @@ def _selfcheck(args) -> int:
 
 
 def _hostfile(args) -> int:
-    from iga_ds.cluster.nodelist import expand_nodelist, expand_tasks_per_node, hostfile_text
-    from iga_ds.files import atomic_write_text, check_output_file
-
     if args.output:
         check_output_file(args.output, "--output")
     if args.slots is not None and args.slots < 1:

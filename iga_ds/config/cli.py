@@ -3,8 +3,8 @@
 The repository's ``configs/`` (run YAMLs and ``experiments/`` grids) and ``ds_configs/``
 (DeepSpeed JSONs) ship inside the package; ``iga-ds init DIR`` writes them under ``DIR`` in
 the same layout, so that each file's opening command runs from ``DIR`` as it does from the
-repository root. The command imports what it runs when it runs, not when the parser is built
-(start-up: ``iga-ds --help`` loads neither pydantic nor torch).
+repository root. The command imports the config package, which loads pydantic, when it runs,
+not when the parser is built (start-up: ``iga-ds --help`` loads neither pydantic nor torch).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import shlex
 from pathlib import Path
 
 from iga_ds.errors import UserError
+from iga_ds.files import atomic_write_bytes
 
 
 def register(subparsers) -> None:
@@ -33,7 +34,6 @@ def write_shipped_configs(out: str | Path, force: bool = False) -> list[Path]:
     """Write every shipped config under ``out`` (each file atomically); the paths written. An
     existing file stops it before anything is written, unless ``force``."""
     from iga_ds.config.run import SHIPPED, shipped_names
-    from iga_ds.files import atomic_write_bytes
 
     out = Path(out)
     if out.exists() and not out.is_dir():

@@ -1,15 +1,26 @@
 """``iga-ds data``: validate, synth, build, merge, split, export.
 
-The commands import what they run when they run, not when the parser is built: that keeps
-``iga-ds --help`` and every other command's start-up fast.
+``data build`` and ``data merge`` import the teacher pipeline, which loads httpx, when they
+run, not when the parser is built: that keeps ``iga-ds --help`` and every other command's
+start-up fast.
 """
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
+from iga_ds.data.domains import parse_domain_list
+from iga_ds.data.patterns import PATTERNS
+from iga_ds.data.schema import check_groups, check_no_leak, read_isomer_jsonl, read_source, summarize
+from iga_ds.data.sources import write_dataset
+from iga_ds.data.splits import LEAKAGE_WARNING, split_by_instance, split_by_seed
+from iga_ds.data.synth import synthesize
+from iga_ds.data.teacher.prompts import Prompts
+from iga_ds.data.teacher.shards import parse_shard, shard_dir
 from iga_ds.errors import UserError
+from iga_ds.files import atomic_write_json, atomic_write_text, check_output_dir, check_output_file
 
 
 def register(subparsers) -> None:
@@ -153,21 +164,13 @@ def _add_export(sub) -> None:
     p.set_defaults(func=cmd_export)
 
 
-def _domains(text):
-    from iga_ds.data.domains import parse_domain_list
-
-    return parse_domain_list(text)
-
-
 def cmd_validate(args) -> int:
-    from iga_ds.data.schema import check_groups, check_no_leak, read_source, summarize
-
     files = {}
     for path in args.files:
         source, records, lines = read_source(path)
         check_groups(records, lines, source, allow_partial=args.allow_partial_groups)
         if args.domains is not None:
-            want = set(_domains(args.domains))
+            want = set(parse_domain_list(args.domains))
             have = {r["domain"] for r in records}
             if have != want:
                 raise UserError(f"{path}: field 'domain': the file has {', '.join(sorted(have))}, "
@@ -203,13 +206,9 @@ def cmd_validate(args) -> int:
 
 
 def cmd_synth(args) -> int:
-    from iga_ds.data.patterns import PATTERNS
-    from iga_ds.data.synth import synthesize
-    from iga_ds.files import check_output_dir
-
     check_output_dir(args.out)
     patterns = tuple(p.strip() for p in args.patterns.split(",")) if args.patterns is not None else PATTERNS
-    manifest = synthesize(args.out, args.groups, args.seed, _domains(args.domains), args.shortcut,
+    manifest = synthesize(args.out, args.groups, args.seed, parse_domain_list(args.domains), args.shortcut,
                           patterns=patterns, min_depth=args.min_depth, max_depth=args.max_depth,
                           test_frac=args.test_frac, progress=not args.no_progress,
                           neutral_cue=args.neutral_cue, answer_only=args.answer_only)
@@ -229,8 +228,6 @@ _BUILD_BOUNDS = (("concurrency", 1, True), ("min_score", 0.0, True), ("max_step_
 
 def _check_build_options(args) -> None:
     """Each number of ``data build`` in its range: a one-line error naming the option."""
-    import math
-
     for name, low, inclusive in _BUILD_BOUNDS:
         value = getattr(args, name)
         option = "--" + name.replace("_", "-")
@@ -240,8 +237,6 @@ def _check_build_options(args) -> None:
     if args.min_score > 1.0:
         raise UserError(f"--min-score {args.min_score}: expected a number in [0, 1]")
     if args.shard is not None:
-        from iga_ds.data.teacher.shards import parse_shard
-
         parse_shard(args.shard)
 
 
@@ -280,16 +275,13 @@ def _print_build_stats(out, stats: dict) -> int:
 def cmd_build(args) -> int:
     from iga_ds.data.teacher.clients import Counters
     from iga_ds.data.teacher.pipeline import BuildSettings, build
-    from iga_ds.data.teacher.prompts import Prompts
-    from iga_ds.data.teacher.shards import parse_shard, shard_dir
-    from iga_ds.files import check_output_dir
 
     check_output_dir(args.out)
     _check_build_options(args)
     counters = Counters()
     prompts = Prompts(args.templates)
     client, concurrency = _teacher_client(args, counters)
-    settings = BuildSettings(domains=list(_domains(args.domains)), min_score=args.min_score,
+    settings = BuildSettings(domains=list(parse_domain_list(args.domains)), min_score=args.min_score,
                              max_step_diff=args.max_step_diff, max_regenerations=args.max_regenerations,
                              teacher=args.teacher, model=args.model, outliers=args.outliers)
     try:
@@ -313,10 +305,6 @@ def cmd_merge(args) -> int:
 
 
 def cmd_split(args) -> int:
-    from iga_ds.data.schema import read_isomer_jsonl
-    from iga_ds.data.splits import LEAKAGE_WARNING, split_by_instance, split_by_seed
-    from iga_ds.files import atomic_write_json, atomic_write_text, check_output_dir
-
     check_output_dir(args.out)
     records = read_isomer_jsonl(args.input, allow_partial_groups=False)
     if args.by == "seed":
@@ -341,10 +329,6 @@ def cmd_split(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from iga_ds.data.schema import read_isomer_jsonl
-    from iga_ds.data.sources import write_dataset
-    from iga_ds.files import check_output_dir, check_output_file
-
     (check_output_dir if args.format == "dataset" else check_output_file)(args.out)
     records = read_isomer_jsonl(args.input, allow_partial_groups=args.allow_partial_groups)
     out = write_dataset(records, args.out, args.format)

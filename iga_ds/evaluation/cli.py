@@ -1,7 +1,8 @@
 """``iga-ds eval``.
 
-The command imports the evaluation code when it runs, not when the parser is built: that keeps
-``iga-ds --help`` and every other command's start-up free of torch and transformers.
+Everything here imports at the top: the evaluation modules import torch and transformers only
+inside the functions that load and run a model, so ``iga-ds --help`` and every other command's
+start-up stay free of them.
 """
 from __future__ import annotations
 
@@ -10,8 +11,16 @@ import json
 from pathlib import Path
 from typing import Any
 
+from iga_ds.data.benchmarks import load_benchmark, resolve_options
+from iga_ds.data.sources import resolve_source
 from iga_ds.errors import UserError
+from iga_ds.evaluation.consistency import lcs_block
+from iga_ds.evaluation.generation import eval_prompt_format, load_model
+from iga_ds.evaluation.records import isomer_items, read_isomer_records
+from iga_ds.evaluation.runner import evaluate
+from iga_ds.files import check_output_file
 from iga_ds.metrics.accuracy import format_percent
+from iga_ds.models import check_model_source
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -80,9 +89,6 @@ def register(subparsers: Any) -> None:
 def _load_items(args: argparse.Namespace) -> tuple[list, dict[str, Any], list[dict] | None]:
     """(items, source description, isomer records or None)."""
     if args.data:
-        from iga_ds.data.sources import resolve_source
-        from iga_ds.evaluation.records import isomer_items, read_isomer_records
-
         records = read_isomer_records(args.data)
         name = args.name or Path(args.data).stem
         ood = [d.strip() for d in args.ood_domains.split(",") if d.strip()]
@@ -94,8 +100,6 @@ def _load_items(args: argparse.Namespace) -> tuple[list, dict[str, Any], list[di
         where = args.data if resolve_source(args.data).kind == "hub" else str(Path(args.data).resolve())
         source = {"benchmark": name, "data": where, "ood_domains": ood}
         return items, source, records
-    from iga_ds.data.benchmarks import load_benchmark, resolve_options
-
     if not args.benchmark_dir:
         raise UserError("--benchmark needs --benchmark-dir: the folder of your local copy")
     effective = resolve_options(args.benchmark, dict(args.benchmark_option))
@@ -110,8 +114,6 @@ def _load_items(args: argparse.Namespace) -> tuple[list, dict[str, Any], list[di
 
 def _check_args(args: argparse.Namespace) -> None:
     """Numbers in range and an output that can be written, before any data or model is read."""
-    from iga_ds.files import check_output_file
-
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size),
                         ("--limit", args.limit), ("--lcs-max-groups", args.lcs_max_groups)):
         if value is not None and value < 1:
@@ -128,11 +130,6 @@ def run_eval(args: argparse.Namespace) -> int:
         items = items[: args.limit]
     if not items:
         raise UserError("no items to evaluate")
-    from iga_ds.evaluation.consistency import lcs_block
-    from iga_ds.evaluation.generation import eval_prompt_format, load_model
-    from iga_ds.evaluation.runner import evaluate
-    from iga_ds.models import check_model_source
-
     model, tokenizer = load_model(args.base, args.adapter, args.tokenizer, dtype=args.dtype, device=args.device)
     fmt = eval_prompt_format(tokenizer, args.adapter, args.prompt_format)
     settings = {

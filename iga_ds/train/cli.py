@@ -1,12 +1,13 @@
 """``iga-ds train`` and ``iga-ds pretrain-tiny``.
 
 The commands import the training code when they run, not when the parser is built: that keeps
-``iga-ds --help`` and every other command's start-up free of torch and DeepSpeed.
+``iga-ds --help`` and every other command's start-up free of torch, DeepSpeed and pydantic.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from iga_ds.errors import UserError
 
@@ -87,8 +88,6 @@ def add_dry_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 def dry_run(config, world_size: int | None) -> int:
     """Print the run as training would resolve it (YAML), or fail with the same one-line error."""
-    import os
-
     import yaml
 
     from iga_ds.train.dry_run import resolve_run
