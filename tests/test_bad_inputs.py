@@ -149,6 +149,23 @@ def split_test_frac_out_of_range(d):
     return Case(["data", "split", "--in", "ok.jsonl", "--out", "parts", "--test-frac", "1.5"], ("--test-frac",))
 
 
+def _export(source: str = "ok.jsonl", out: str = "out.parquet", fmt: str = "parquet") -> list[str]:
+    return ["data", "export", source, "--out", out, "--format", fmt]
+
+
+@case
+def export_not_utf8(d):
+    (d / "bad.jsonl").write_bytes(_isomers(d).read_bytes().splitlines(keepends=True)[0] + NOT_UTF8 + b"\n")
+    return Case(_export("bad.jsonl"), ("bad.jsonl:2", "UTF-8"))
+
+
+@case
+def export_out_under_a_file(d):
+    _isomers(d)
+    (d / "afile").write_text("")
+    return Case(_export(out="afile/train_ds", fmt="dataset"), ("afile/train_ds", "afile is a file"))
+
+
 def _build(seeds: str = "seeds.jsonl", *extra: str) -> list[str]:
     return ["data", "build", "--seeds", seeds, "--out", "built", "--model", "m",
             "--base-url", "http://127.0.0.1:9/v1", "--no-progress", *extra]
@@ -229,6 +246,31 @@ def train_deepspeed_json_missing(d):
     _isomers(d)
     _run_yaml(d)
     return Case(["train", "--config", "run.yaml", "--deepspeed", "nowhere.json"], ("nowhere.json",), in_process=True)
+
+
+@case
+def train_deepspeed_json_not_utf8(d):
+    _isomers(d)
+    _run_yaml(d)
+    (d / "ds.json").write_bytes(b'{\n  "gradient_clipping": "' + NOT_UTF8 + b'"\n}\n')
+    return Case(["train", "--config", "run.yaml", "--deepspeed", "ds.json"], ("ds.json:2", "UTF-8"), in_process=True)
+
+
+@case
+def train_deepspeed_json_is_a_list(d):
+    _isomers(d)
+    _run_yaml(d)
+    (d / "ds.json").write_text("[]\n")
+    return Case(["train", "--config", "run.yaml", "--deepspeed", "ds.json"], ("ds.json", "object"), in_process=True)
+
+
+@case
+def train_deepspeed_json_is_a_folder(d):
+    _isomers(d)
+    _run_yaml(d)
+    (d / "ds_configs").mkdir()
+    return Case(["train", "--config", "run.yaml", "--deepspeed", "ds_configs"], ("ds_configs", "is a folder"),
+                in_process=True)
 
 
 @case
@@ -457,6 +499,22 @@ def demo_out_is_a_file(d):
     return Case(["demo", "--out", "afile"], ("afile",), in_process=True)
 
 
+# -- iga-ds init ---------------------------------------------------------------------------------
+
+
+@case
+def init_dir_is_a_file(d):
+    (d / "afile").write_text("")
+    return Case(["init", "afile"], ("afile", "not a folder"))
+
+
+@case
+def init_a_config_that_exists(d):
+    (d / "project" / "configs").mkdir(parents=True)
+    (d / "project" / "configs" / "tiny_cpu.yaml").write_text("output_dir: mine\n")
+    return Case(["init", "project"], ("project/configs/tiny_cpu.yaml", "--force"))
+
+
 # -- iga-ds selfcheck and hostfile ---------------------------------------------------------------
 
 
@@ -574,9 +632,9 @@ def test_the_corpus_covers_every_command(tmp_path):
         (tmp_path / name).mkdir()
         argv = build(tmp_path / name).argv
         commands.add(" ".join(argv[:2]) if argv[0] == "data" else argv[0])
-    assert commands == {"data validate", "data synth", "data build", "data merge", "data split", "train",
-                        "pretrain-tiny", "eval", "report", "pack", "experiment", "demo", "selfcheck", "hostfile",
-                        "model"}
+    assert commands == {"data validate", "data synth", "data build", "data merge", "data split", "data export",
+                        "train", "pretrain-tiny", "eval", "report", "pack", "experiment", "demo", "init", "selfcheck",
+                        "hostfile", "model"}
     assert len(CASES) >= 25
 
 

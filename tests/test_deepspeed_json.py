@@ -166,6 +166,18 @@ def test_model_dtype_and_the_precision_block_must_agree(dtype, raw, words):
     assert text.startswith("model.dtype: ") and words in text
 
 
+def test_a_precision_mismatch_with_a_shipped_config_points_at_the_shipped_bf16_one():
+    from iga_ds.config.deepspeed import default_ds_config, load_ds_json
+    from iga_ds.config.run import shipped_file
+
+    fp32 = default_ds_config()
+    bf16 = _one_line_error(_run(**{"model.dtype": "bfloat16"}), load_ds_json(fp32), source=fp32)
+    assert bf16.endswith(f"point deepspeed (or --deepspeed) at the shipped bf16 config, "
+                         f"{shipped_file('ds_configs/zero2.json')}, or model.dtype: float32"), bf16
+    fp16 = _one_line_error(_run(**{"model.dtype": "float16", "method.name": "erm"}), load_ds_json(fp32), source=fp32)
+    assert "(iga-ds init DIR) and set fp16.enabled" in fp16 and f"in {fp32}" not in fp16
+
+
 def test_precision_auto_follows_the_model_dtype_and_other_pairs_are_fine():
     bf16 = _build(_run(**{"model.dtype": "bfloat16"}), {"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}})[0]
     assert (bf16["bf16"]["enabled"], bf16["fp16"]["enabled"]) == (True, False)
@@ -207,13 +219,29 @@ def test_half_precision_on_the_cpu_names_where_it_came_from():
     ({"zero_optimization": "two"}, "zero_optimization: expected an object"),
     ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp.enabled: Apex AMP does not run with ZeRO"),
     ({"elasticity": {"enabled": True}}, "elasticity.enabled"),
-    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}},
-     'zero_optimization.reduce_bucket_size: "auto" is not resolved by iga-ds'),
     ({"fp16": {"enabled": False, "loss_scale": "auto"}}, 'fp16.loss_scale: "auto" is not resolved'),
 ])
 def test_what_the_engine_hook_cannot_run_is_one_line_naming_the_key(raw, key):
     text = _one_line_error(_run(), raw)
     assert text.startswith(f"ds.json: {key}"), text
+
+
+def test_reduce_bucket_size_auto_is_hidden_size_squared_as_the_hf_trainer_fills_it(tmp_path):
+    from transformers import GPT2Config
+
+    auto = {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
+
+    def bucket(**over):
+        return _build(_run(**over), auto)[0]["zero_optimization"]["reduce_bucket_size"]
+
+    assert bucket() == 128 * 128  # the built-in base's default shape
+    assert bucket(**{"model.tiny": {"hidden_size": 64, "num_heads": 4}}) == 64 * 64
+    GPT2Config(n_embd=48, n_layer=1, n_head=2).save_pretrained(tmp_path / "gpt2")  # hidden_size is its n_embd
+    assert bucket(**{"model.name_or_path": str(tmp_path / "gpt2")}) == 48 * 48
+    # a hub model not in the cache: nothing is downloaded to find out
+    text = _one_line_error(_run(**{"model.name_or_path": "iga-ds-tests/never-downloaded"}), auto)
+    assert text.startswith('ds.json: zero_optimization.reduce_bucket_size: "auto" is hidden_size x hidden_size'), text
+    assert "iga-ds-tests/never-downloaded is not in the Hugging Face cache" in text and "give a number" in text
 
 
 def test_switched_off_offload_and_amp_are_fine():

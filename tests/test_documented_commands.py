@@ -1,17 +1,20 @@
 """Every command line the project shows users, checked with the real programs.
 
 Commands come from the fenced ``bash``/``sh``/``console`` blocks of README.md, docs/ and
-bench/README.md (every fenced block must say its language, so that none hides from this test),
-from their inline code spans that start with ``iga-ds`` or ``python``, and from the opening
+bench/README.md (every fenced block must say its language and no code block may be an indented
+one, so that none hides from this test), from their inline code spans that start (past
+``VAR=value`` assignments) with a program this test has a rule for, and from the opening
 comment lines of configs/, launch/ and slurm/. Each is checked by what it runs:
 
 - ``iga-ds ...``: parsed by the real command-line parser; ``iga-ds train`` and
   ``launch/train.py`` resolve their config, overrides, paths and DeepSpeed JSON with
   ``--dry-run``; ``iga-ds experiment`` lists its grid's cells with ``--dry-run``;
-- ``deepspeed``, ``srun``, ``launch/*.sh``, ``sbatch slurm/*.sbatch``, ``docker run``: the
-  launcher's own options where it can parse them (DeepSpeed's runner), then the command they
-  start, as above; a template's overrides go through a dry run of the config it would train;
-- ``python bench/*.py``: the script's own argument parser, stopped right after parsing;
+- ``deepspeed``, ``torchrun``, ``srun``, ``launch/*.sh``, ``sbatch slurm/*.sbatch``,
+  ``docker run``: the launcher's own options where it can parse them (DeepSpeed's runner,
+  torchrun's), then the command they start, as above; a template's overrides go through a dry
+  run of the config it would train;
+- ``python bench/*.py`` (or a bench/ script under ``deepspeed``/``torchrun``): the script's own
+  argument parser, stopped right after parsing;
 - ``make``: the target exists; ``docker build``: the build arguments exist in the Dockerfile.
 
 Placeholders (``N``, ``OUT``, ``CFG.yaml``, ``[optional ...]``) are parsed but not run. Programs
@@ -66,6 +69,36 @@ def _fenced(text: str) -> list[tuple[str, int, str]]:
             for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, flags=re.S | re.M)]
 
 
+_LIST_ITEM = re.compile(r"^\s*(?:[-*+]|\d+[.)])\s")
+
+
+def _indented(text: str) -> list[tuple[int, str]]:
+    """Indented code blocks outside fences, as (first line, body): lines indented by four spaces
+    after a blank line, unless they go on a list item (Markdown reads those as the item's text)."""
+    blocks: list[tuple[int, list[str]]] = []
+    in_fence = in_list = in_block = False
+    previous_blank = True
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith("```"):
+            in_fence, in_block = not in_fence, False
+        elif not in_fence and line.strip():
+            if line.startswith("    ") and (in_block or (previous_blank and not in_list)):
+                if not in_block:
+                    blocks.append((number, []))
+                blocks[-1][1].append(line[4:])
+                in_block = True
+            else:
+                in_block = False
+                if _LIST_ITEM.match(line):
+                    in_list = True
+                elif not line[0].isspace():
+                    in_list = False
+        elif in_block and not line.strip():
+            blocks[-1][1].append("")
+        previous_blank = not line.strip()
+    return [(start, "\n".join(body).strip("\n") + "\n") for start, body in blocks]
+
+
 def _split_commands(line: str) -> list[str]:
     line = re.sub(r"\s+#\s.*$", "", line).strip()  # a trailing comment
     return [part.strip() for part in re.split(r"\s&&\s|\s;\s", line) if part.strip()]
@@ -76,7 +109,8 @@ def doc_commands() -> list[Command]:
     for path in DOCS:
         text = path.read_text(encoding="utf-8")
         rel = path.relative_to(REPO)
-        for lang, line, body in _fenced(text):
+        # an indented block fails test_no_indented_code_blocks; its commands are checked meanwhile
+        for lang, line, body in [*_fenced(text), *(("bash", start - 1, body) for start, body in _indented(text))]:
             if lang not in ("bash", "sh", "shell", "console"):
                 continue
             body = re.sub(r"\\\n\s*", " ", body)
@@ -96,15 +130,36 @@ def doc_commands() -> list[Command]:
 
 
 def _inline_command(span: str) -> bool:
-    """An inline span is a command when it starts with iga-ds or python and gives arguments;
-    not when it only names a command (`iga-ds eval`), elides (`--grid ...`), or quotes a
-    message the program prints (`iga-ds selfcheck: FAILED ...`)."""
-    words = span.split()
-    if words[0] not in ("iga-ds", "python") or len(words) < 2 or "..." in span or words[1].endswith(":"):
+    """An inline span is a command when it starts, past ``VAR=value`` assignments, with a
+    program this test has a rule for and gives it arguments; not when it only names a command
+    (`iga-ds eval`, `make`), names a launcher's options (`deepspeed --launcher slurm`,
+    `sbatch --ntasks=2`), elides (`--grid ...`), or quotes a message the program prints
+    (`iga-ds selfcheck: FAILED ...`)."""
+    try:
+        words = shlex.split(span)
+    except ValueError:
         return False
-    names_only = all(not w.startswith("-") and "/" not in w and "." not in w and not PLACEHOLDER.match(w)
-                     for w in words[1:])
-    return not (names_only and len(words) <= 3)
+    program, args = _program(words)
+    if not _has_rule(program) or not args or any("..." in w for w in args) or args[0].endswith(":"):
+        return False
+    if program in ("iga-ds", "python", "python3"):  # `iga-ds data merge` names a subcommand
+        names_only = all(not w.startswith("-") and "/" not in w and "." not in w and not PLACEHOLDER.match(w)
+                         for w in args)
+        return not (names_only and len(args) <= 2)
+    return _has_operand(args)
+
+
+def _has_operand(args: list[str]) -> bool:
+    """Whether the arguments give more than options: a word that is neither an option nor the
+    value of the option before it (``--nodes 2``; ``--`` takes none)."""
+    for i, word in enumerate(args):
+        if word.startswith("-"):
+            continue
+        option_before = args[i - 1] if i else ""
+        if option_before.startswith("-") and option_before != "--" and "=" not in option_before:
+            continue
+        return True
+    return False
 
 
 def header_commands() -> list[Command]:
@@ -137,14 +192,17 @@ def _program(words: list[str]) -> tuple[str, list[str]]:
     return (words[i], words[i + 1:]) if i < len(words) else ("", [])
 
 
+def _has_rule(program: str) -> bool:
+    return program in RULES or (program.startswith(("launch/", "slurm/", "bench/")) and (REPO / program).is_file())
+
+
 def _is_command(text: str) -> bool:
     try:
         words = shlex.split(text)
     except ValueError:
         return False
     program, _ = _program(words)
-    return program in RULES or program in EXTERNAL or (program.startswith(("launch/", "slurm/", "bench/"))
-                                                        and (REPO / program).is_file())
+    return _has_rule(program) or program in EXTERNAL
 
 
 def _env(words: list[str]) -> dict[str, str]:
@@ -208,7 +266,7 @@ class Checker:
         if program in EXTERNAL:
             self.checked.add(str(cmd))
             return
-        if rule is None and program.startswith(("launch/", "slurm/")):
+        if rule is None and program.startswith(("launch/", "slurm/", "bench/")):
             rule = check_repo_script
         if rule is None:
             self.fail(cmd, f"no rule for {program!r}: add one to this test, or to EXTERNAL with what it is")
@@ -298,10 +356,16 @@ def check_python(checker, cmd, program, args, env):
     script = args[0]
     if script == "launch/train.py":
         return _train_script(checker, cmd, args[1:], cpu=env.get("DS_ACCELERATOR") == "cpu")
-    if script.startswith("bench/") and (REPO / script).is_file():
-        checker.bench.append((cmd, script, _sample(_concrete(args[1:])[0])))
-        return
+    if script.startswith("bench/"):
+        return _bench_script(checker, cmd, script, args[1:])
     checker.fail(cmd, f"no rule for python {script}")
+
+
+def _bench_script(checker: Checker, cmd: Command, script: str, args: list[str]) -> None:
+    """A bench/ script's arguments, checked in a batch by its own parser (see _check_bench)."""
+    if not (REPO / script).is_file():
+        return checker.fail(cmd, f"{script} does not exist")
+    checker.bench.append((cmd, script, _sample(_concrete(args)[0])))
 
 
 def check_deepspeed(checker, cmd, program, args, env):
@@ -315,10 +379,25 @@ def check_deepspeed(checker, cmd, program, args, env):
         parsed = parse_args([*args[:script], args[script]])
     except SystemExit:
         return checker.fail(cmd, "DeepSpeed's launcher rejects its options")
+    if args[script].startswith("bench/"):  # the launcher hands each rank --local_rank
+        return _bench_script(checker, cmd, args[script], [*args[script + 1:], "--local_rank=0"])
     if args[script] != "launch/train.py":
-        return checker.fail(cmd, f"deepspeed starts {args[script]}, not launch/train.py")
+        return checker.fail(cmd, f"deepspeed starts {args[script]}, not launch/train.py or a bench/ script")
     world = parsed.num_gpus if parsed.num_gpus > 0 else 8  # a hostfile: 8 GPUs per host, one host
     _train_script(checker, cmd, args[script + 1:], world)
+
+
+def check_torchrun(checker, cmd, program, args, env):
+    from torch.distributed.run import get_args_parser
+
+    args, _ = _concrete(args)
+    try:
+        parsed = get_args_parser().parse_args(args)
+    except SystemExit:
+        return checker.fail(cmd, "torchrun rejects its options")
+    if parsed.module or not parsed.training_script.startswith("bench/"):
+        return checker.fail(cmd, f"torchrun starts {parsed.training_script}, not a bench/ script")
+    _bench_script(checker, cmd, parsed.training_script, parsed.training_script_args)
 
 
 def check_srun(checker, cmd, program, args, env):
@@ -381,8 +460,11 @@ def check_repo_script(checker, cmd, program, args, env):
         if not placeholder:
             _iga_ds(checker, cmd, ["experiment", "--grid", grid[0], "--out", "runs/x"])
         return
-    if program == "bench/gpu_runs.sh":
-        return _gpu_runs_stages(checker, cmd, args[1:])
+    if program == "bench/gpu_runs.sh":  # OUT_DIR, then stages, or a synopsis of them: [a|b|...]
+        return _gpu_runs_stages(checker, cmd, [stage for word in args[1:] for stage in word.strip("[]").split("|")
+                                               if stage and "..." not in stage])
+    if program.startswith("bench/") and program.endswith(".py"):  # run as an executable
+        return _bench_script(checker, cmd, program, args)
     if program.startswith("bench/") and program.endswith(".sh"):
         return  # their own dry runs are tested in tests/test_node_runs.py
     checker.fail(cmd, f"no rule for {program}")
@@ -436,6 +518,7 @@ RULES = {
     "python": check_python,
     "python3": check_python,
     "deepspeed": check_deepspeed,
+    "torchrun": check_torchrun,
     "srun": check_srun,
     "sbatch": check_sbatch,
     "bash": check_bash,
@@ -472,13 +555,13 @@ def _check_bench(checker: Checker) -> None:
     """Every bench command through its script's own parser, in one process."""
     if not checker.bench:
         return
-    jobs = [[script, argv] for _, script, argv in checker.bench]
+    jobs = [list(job) for job in dict.fromkeys((script, tuple(argv)) for _, script, argv in checker.bench)]
     out = subprocess.run([sys.executable, "-c", BENCH_PARSER, json.dumps(jobs)], cwd=REPO, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     for script, argv, why in json.loads(out.stdout.strip().splitlines()[-1]):
-        cmd = next(c for c, s, a in checker.bench if s == script and a == argv)
-        checker.fail(cmd, why)
+        for cmd in [c for c, s, a in checker.bench if s == script and a == argv]:
+            checker.fail(cmd, why)
 
 
 # -- the tests ---------------------------------------------------------------------------------
@@ -491,10 +574,33 @@ def test_every_fenced_block_says_its_language():
         + ", ".join(untagged)
 
 
+def test_no_indented_code_blocks():
+    indented = [f"{path.relative_to(REPO)}:{line}" for path in DOCS
+                for line, _ in _indented(path.read_text(encoding="utf-8"))]
+    assert not indented, "indented code blocks (make them fenced blocks that say their language): " \
+        + ", ".join(indented)
+
+
+def test_indented_blocks_are_told_from_list_text():
+    text = "Run:\n\n    python a.py\n    python b.py\n\n- item\n  more\n\n    the item's second paragraph\n" \
+           "\n```bash\n    inside a fence\n```\nText\n\n    python c.py\n"
+    assert _indented(text) == [(3, "python a.py\npython b.py\n"), (16, "python c.py\n")]
+
+
+def test_inline_spans_that_are_commands():
+    commands = ["sbatch --nodes=2 slurm/cpu.sbatch", "launch/mpirun.sh -np 2 -- iga-ds selfcheck", "make demo",
+                "DS_ACCELERATOR=cpu python bench/bench_step.py --steps 2", "iga-ds data validate train.jsonl"]
+    names = ["deepspeed", "deepspeed --launcher slurm", "sbatch --ntasks=2", "srun --container-image", "iga-ds eval",
+             "iga-ds data merge", "launch/mpirun.sh", "IGA_SHARDS=8 sbatch --array=3 ...", "vllm serve x",
+             "iga-ds selfcheck: FAILED on rank R/W (host): reason"]
+    assert [c for c in commands if not _inline_command(c)] == []
+    assert [n for n in names if _inline_command(n)] == []
+
+
 def test_commands_are_found_in_every_kind_of_place():
     where = {str(c).split(":")[0].split(" ")[0] for c in doc_commands() + header_commands()}
-    assert {"README.md", "docs/TRAINING.md", "docs/CLUSTER.md", "slurm/cpu.sbatch", "launch/docker_run.sh",
-            "configs/tiny_cpu.yaml"} <= where
+    assert {"README.md", "bench/README.md", "docs/TRAINING.md", "docs/CLUSTER.md", "slurm/cpu.sbatch",
+            "launch/docker_run.sh", "configs/tiny_cpu.yaml"} <= where
 
 
 def test_every_documented_command_runs_or_parses(monkeypatch, capsys):
@@ -509,4 +615,4 @@ def test_every_documented_command_runs_or_parses(monkeypatch, capsys):
     _check_bench(checker)
     print(f"{len(checker.checked)} of {len(commands)} commands checked")
     assert not checker.errors, "\n".join(checker.errors)
-    assert {str(c) for c in commands} <= checker.checked and len(commands) >= 60
+    assert {str(c) for c in commands} <= checker.checked and len(commands) >= 150

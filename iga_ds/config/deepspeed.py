@@ -9,6 +9,9 @@ resolves it, from the run YAML:
 - ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``, ``train_batch_size``:
   from ``data`` (batches are counted in isomer groups);
 - ``gradient_clipping``: ``schedule.gradient_clipping``;
+- ``zero_optimization.reduce_bucket_size``: hidden_size x hidden_size of the base model's config
+  (read from its ``config.json``, GGUF header or the Hugging Face cache; nothing is downloaded
+  for it, so a hub model not yet in the cache needs a number there);
 - ``bf16.enabled`` / ``fp16.enabled``: from ``model.dtype`` (bfloat16: bf16, float16: fp16,
   float32: neither);
 - an ``optimizer`` block of type AdamW: its ``lr``, ``betas``, ``eps``, ``weight_decay`` from
@@ -34,11 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from iga_ds.config.hook import BLOCK, HookConfig
-from iga_ds.config.run import DEFAULT_DEEPSPEED, RunConfig, shipped_file
-from iga_ds.errors import ConfigError
+from iga_ds.config.run import (BUILTIN_TINY, DEFAULT_DEEPSPEED, SHIPPED, RunConfig, TinyBaseConfig, shipped_file,
+                               shipped_names)
+from iga_ds.errors import ConfigError, UserError
 from iga_ds.files import read_text
+from iga_ds.models import resolve_model_source
 
 AUTO = "auto"
+SHIPPED_BF16 = "ds_configs/zero2.json"
 # model.dtype -> the precision block that "auto" enables
 PRECISION_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
 # the AdamW parameters an optimizer block may carry, each the run YAML's schedule key of that name
@@ -78,6 +84,9 @@ def load_ds_json(path: str) -> dict[str, Any]:
     commas); bad syntax is one line with the file and the line."""
     import hjson  # a DeepSpeed dependency; only the commands that read a DeepSpeed config pay for it
 
+    if Path(path).is_dir():
+        raise ConfigError(f"deepspeed: config {path!r} is a folder; expected a DeepSpeed JSON file in it "
+                          "(e.g. ds_configs/zero2.json)")
     if not Path(path).is_file():
         raise ConfigError(f"deepspeed: config {path!r} not found")
     text = read_text(path, "DeepSpeed config", error=ConfigError)
@@ -122,6 +131,7 @@ def build_ds_config(run: RunConfig, ds_raw: dict[str, Any], world_size: int, acc
     _refuse_unsupported(ds, source)
     _resolve_batch_sizes(ds, run, hook, world_size, accum, source)
     _resolve_clipping(ds, run, source, run_source)
+    _resolve_bucket_size(ds, run, source)
     _resolve_precision(ds, run, hook, source, run_source, use_cpu() if cpu is None else cpu)
     _check_optimizer(ds.pop("optimizer", None), run, source, run_source)
     _check_scheduler(ds.pop("scheduler", None), source, run_source)
@@ -203,6 +213,49 @@ def _resolve_clipping(ds: dict[str, Any], run: RunConfig, source: str, run_sourc
     ds["gradient_clipping"] = want
 
 
+def _resolve_bucket_size(ds: dict[str, Any], run: RunConfig, source: str) -> None:
+    """``zero_optimization.reduce_bucket_size: "auto"``: hidden_size squared, as the Hugging Face
+    Trainer fills it from the model it was given."""
+    zero = ds["zero_optimization"]
+    if zero.get("reduce_bucket_size") != AUTO:
+        return
+    hidden_size, why_unknown = base_model_hidden_size(run)
+    if hidden_size is None:
+        raise ConfigError(f"{source}: zero_optimization.reduce_bucket_size: \"auto\" is hidden_size x hidden_size "
+                          f"of the base model, but {why_unknown}; give a number of elements (e.g. 5e8)")
+    zero["reduce_bucket_size"] = hidden_size * hidden_size
+
+
+def base_model_hidden_size(run: RunConfig) -> tuple[int | None, str]:
+    """The hidden size of the base model the run trains, from its config alone (no weights are
+    loaded, nothing is downloaded): the number, or None and why it cannot be known here."""
+    spec = run.model.name_or_path
+    if spec == BUILTIN_TINY:
+        return TinyBaseConfig.model_validate(run.model.tiny).hidden_size, ""
+    try:
+        source = resolve_model_source(spec, "model.name_or_path")
+    except UserError as exc:
+        return None, str(exc)
+    from transformers import AutoConfig  # heavy: only for a config that asks for it
+
+    try:  # local_files_only: a hub id is read from the Hugging Face cache or not at all
+        config = AutoConfig.from_pretrained(source.location, **{**source.pretrained_kwargs(),
+                                                                "local_files_only": True})
+    except (OSError, ValueError, ImportError) as exc:  # ImportError: a .gguf file without the gguf package
+        if source.kind == "hub":  # the library's message speaks of a connection it was told not to make
+            return None, (f"the config of model.name_or_path {source.label} is not in the Hugging Face cache yet "
+                          "(nothing is downloaded to read it)")
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        return None, f"the config of model.name_or_path {source.label} could not be read ({first})"
+    # the Hugging Face Trainer's order: hidden_size, the widest of hidden_sizes, the text model's
+    text_config = getattr(config, "text_config", None)
+    for size in (getattr(config, "hidden_size", None), max(getattr(config, "hidden_sizes", None) or [0]) or None,
+                 getattr(text_config, "hidden_size", None)):
+        if isinstance(size, int) and size > 0:
+            return size, ""
+    return None, f"the config of model.name_or_path {source.label} gives no hidden_size"
+
+
 def _resolve_precision(ds: dict[str, Any], run: RunConfig, hook: HookConfig, source: str, run_source: str,
                        cpu: bool) -> None:
     """``bf16.enabled`` / ``fp16.enabled``: ``"auto"`` from ``model.dtype``; then the two files
@@ -227,8 +280,8 @@ def _resolve_precision(ds: dict[str, Any], run: RunConfig, hook: HookConfig, sou
     have = on[0] if on else None
     if want is not None and (have or "").replace("bfloat16", "bf16") != want:
         got = f"sets {have}.enabled: true" if have else "enables neither bf16 nor fp16"
-        raise ConfigError(f"model.dtype: {run_source} sets model.dtype: {dtype} but {source} {got}; set "
-                          f"{want}.enabled to \"auto\" or true in {source}, or model.dtype: float32")
+        raise ConfigError(f"model.dtype: {run_source} sets model.dtype: {dtype} but {source} {got}; "
+                          f"{_precision_fix(want, source)}, or model.dtype: float32")
     if have == "fp16" and hook.build_method().needs_domain_gradients:
         raise ConfigError(f"{source}: fp16.enabled: the engine hook supports bf16 and fp32 with method "
                           f"{hook.method!r} (dynamic loss scaling is not handled); use bf16")
@@ -236,6 +289,26 @@ def _resolve_precision(ds: dict[str, Any], run: RunConfig, hook: HookConfig, sou
         why = f" (\"auto\": {run_source} sets model.dtype: {dtype})" if auto[have] else ""
         fix = f"set model.dtype: float32 in {run_source}" if auto[have] else f"use {DEFAULT_DEEPSPEED}"
         raise ConfigError(f"{source}: {have} is enabled{why} but this run is on the CPU; {fix}")
+
+
+def _shipped_name(path: str) -> str | None:
+    """``ds_configs/NAME.json`` when ``path`` is a DeepSpeed config installed with iga-ds (not a
+    file to edit), else None."""
+    resolved = Path(path).resolve()
+    return next((name for name in shipped_names()
+                 if name.startswith("ds_configs/") and (SHIPPED / name).resolve() == resolved), None)
+
+
+def _precision_fix(want: str, source: str) -> str:
+    """How to enable ``want`` (bf16 or fp16): in the user's own file, there; for a shipped one,
+    the shipped bf16 config, or an editable copy from ``iga-ds init``."""
+    shipped = _shipped_name(source)
+    if shipped is None:
+        return f"set {want}.enabled to \"auto\" or true in {source}"
+    if want == "bf16":
+        return f"point deepspeed (or --deepspeed) at the shipped bf16 config, {(SHIPPED / SHIPPED_BF16).resolve()}"
+    return (f"write an editable copy of the shipped configs (iga-ds init DIR) and set fp16.enabled to \"auto\" in "
+            f"its {shipped}")
 
 
 def _check_optimizer(block: Any, run: RunConfig, source: str, run_source: str) -> None:
@@ -292,7 +365,8 @@ def _refuse_auto_left(node: Any, source: str, where: str = "") -> None:
         dotted = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else str(key)
         if value == AUTO:
             raise ConfigError(f"{source}: {dotted}: \"auto\" is not resolved by iga-ds (it resolves the batch "
-                              "sizes, gradient_clipping, bf16/fp16.enabled and the optimizer and scheduler); "
+                              "sizes, gradient_clipping, zero_optimization.reduce_bucket_size, bf16/fp16.enabled "
+                              "and the optimizer and scheduler); "
                               "give a value")
         _refuse_auto_left(value, source, dotted)
 

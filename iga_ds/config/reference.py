@@ -34,7 +34,8 @@ the test suite fails when this file and the code disagree. Two files configure a
 - the **DeepSpeed JSON** (`deepspeed:` in the run YAML, or `--deepspeed`), DeepSpeed's own config
   plus an `iga` block for the engine hook (JSON or hjson). Its batch sizes, `gradient_clipping`,
   `bf16`/`fp16.enabled` and any AdamW optimizer and warm-up scheduler values are `"auto"` or
-  agree with the run YAML, which counts batches in isomer groups and owns the optimizer and its
+  agree with the run YAML (`zero_optimization.reduce_bucket_size: "auto"` becomes the model's
+  hidden size squared, as the Hugging Face Trainer sets it), which counts batches in isomer groups and owns the optimizer and its
   schedule; a key iga-ds cannot honour is an error naming it.
 
 The method (`method.name`, `method.params`) and the domains (`data.domains`) can be set in either
