@@ -8,10 +8,10 @@ through :meth:`NodeNetwork.argv` lives on that node: it sees only the node's int
 whatever it sends to another node crosses the bridge, and nothing reaches the machine's own
 network. Filesystem paths are shared, as on a cluster with a shared filesystem.
 
-Needs root, ``ip`` (iproute2), ``nsenter`` and ``unshare`` (util-linux). Namespace names carry the creating
-process id and a random token, so parallel test runs never collide; :meth:`NodeNetwork.start`
-also removes namespaces left by test processes that no longer exist (killed before their
-clean-up ran).
+Needs root, ``ip`` (iproute2), ``nsenter`` and ``unshare`` (util-linux), ``mount`` and
+``hostname`` (Debian packages of the same names). Namespace names carry the creating process id
+and a random token, so parallel test runs never collide; :meth:`NodeNetwork.start` also removes
+namespaces left by test processes that no longer exist (killed before their clean-up ran).
 """
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ NETNS_DIR = "/run/netns"  # where `ip netns add` keeps its namespaces
 SUBNET = "10.77.0"  # inside the namespaces only: every run has its own bridge, so runs may share it
 NAME_PREFIX = "igatest"
 _OWNER = re.compile(rf"^{NAME_PREFIX}(\d+)x[0-9a-f]+-")
+# The programs the nodes are built with, and the Debian package of each (.ci/system-deps installs them)
+TOOL_PACKAGES = {"ip": "iproute2", "nsenter": "util-linux", "unshare": "util-linux", "mount": "mount",
+                 "hostname": "hostname"}
 # Enters the node's own host name and hosts file, then becomes the command (exec: same pid).
 _ENTER_NODE = 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"'
 
@@ -47,9 +50,9 @@ def missing_netns_support() -> str | None:
     """Why namespaces cannot be built here, or None when they can."""
     if os.geteuid() != 0:
         return "network namespaces need root"
-    for tool in ("ip", "nsenter", "unshare", "mount", "hostname"):
+    for tool, package in TOOL_PACKAGES.items():
         if _which(tool) is None:
-            return f"{tool} not installed (iproute2, util-linux; .ci/system-deps installs them)"
+            return f"{tool} not installed (Debian {package}; .ci/system-deps installs it)"
     probe = f"{NAME_PREFIX}{os.getpid()}x{secrets.token_hex(3)}-probe"
     made = _ip("netns", "add", probe, check=False)
     if made.returncode != 0:  # e.g. a container without CAP_NET_ADMIN

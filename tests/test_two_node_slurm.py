@@ -1,15 +1,21 @@
 """slurm/cpu.sbatch on a real two-node Slurm: each node a network namespace with its own address,
 host name and slurmd (tests/netns_helpers.py, tests/slurm_helpers.py), slurmctld in a third.
 
-The template runs as users copy it; only site-specific lines are overridden (`sbatch -N 2`, the
-CPUs per task, where logs go). One gloo rank per node; the rendezvous is node1 at its address in
-its namespace, and rank 1 can reach it only across the bridge the test built.
+The template runs as users copy it. What the test sets: on the sbatch line `--nodes=2`,
+`--cpus-per-task=2` and `--output` (the batch log in the test's folder); in the environment
+`IGA_PYTHON` (this interpreter), `IGA_LOG_DIR`, `IGA_OUTPUT_DIR`, `HF_HOME` and `TRITON_CACHE_DIR`
+(the test's folder), `IGA_SELFCHECK_ARGS=--skip-ops` (no DeepSpeed op probes),
+`OMP_WAIT_POLICY=PASSIVE`, and for the powered-off node `IGA_DS_CONFIG` (a copy of the default
+with a short peer timeout); the trainer's `key=value` arguments name the data, the steps and the
+checkpoints. One gloo rank per node, with the 2 CPUs of its node; the rendezvous is node1 at its
+address in its namespace, and rank 1 can reach it only across the bridge the test built.
 
 - trained with the real trainer, stopped by the time-limit signal, requeued and resumed on both
-  nodes: every step logged once, and the adapter equals a single-process run of the same config
-  within 1e-5 (fp32);
+  nodes: every step logged once, each rank's selfcheck saw 2 CPUs, and the adapter equals a
+  single-process run of the same config within 1e-5 (fp32);
 - node2 powered off mid-run (its link goes silent, then everything on it dies): rank 0 names the
-  lost rank within the configured peer timeout, and the checkpoint `latest` names is complete.
+  lost rank within the configured peer timeout; every `step_*` folder is a complete checkpoint,
+  `latest` names one, and the next save's clean-up leaves no unfinished one.
 """
 from __future__ import annotations
 
@@ -29,6 +35,9 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "slurm" / "cpu.sbatch"
 MAX_STEPS = 20  # the time-limit signal goes out after step 1; the stop lands a few steps later
+# every CPU of a node (tests/slurm_helpers.py gives each 2): more than the template's 1, so a rank
+# bound to one CPU shows that srun did not pass the job's --cpus-per-task on
+CPUS_PER_RANK = 2
 PEER_TIMEOUT_S = 8
 
 cluster = pytest.fixture(scope="function")(two_node_slurm_fixture)
@@ -54,7 +63,7 @@ def processes():
 
 
 def submit(cluster, tmp_path: Path, *trainer_args: str, **env: str) -> str:
-    """The template as a user submits it, on both nodes (its 2 ranks, 1 CPU each)."""
+    """The template as a user submits it, on both nodes (its 2 ranks, ``CPUS_PER_RANK`` each)."""
     job_env = {
         "IGA_PYTHON": sys.executable,
         "IGA_LOG_DIR": str(tmp_path / "logs"),
@@ -62,10 +71,13 @@ def submit(cluster, tmp_path: Path, *trainer_args: str, **env: str) -> str:
         "HF_HOME": str(tmp_path / "hf"),
         "TRITON_CACHE_DIR": str(tmp_path / "triton"),
         "IGA_SELFCHECK_ARGS": "--skip-ops",
+        # both nodes' CPUs are the same 2 cores of this machine: OpenMP threads that spin while
+        # waiting would take them from the other rank
+        "OMP_WAIT_POLICY": "PASSIVE",
         **env,
     }
-    res = cluster.run("sbatch", "--parsable", "--nodes=2", f"--output={tmp_path}/%x-%j.out",
-                      str(TEMPLATE), *trainer_args, cwd=REPO, env=job_env)
+    res = cluster.run("sbatch", "--parsable", "--nodes=2", f"--cpus-per-task={CPUS_PER_RANK}",
+                      f"--output={tmp_path}/%x-%j.out", str(TEMPLATE), *trainer_args, cwd=REPO, env=job_env)
     return res.stdout.strip().split(";")[0]
 
 
@@ -97,9 +109,10 @@ def bridge_bytes(cluster, node: str) -> int:
     return cluster.network.link_bytes(node)
 
 
-def check_ranks_on_their_nodes(logs: list[str], cpus: int = 1) -> None:
+def check_ranks_on_their_nodes(logs: list[str], cpus: int) -> None:
     for rank, log in enumerate(logs):
-        # one rank per node, each bound to the CPUs of its task, rendezvous at node1
+        # one rank per node, each bound to the CPUs of its task (the selfcheck's count of the CPUs
+        # it may run on), rendezvous at node1
         head = re.findall(rf"selfcheck rank {rank}/2 local 0/1 host (\S+) source slurm: ok .* cpus (\d+)", log)
         assert head and all(h == (f"node{rank + 1}", str(cpus)) for h in head), log[-3000:]
     assert re.search(r"rendezvous: node1:\d+", logs[0]), logs[0][-3000:]
@@ -140,7 +153,7 @@ def test_two_nodes_train_requeue_resume_and_match_one_process(cluster, tmp_path,
     assert metric_steps(out) == list(range(1, MAX_STEPS + 1))  # every step once across both runs
     for log in logs:
         assert log.count("selfcheck rank") == 2 and "Traceback" not in log, log[-3000:]
-    check_ranks_on_their_nodes(logs)
+    check_ranks_on_their_nodes(logs, cpus=CPUS_PER_RANK)
     # the ranks talked across the bridge: node2 has no other way to node1
     assert bridge_bytes(cluster, "node2") - before > 1_000_000
 
@@ -169,6 +182,8 @@ def complete_checkpoint(folder: Path, world: int = 2) -> list[str]:
 
 
 def test_a_powered_off_node_is_named_within_the_peer_timeout(cluster, tmp_path, train_data):
+    from iga_ds.train.checkpoint import PARTIAL_PREFIX, TAG_PREFIX, remove_partial_checkpoints
+
     ds = json.loads((REPO / "ds_configs" / "zero2_fp32.json").read_text())
     ds["iga"]["timeout_s"] = PEER_TIMEOUT_S  # the configured timeout: the hook's collectives and the peer watch
     (tmp_path / "ds.json").write_text(json.dumps(ds))
@@ -188,12 +203,15 @@ def test_a_powered_off_node_is_named_within_the_peer_timeout(cluster, tmp_path, 
     wait_for(lambda: not trainer_processes(cluster, "node1"), 30, "rank 0 to end", cluster)
     ckpts = out / "checkpoints"
     latest = (ckpts / "latest").read_text().strip()
-    assert complete_checkpoint(ckpts / latest) == [], latest
-    assert not list((ckpts / latest).rglob("*.tmp"))
     assert int(latest.split("_")[-1]) <= max(metric_steps(out))
-    # any other folder is older and complete, or a save the power-off interrupted (which resume ignores)
-    for folder in ckpts.glob("step_*"):
-        assert folder.name > latest or complete_checkpoint(folder) == [], folder.name
+    # a save the power-off cut short is only a partial-* folder: every step_* folder is whole
+    steps = sorted(ckpts.glob(f"{TAG_PREFIX}*"))
+    assert ckpts / latest in steps
+    assert {folder.name: complete_checkpoint(folder) for folder in steps} == {folder.name: [] for folder in steps}
+    assert not list(ckpts.glob(f"{TAG_PREFIX}*/**/*.tmp"))
+    # and the next run's first save removes it before writing
+    remove_partial_checkpoints(ckpts)
+    assert sorted(ckpts.glob(f"{TAG_PREFIX}*")) == steps and not list(ckpts.glob(f"{PARTIAL_PREFIX}*"))
     cluster.run("scancel", job, check=False)
 
 
@@ -232,3 +250,15 @@ def test_namespaces_left_by_a_killed_test_run_are_removed():
     finally:
         for name in (stale, alive):
             subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=30)
+
+
+def test_system_deps_installs_every_tool_the_nodes_are_built_with():
+    """A tool .ci/system-deps neither checks nor installs would turn the two-node tests into skips on CI."""
+    from netns_helpers import TOOL_PACKAGES
+
+    script = (REPO / ".ci" / "system-deps").read_text()
+    checked = re.search(r"^needed=\((.*)\)$", script, re.MULTILINE).group(1).split()
+    joined = script.replace("\\\n", " ")  # continued lines as one
+    installed = re.search(r"^apt-get install (.*)$", joined, re.MULTILINE).group(1).split()
+    assert set(TOOL_PACKAGES) <= set(checked), set(TOOL_PACKAGES) - set(checked)
+    assert set(TOOL_PACKAGES.values()) <= set(installed), set(TOOL_PACKAGES.values()) - set(installed)

@@ -3,9 +3,11 @@
 A checkpoint is a DeepSpeed checkpoint (``engine.save_checkpoint`` with frozen weights
 excluded: only the LoRA factors, their optimizer state and the LR schedule) plus, in
 ``client_state``, the global step (the sampler needs nothing else), and one small file per
-rank with its random-number generator states. The ``latest`` tag file is written last, once every
-rank has written its part, so a run killed while saving (or a node lost) resumes from the
-previous complete checkpoint.
+rank with its random-number generator states. Every rank writes into ``partial-step_<N>``; once
+all of them are done, rank 0 renames it to ``step_<N>`` and then writes the ``latest`` tag file.
+So a folder named ``step_*`` is always complete, and a run killed while saving (or a node lost)
+resumes from the previous checkpoint and leaves only a ``partial-*`` folder, which the next
+save removes (one log line per folder). Checkpoints live on a filesystem every rank sees.
 
 Another world size (2 ranks -> 1, or the reverse): DeepSpeed's engine refuses to load ZeRO
 optimizer partitions saved at another data-parallel size, so each checkpoint also holds
@@ -26,6 +28,7 @@ checkpoint is saved, and removes a file left over from an earlier run before it 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -37,7 +40,11 @@ from iga_ds.engine.internals import load_full_optimizer_state, save_full_optimiz
 from iga_ds.errors import ConfigError
 from iga_ds.files import atomic_write_json, atomic_write_text
 
+log = logging.getLogger(__name__)
+
 TAG_PREFIX = "step_"
+# a checkpoint being written, one a lost rank left unfinished, or an older one being replaced
+PARTIAL_PREFIX = "partial-"
 FULL_OPTIMIZER_FILE = "optimizer_full.safetensors"
 
 
@@ -70,6 +77,8 @@ def resolve_resume(resume: str, ckpt_dir: Path) -> Path | None:
     path = Path(resume)
     if not path.is_dir():
         raise ConfigError(f"resume: expected auto, never or a checkpoint folder, got {resume!r} (not found)")
+    if path.name.startswith(PARTIAL_PREFIX):
+        raise ConfigError(f"resume: {path} is a checkpoint whose save did not finish; name a {TAG_PREFIX}* folder")
     return path
 
 
@@ -126,36 +135,72 @@ def save_checkpoint(
     keep_last: int,
     save_adapter: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Save on every rank (DeepSpeed's call is collective); rank 0 also writes the adapter
-    and prunes old checkpoints. Returns the checkpoint folder."""
+    """Save on every rank (DeepSpeed's call is collective); rank 0 also writes the adapter,
+    puts the finished folder in place and prunes old checkpoints. Returns the checkpoint folder."""
     import torch
     import torch.distributed as dist
 
     tag = tag_for(step)
-    path = ckpt_dir / tag
-    path.mkdir(parents=True, exist_ok=True)
-    # before DeepSpeed writes "latest": a checkpoint it names is complete
-    tmp = _rng_file(path, rank).with_suffix(".tmp")
-    torch.save(capture_rng(), tmp)
-    os.replace(tmp, _rng_file(path, rank))
-    save_full_optimizer_state(engine, path / FULL_OPTIMIZER_FILE, rank)
+    final = ckpt_dir / tag
+    staging = ckpt_dir / f"{PARTIAL_PREFIX}{tag}"
     if rank == 0:
-        atomic_write_json(path / "meta.json", {"step": step, "world_size": _world_size()})
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        # an interrupted save of this step would mix its files (another world size's ZeRO
+        # partitions, say) into this one
+        remove_partial_checkpoints(ckpt_dir)
+    if dist.is_initialized():
+        dist.barrier()  # no rank writes before the leftovers are gone
+    staging.mkdir(parents=True, exist_ok=True)
+    tmp = _rng_file(staging, rank).with_suffix(".tmp")
+    torch.save(capture_rng(), tmp)
+    os.replace(tmp, _rng_file(staging, rank))
+    save_full_optimizer_state(engine, staging / FULL_OPTIMIZER_FILE, rank)
+    if rank == 0:
+        atomic_write_json(staging / "meta.json", {"step": step, "world_size": _world_size()})
         if save_adapter is not None:
-            save_adapter(path / "adapter")
+            save_adapter(staging / "adapter")
     if dist.is_initialized():
         dist.barrier()
     # DeepSpeed writes its `latest` on rank 0 before the other ranks are done writing theirs; a
     # node lost in between would leave `latest` naming a half-written checkpoint. Its save ends
-    # in a barrier, so `latest` written after it names one that every rank finished.
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, exclude_frozen_parameters=True,
-                           save_latest=False)
+    # in a barrier, so past it every rank's part is on disk: only then does the folder get its
+    # step name and `latest` name it. The files in it do not depend on the folder's name, so
+    # DeepSpeed's loader reads the renamed folder as its own.
+    engine.save_checkpoint(str(ckpt_dir), tag=staging.name, client_state=client_state,
+                           exclude_frozen_parameters=True, save_latest=False)
     if rank == 0:
+        _move_into_place(staging, final)
         atomic_write_text(ckpt_dir / "latest", tag)
         prune_checkpoints(ckpt_dir, keep_last)
     if dist.is_initialized():
         dist.barrier()
-    return path
+    return final
+
+
+def _move_into_place(staging: Path, final: Path) -> None:
+    """Rename the finished ``staging`` folder to ``final``. A folder already there (a run that
+    started over with ``resume: never``) is renamed aside first, since a rename cannot replace a
+    folder that is not empty; a crash in between leaves it to :func:`remove_partial_checkpoints`."""
+    if final.exists():
+        replaced = final.with_name(f"{PARTIAL_PREFIX}{final.name}.replaced")
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.rename(final, replaced)
+        os.rename(staging, final)
+        shutil.rmtree(replaced, ignore_errors=True)
+    else:
+        os.rename(staging, final)
+
+
+def remove_partial_checkpoints(ckpt_dir: Path) -> list[Path]:
+    """Remove the ``partial-*`` folders a save left when a rank or node was lost mid-save (one
+    rank, while no save is running); logs one line per folder and returns them."""
+    removed = []
+    for folder in sorted(ckpt_dir.glob(f"{PARTIAL_PREFIX}*")):
+        if folder.is_dir():
+            log.warning("removing %s, left by a checkpoint save that did not finish", folder)
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
 
 
 def prune_checkpoints(ckpt_dir: Path, keep_last: int) -> None:
