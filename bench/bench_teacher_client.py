@@ -33,7 +33,6 @@ import threading
 import time
 from pathlib import Path
 
-from common import environment, environment_line, spread
 from iga_ds.data.teacher.clients import OpenAIChatClient
 from iga_ds.data.teacher.pipeline import BuildSettings, build
 
@@ -169,6 +168,8 @@ def machine() -> dict:
 
 
 def measure(args, port: int) -> list[dict]:
+    from common import spread  # imports torch: not in the server's process, which must start fast
+
     url = f"http://127.0.0.1:{port}/v1"
     runs: dict[str, list[tuple[float, int]]] = {"server alone": [], "OpenAIChatClient": [], "pipeline": []}
     for rep in range(args.repeat):
@@ -209,6 +210,7 @@ def main() -> None:
     if args.serve:
         return serve()
     import httpx
+    from common import environment, environment_line
 
     before = machine()
     print(environment_line(environment("cpu")) + f" | httpx {httpx.__version__}")

@@ -11,8 +11,9 @@ Knobs on :class:`Teacher` act on every request: ``delay`` (seconds before answer
 ``refuse_all`` (a status and message for every request), ``refuse_json_mode`` (a 400 naming
 ``response_format`` when a request asks for JSON mode), ``redirect`` (a status and the base URL
 that a request to ``/v1/chat/completions`` is sent on to; any other path ending in
-``/chat/completions`` is answered). Every request is recorded with its headers, body and client port.
-Connections are kept alive (HTTP/1.1), so connection reuse shows in the client ports.
+``/chat/completions`` is answered). Every request is recorded with its headers, body, client port
+and the times (``time.monotonic``) it arrived and was answered, so that requests in flight at
+once show. Connections are kept alive (HTTP/1.1), so connection reuse shows in the client ports.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import json
 import re
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -41,6 +43,12 @@ class Request:
     headers: dict[str, str]
     body: dict | None
     client_port: int
+    arrived: float = 0.0
+    answered: float = float("inf")  # until the reply is written
+
+    def overlaps(self, other: Request) -> bool:
+        """Whether the two were in flight at one moment."""
+        return self.arrived < other.answered and other.arrived < self.answered
 
 
 class Teacher:
@@ -117,8 +125,9 @@ class _Handler(BaseHTTPRequestHandler):
             body = json.loads(raw)
         except ValueError:
             body = None
+        request = Request(self.path, dict(self.headers), body, self.client_address[1], time.monotonic())
         with teacher.lock:
-            teacher.requests.append(Request(self.path, dict(self.headers), body, self.client_address[1]))
+            teacher.requests.append(request)
             teacher.in_flight += 1
         try:
             if teacher.delay:
@@ -133,6 +142,7 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             with teacher.lock:
                 teacher.in_flight -= 1
+                request.answered = time.monotonic()
 
 
 class TeacherServer:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import signal
 import socket
 import subprocess
@@ -163,6 +164,22 @@ def test_the_build_command_prints_the_cause_of_seeds_left_to_do(tmp_path, capsys
             "same command again to resume") in err
 
 
+@pytest.mark.parametrize("argument, value, message", [
+    ("max_retries", -1, "max_retries=-1: expected an integer >= 0"),
+    ("max_retries", 1.5, "max_retries=1.5: expected an integer >= 0"),
+    ("timeout", 0, "timeout=0: expected a number > 0"),
+    ("timeout", float("nan"), "timeout=nan: expected a number > 0"),
+    ("backoff", -1.0, "backoff=-1.0: expected a number >= 0"),
+    ("max_backoff", -1.0, "max_backoff=-1.0: expected a number >= 0"),
+])
+def test_the_client_checks_its_numbers_as_the_command_line_does(argument, value, message):
+    # a library caller skips the command line's checks: max_retries=-1 used to make no attempt
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        OpenAIChatClient("http://127.0.0.1:9/v1", "m", **{argument: value})
+    with OpenAIChatClient("http://127.0.0.1:9/v1", "m", max_retries=0, backoff=0.0) as edge:
+        assert edge.max_retries == 0
+
+
 @pytest.mark.parametrize("option, value, message", [
     ("--max-retries", "-1", "--max-retries -1: expected a number >= 0"),
     ("--concurrency", "0", "--concurrency 0: expected a number >= 1"),
@@ -185,6 +202,20 @@ def test_option_values_are_checked_before_anything_is_written(tmp_path, capsys, 
     err = capsys.readouterr().err
     assert err.startswith(f"iga-ds: error: {message}") and err.count("\n") == 1
     assert not out.exists()
+
+
+def test_the_client_benchmark_writes_its_three_rows(tmp_path, monkeypatch, capsys):
+    import bench_teacher_client  # bench/ is on the path: pytest's pythonpath option (pyproject.toml)
+
+    out = tmp_path / "bench.json"
+    monkeypatch.setattr(sys, "argv", ["bench_teacher_client.py", "--concurrency", "4", "--requests", "40",
+                                      "--repeat", "1", "--seeds", "3", "--out", str(out)])
+    bench_teacher_client.main()  # against its own local server, in a process of its own
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["what"] for row in rows] == ["server alone", "OpenAIChatClient", "pipeline"]
+    assert [row["requests"] for row in rows] == [40, 40, 3 * 9]  # a seed: its DAG, 4 instances, 4 checks
+    assert all(row["concurrency"] == 4 and len(row["rates"]) == 1 and row["median"] > 0 for row in rows)
+    assert "| pipeline" in capsys.readouterr().out
 
 
 @pytest.mark.slow

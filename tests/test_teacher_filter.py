@@ -6,6 +6,7 @@ import json
 import random
 import re
 import threading
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -13,8 +14,8 @@ import pytest
 from iga_ds.cli import main
 from iga_ds.data.dag import solve
 from iga_ds.data.patterns import PATTERNS, arithmetic, conjunction, rule_chain, syllogism
-from iga_ds.data.teacher.filters import (check_group, dependency_arcs, leads_to, step_count_outlier,
-                                         structure_problems)
+from iga_ds.data.teacher.filters import (check_group, dependency_arcs, given_nodes, leads_to,
+                                         step_count_outlier, structure_problems)
 from iga_ds.data.teacher.parse import Instance, StepDependencies
 from iga_ds.data.teacher.pipeline import BuildSettings, build
 from iga_ds.errors import UserError
@@ -70,10 +71,77 @@ def test_leads_to_matches_the_transitive_closure_on_random_graphs():
 
 def test_a_solution_following_the_graph_has_no_problem():
     assert structure_problems(steps(("", "a"), ("a", "b"), ("b", "c")), DAG) == []
-    # a step may summarise a link of the chain: a leads to c through b
-    assert structure_problems(steps(("a", "c"),), DAG) == []
+    # the given premise may be used without being restated
+    assert structure_problems(steps(("a", "b"), ("b", "c")), DAG) == []
     # deriving the GOAL node itself answers the goal too
     assert structure_problems(steps(("a", "b"), ("b", "c"), ("c", "g")), DAG) == []
+
+
+@pytest.mark.parametrize("solution, problems", [
+    # one step beside the graph's chain of three: the goal's node from nothing
+    (steps(("", "c"),), ["step 1 derives 'c' from no node, but the problem does not give it (it depends on 'b')"]),
+    # two steps that each derive b from nothing, and never reach the goal
+    (steps(("", "b"), ("", "b")), [
+        "step 1 derives 'b' from no node, but the problem does not give it (it depends on 'a')",
+        "step 2 derives 'b' from no node, but the problem does not give it (it depends on 'a')",
+        "no step derives the goal or a node it depends on (c, g)"]),
+    # the goal from nothing, though the graph derives it from the given a
+    (steps(("", "a"), ("", "g")), ["step 2 derives 'g' from no node, but the problem does not give it "
+                                   "(it depends on 'c')"]),
+    # assuming a node of the chain instead of deriving it
+    (steps(("c", "g"),), ["step 1 uses 'c', which no step derives and the problem does not give"]),
+    # a summary that skips a node of the chain
+    (steps(("a", "c"),), ["step 1 goes from 'a' to 'c' through 'b', which no earlier step derives"]),
+])
+def test_a_shortcut_beside_the_chain_is_refused(solution, problems):
+    assert structure_problems(solution, DAG) == problems
+
+
+def test_a_shortcut_is_refused_where_the_last_node_of_the_chain_is_the_goal():
+    # a -> b -> c with c the GOAL node itself: b, which c depends on directly, answers the goal
+    dag = {"nodes": [{"id": "a", "type": "PROPOSITION"}, {"id": "b", "type": "PROPOSITION"},
+                     {"id": "c", "type": "GOAL"}],
+           "edges": [{"from": "a", "to": "b", "label": "IMPLIES"}, {"from": "b", "to": "c", "label": "IMPLIES"}]}
+    assert structure_problems(steps(("", "a"), ("a", "b"), ("b", "c")), dag) == []
+    assert structure_problems(steps(("a", "b"),), dag) == []
+    assert structure_problems(steps(("", "c"),), dag) == [
+        "step 1 derives 'c' from no node, but the problem does not give it (it depends on 'b')"]
+    assert structure_problems(steps(("", "b"), ("", "b")), dag) == [
+        f"step {n} derives 'b' from no node, but the problem does not give it (it depends on 'a')" for n in (1, 2)]
+
+
+def test_a_step_passes_through_a_rule_or_an_operation_but_not_a_fact():
+    # "x and y imply z" (a CONSTRAINT node k), then z implies w; the problem gives x and y
+    dag = {"nodes": [{"id": n, "type": "PROPOSITION"} for n in "xyzw"] + [{"id": "k", "type": "CONSTRAINT"},
+                                                                          {"id": "g", "type": "GOAL"}],
+           "edges": [{"from": "k", "to": "x", "label": "REQUIRES"}, {"from": "k", "to": "y", "label": "REQUIRES"},
+                     {"from": "k", "to": "z", "label": "IMPLIES"}, {"from": "z", "to": "w", "label": "IMPLIES"},
+                     {"from": "g", "to": "w", "label": "REQUIRES"}]}
+    assert structure_problems(steps(("xy", "z"), ("z", "w")), dag) == []
+    assert structure_problems(steps(("xy", "w"),), dag) == [
+        "step 1 goes from 'x' to 'w' through 'z', which no earlier step derives",
+        "step 1 goes from 'y' to 'w' through 'z', which no earlier step derives"]
+
+
+def test_the_givens_of_a_marked_subject_are_its_facts_and_the_valued_quantities():
+    dag = {"nodes": [{"id": "s", "type": "ENTITY", "role": "subject"}, {"id": "q", "type": "ENTITY", "value": 3},
+                     *({"id": n, "type": "PROPOSITION"} for n in "pdu")],
+           "edges": [{"from": "s", "to": "p", "label": "HAS_PROPERTY"}, {"from": "d", "to": "u", "label": "IMPLIES"}]}
+    assert given_nodes(dag) == {"s", "q", "p"}  # d enters by no arc, but the subject does not have it
+    unmarked = {**dag, "nodes": [dict(n, role="") for n in dag["nodes"]]}
+    assert given_nodes(unmarked) == {"s", "q", "p", "d"}  # roots, and the properties of a root entity
+
+
+def test_the_goal_from_nothing_is_a_closed_world_no_only_where_the_givens_cannot_reach_it():
+    # the subject has p; the goal asks about u, which only the never-given d implies
+    dag = {"nodes": [{"id": "s", "type": "ENTITY", "role": "subject"}, {"id": "g", "type": "GOAL"},
+                     *({"id": n, "type": "PROPOSITION"} for n in "pqdu")],
+           "edges": [{"from": "s", "to": "p", "label": "HAS_PROPERTY"}, {"from": "p", "to": "q", "label": "IMPLIES"},
+                     {"from": "d", "to": "u", "label": "IMPLIES"}, {"from": "g", "to": "u", "label": "REQUIRES"}]}
+    assert structure_problems(steps(("p", "q"), ("", "g")), dag) == []
+    reached = {**dag, "edges": dag["edges"] + [{"from": "q", "to": "u", "label": "IMPLIES"}]}
+    assert structure_problems(steps(("p", "q"), ("", "g")), reached) == [
+        "step 2 derives 'g' from no node, but the problem does not give it (it depends on 'u')"]
 
 
 @pytest.mark.parametrize("solution, problem", [
@@ -92,7 +160,9 @@ def test_without_a_goal_node_the_goal_rule_does_not_apply():
     dag = {"nodes": [{"id": "a", "type": "PROPOSITION"}, {"id": "b", "type": "PROPOSITION"}],
            "edges": [{"from": "a", "to": "b", "label": "IMPLIES"}]}
     assert structure_problems(steps(("a", "b"),), dag) == []
-    assert structure_problems(steps(("b", "a"),), dag) == ["step 1: 'b' does not lead to 'a' in the graph"]
+    assert structure_problems(steps(("b", "a"),), dag) == [
+        "step 1 uses 'b', which no step derives and the problem does not give",
+        "step 1: 'b' does not lead to 'a' in the graph"]
 
 
 def test_integer_node_ids_compare_as_text():
@@ -126,8 +196,23 @@ def generated_dags(count: int):
 
 
 def test_every_forward_chaining_solution_of_a_generated_dag_passes():
+    statuses = Counter()
     for dag in generated_dags(200):
         assert structure_problems(solver_solution(dag), dag) == [], dag
+        statuses[solve(dag).status] += 1
+    # "unknown": a closed-world no, whose last step concludes the goal from nothing
+    assert set(statuses) == {"proven", "refuted", "unknown", "value"}, statuses
+
+
+def test_a_forward_chaining_solution_missing_a_step_of_its_chain_is_refused():
+    removed = 0
+    for dag in generated_dags(200):
+        solution = solver_solution(dag)
+        for i, step in enumerate(solution):
+            if any(set(step.derives) & set(later.uses) for later in solution[i + 1:]):
+                assert structure_problems(solution[:i] + solution[i + 1:], dag), (dag, i)
+                removed += 1
+    assert removed > 200
 
 
 def test_a_reversed_step_is_refused_exactly_when_the_graph_has_no_path_back():
@@ -182,8 +267,9 @@ def test_structure_failures_name_the_domain_and_the_first_problem():
     off_graph = inst(3, deps=steps(("", "a"), ("a", "z"), ("d", "c")))
     failure = check_group(group(medical=off_graph), DAG, 2)
     assert failure.domain == "medical"
+    # the other two: step 3 assumes d, which the graph derives from a, and d does not lead to c
     assert failure.reason == ("structure_mismatch (medical: step 2 names 'z', which is not a node "
-                              "of the graph; 1 more)")
+                              "of the graph; 2 more)")
     failure = check_group(group(science=inst(3, annotated=False)), DAG, 2)
     assert failure.domain == "science" and failure.reason.startswith("structure_unannotated (science")
 

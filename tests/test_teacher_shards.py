@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from iga_ds.cli import main
+from iga_ds.data.teacher import merge as merge_module
 from iga_ds.data.teacher.clients import OpenAIChatClient
 from iga_ds.data.teacher.pipeline import BuildSettings, build, hold_output_dir
 from iga_ds.data.teacher.shards import in_shard, parse_shard, shard_of
@@ -160,6 +161,42 @@ def test_merge_refuses_shards_that_would_lose_or_repeat_seeds(shards, capsys, ca
     assert err.count("\n") == 1 and not (out / "isomers.jsonl").exists()
 
 
+class Killed(BaseException):
+    """The merge's process killed between two writes."""
+
+
+@pytest.mark.parametrize("writes_before_the_kill", [0, 1, 2, 3])
+def test_a_merge_killed_between_its_writes_is_refused_until_merged_again(shards, monkeypatch, capsys,
+                                                                          writes_before_the_kill):
+    seeds, out = shards
+    assert merge(seeds, out) == 0  # a finished merge first: the next one rewrites every file
+    finished = {name: (out / name).read_bytes() for name in ("isomers.jsonl", "dropped.jsonl", "build.json")}
+    written = []
+
+    def kill_at_a_write(write):
+        def write_or_die(path, *args, **kwargs):
+            if len(written) == writes_before_the_kill:
+                raise Killed
+            written.append(Path(path).name)
+            write(path, *args, **kwargs)
+        return write_or_die
+
+    for name in ("write_jsonl", "atomic_write_json"):
+        monkeypatch.setattr(merge_module, name, kill_at_a_write(getattr(merge_module, name)))
+    with pytest.raises(Killed):
+        merge_module.merge_shards(seeds, out)
+    monkeypatch.undo()
+    assert written == ["dropped.jsonl", "isomers.jsonl", "stats.json"][:writes_before_the_kill]
+    assert not (out / "build.json").exists()  # the earlier merge's went first, the new one was to go last
+    resume = ["data", "build", "--seeds", str(seeds), "--out", str(out), "--base-url", "http://127.0.0.1:9/v1",
+              "--model", "m", "--max-regenerations", "1", "--no-progress"]
+    assert main(resume) == 2
+    assert "holds a merge of shards that did not finish" in capsys.readouterr().err
+    assert merge(seeds, out) == 0  # merging again finishes it
+    assert {name: (out / name).read_bytes() for name in finished} == finished
+    assert main(resume) == 0
+
+
 def test_merge_refuses_another_seeds_file_and_a_shard_being_built(shards, tmp_path, capsys):
     seeds, out = shards
     fewer = write_seeds(tmp_path / "fewer.jsonl", PROBLEMS[:-1])
@@ -178,18 +215,37 @@ def test_the_template_header_opens_with_its_command_and_documents_its_variables(
     assert used and all(v in header for v in used), sorted(v for v in used if v not in header)
 
 
+def shards_in_flight_at_once(requests) -> int:
+    """The most shards that had a request in flight at one moment, from the server's records."""
+    shard_of_port = {}  # each connection is one build process's, hence one shard's
+    for r in requests:
+        seed = re.search(r"\bproblem (\d+)\b", r.body["messages"][-1]["content"])  # the DAG prompt's seed
+        if seed:
+            shard_of_port[r.client_port] = shard_of(IDS[int(seed[1])], 3)
+    assert set(shard_of_port.values()) == {0, 1, 2}
+    # answers before arrivals at one instant: touching is not overlapping
+    events = sorted([(r.arrived, 1, r.client_port) for r in requests] + [(r.answered, -1, r.client_port)
+                                                                         for r in requests])
+    in_flight, most = Counter(), 0
+    for _, change, port in events:
+        in_flight[shard_of_port[port]] += change
+        most = max(most, sum(1 for n in in_flight.values() if n > 0))
+    return most
+
+
 @pytest.mark.slow
 def test_the_slurm_array_builds_shards_in_parallel_then_merges(local_slurm, tmp_path):
     seeds = write_seeds(tmp_path / "seeds.jsonl", PROBLEMS)
     out, logs = tmp_path / "out", tmp_path / "logs"
     logs.mkdir()
     with TeacherServer() as server:
-        server.teacher.delay = 0.02
+        server.teacher.delay = 0.03  # a shard's requests then span a second or two
         env = {"IGA_SEEDS": str(seeds), "IGA_OUT": str(out), "IGA_BASE_URL": server.url, "IGA_MODEL": "m",
                "IGA_BUILD_ARGS": "--concurrency 2 --max-regenerations 1 --backoff 0.001",
                "IGA_PYTHON": sys.executable, "IGA_LOG_DIR": str(logs)}
-        res = local_slurm.run("sbatch", "--parsable", "--array=0-2", f"--output={logs}/%x-%A_%a.out", str(TEMPLATE),
-                              cwd=REPO, env=env)
+        # one CPU a task (the template asks 2): the test cluster's 4 CPUs then run the 3 tasks at once
+        res = local_slurm.run("sbatch", "--parsable", "--array=0-2", "--cpus-per-task=1",
+                              f"--output={logs}/%x-%A_%a.out", str(TEMPLATE), cwd=REPO, env=env)
         array = res.stdout.strip().split(";")[0]
         assert array.isdigit(), res.stdout + res.stderr
         for task in range(3):
@@ -201,11 +257,11 @@ def test_the_slurm_array_builds_shards_in_parallel_then_merges(local_slurm, tmp_
         state, code = local_slurm.wait_done(merge_job, 120)
         merge_log = (logs / f"iga-data-merge-{merge_job}.out").read_text()
         assert (state, code) == ("COMPLETED", 0), merge_log
-        # the shards' requests overlapped in time: the tasks ran side by side
-        clients = [r.client_port for r in server.teacher.requests]
+        requests = list(server.teacher.requests)
     assert "merged 3 shards: 30 seeds, each exactly once" in merge_log
     kept = Counter(r["seed_id"] for r in lines(out / "isomers.jsonl"))
     dropped = {r["seed_id"] for r in lines(out / "dropped.jsonl")}
     assert set(kept.values()) == {4} and not set(kept) & dropped and set(kept) | dropped == set(IDS)
     assert dropped == {f"s{i:03d}" for i in range(0, 30, 5)}
-    assert len(set(clients)) >= 3
+    # the tasks ran side by side: requests of different shards were in flight at one moment
+    assert shards_in_flight_at_once(requests) >= 2

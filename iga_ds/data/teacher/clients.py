@@ -144,6 +144,15 @@ class OpenAIChatClient:
                  json_mode: bool = True):
         if not base_url.startswith(("http://", "https://")):
             raise UserError(f"--base-url {base_url!r}: expected http://HOST:PORT/v1 or https://...")
+        # the command line checks its options; a library caller gets the same checks here, or a
+        # negative max_retries would make no attempt at all and a negative backoff fail mid-build
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"max_retries={max_retries!r}: expected an integer >= 0")
+        if not timeout > 0:  # written so that NaN fails too
+            raise ValueError(f"timeout={timeout!r}: expected a number > 0")
+        for name, value in (("backoff", backoff), ("max_backoff", max_backoff)):
+            if not value >= 0:
+                raise ValueError(f"{name}={value!r}: expected a number >= 0")
         base = base_url.rstrip("/")
         self.url = httpx.URL(base if base.endswith("/chat/completions") else base + "/chat/completions")
         self.model = model

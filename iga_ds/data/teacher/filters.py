@@ -8,23 +8,35 @@ What that means here, given what an instance reply holds (``parse.Instance``):
 - **Step count**: the number of CoT steps (the ``Answer:`` line not counted). A group whose
   largest and smallest counts differ by more than ``max_step_diff`` (2) fails.
 - **Dependency structure**: the instance prompt asks each step to name the DAG nodes it
-  ``uses`` and the node it ``derives``. A solution has the extracted graph's dependency
+  ``uses`` and the node it ``derives``. The graph's arcs run in the direction of dependency:
+  ``IMPLIES``, ``CAUSES``, ``IS_A``, ``HAS_PROPERTY`` from ``from`` to ``to``; ``REQUIRES``
+  from ``to`` to ``from`` ("X requires Y": X depends on Y); ``CONTRADICTS`` both ways. The
+  problem *gives* a node when the graph derives it from nothing: no arc other than a
+  contradiction enters it, or it is a property or class (``HAS_PROPERTY``, ``IS_A``) of an
+  entity that is given. Where the graph marks its subject (``"role": "subject"``, as the
+  project's generated DAGs do) the givens are exactly the subject, its properties and classes,
+  and the quantities with a ``value``. A solution has the extracted graph's dependency
   structure when
 
   1. its steps carry these names (an unannotated solution cannot be compared and fails);
   2. every name is a node of the graph;
-  3. no step uses a node that only it or a later step derives (a node that no step derives
-     is given by the problem);
-  4. each used node leads to each node the same step derives along the graph's edges, read
-     in the direction of dependency: ``IMPLIES``, ``CAUSES``, ``IS_A``, ``HAS_PROPERTY`` from
-     ``from`` to ``to``; ``REQUIRES`` from ``to`` to ``from`` ("X requires Y": X depends on Y);
-     ``CONTRADICTS`` both ways. A path, not only an edge: a step may pass through nodes it does
-     not name (the ``CONSTRAINT`` node of "a and b imply c", the ``RELATION`` node of a
-     computation, a link it summarises), the granularity that the step-count tolerance allows;
-  5. when the graph has a ``GOAL`` node, some step derives it or a node it depends on directly.
+  3. every node a step uses is derived by an earlier step or given by the problem (a step
+     may not use what only it or a later step derives, nor assume a node the graph derives);
+  4. each used node leads to each node the same step derives along the graph's arcs;
+  5. a step that derives a node the problem does not give uses at least one node (which, by
+     rule 4, leads to it). One exception, the closed world: a step may conclude the goal (a
+     ``GOAL`` node or a node it depends on directly) from nothing when the graph offers no
+     derivation of the goal from the givens ("no", because nothing establishes it);
+  6. a step passes only through nodes that are not facts (the ``CONSTRAINT`` node of "a and
+     b imply c", the ``RELATION`` node of a computation): a fact node (``PROPOSITION``,
+     ``ENTITY``) on every path from a used node to the derived one, and not given, is derived
+     by an earlier step. With rules 3 to 5, every node on the solution's way from the givens
+     to the goal is derived, as the graph's chain has it;
+  7. when the graph has a ``GOAL`` node, some step derives it or a node it depends on directly.
 
   Every solution of a group is compared with the one graph, so the solutions share its
-  dependency structure, up to how finely they cut their steps, which the step count bounds.
+  dependency structure. A solution may still derive a node twice or add a side step; the
+  step count bounds that.
 - **Answer type** (this project's addition): the group's answers have one type (yes/no,
   integer, number, option, text), since training compares the domains' losses on them.
 
@@ -36,7 +48,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter, defaultdict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from iga_ds.data.schema import answer_type
@@ -44,6 +56,8 @@ from iga_ds.data.teacher.parse import Instance, StepDependencies
 
 OUTLIER_POLICIES = ("discard", "regenerate")
 FORWARD_LABELS = ("IMPLIES", "CAUSES", "IS_A", "HAS_PROPERTY")
+# the rule and the operation a step applies: it passes through them and never derives them
+NOT_FACTS = ("CONSTRAINT", "RELATION")
 
 
 @dataclass(frozen=True)
@@ -69,34 +83,98 @@ def dependency_arcs(dag: dict) -> dict[str, set[str]]:
     return arcs
 
 
-def leads_to(arcs: Mapping[str, set[str]], start: str, end: str) -> bool:
-    """Whether a path of one or more arcs goes from ``start`` to ``end`` (breadth first)."""
+def leads_to(arcs: Mapping[str, set[str]], start: str, end: str, avoiding: str | None = None) -> bool:
+    """Whether a path of one or more arcs goes from ``start`` to ``end`` (breadth first),
+    with no node ``avoiding`` between them."""
     seen, queue = set(), deque(arcs.get(start, ()))
     while queue:
         node = queue.popleft()
         if node == end:
             return True
-        if node not in seen:
+        if node not in seen and node != avoiding:
             seen.add(node)
             queue.extend(arcs.get(node, ()))
     return False
 
 
-def _goal_problem(dag: dict, arcs: Mapping[str, set[str]], derived: set[str]) -> str | None:
-    """Rule 5: a step derives a GOAL node or a node a GOAL depends on directly."""
+def given_nodes(dag: dict) -> set[str]:
+    """The nodes the problem states rather than derives (the module docstring says how)."""
+    types = {str(n["id"]): n.get("type") for n in dag["nodes"]}
+    facts_of: dict[str, set[str]] = defaultdict(set)  # entity -> its properties and classes
+    derived_by_graph = set()  # entered by an arc other than a contradiction
+    for edge in dag.get("edges", []):
+        a, b, label = str(edge["from"]), str(edge["to"]), edge["label"]
+        if label in ("HAS_PROPERTY", "IS_A"):
+            facts_of[a].add(b)
+        if label in FORWARD_LABELS:
+            derived_by_graph.add(b)
+        elif label == "REQUIRES":
+            derived_by_graph.add(a)
+    subjects = [str(n["id"]) for n in dag["nodes"] if n.get("role") == "subject"]
+    if subjects:
+        valued = {str(n["id"]) for n in dag["nodes"] if "value" in n}
+        return set(subjects).union(valued, *(facts_of[s] for s in subjects))
+    roots = set(types) - derived_by_graph
+    return roots.union(*(facts_of[e] for e in roots if types[e] == "ENTITY"))
+
+
+def _inputs(arcs: Mapping[str, set[str]]) -> dict[str, set[str]]:
+    """node -> the nodes it depends on directly (the arcs reversed)."""
+    inputs: dict[str, set[str]] = defaultdict(set)
+    for node, after in arcs.items():
+        for other in after:
+            inputs[other].add(node)
+    return inputs
+
+
+def reachable(dag: dict, arcs: Mapping[str, set[str]], starts: Iterable[str]) -> set[str]:
+    """What the graph derives from ``starts``: a fact needs one node leading to it, a
+    CONSTRAINT or RELATION node all of them (both premises of "a and b imply c")."""
+    types = {str(n["id"]): n.get("type") for n in dag["nodes"]}
+    before = _inputs(arcs)
+    reached, queue = set(starts), deque(starts)
+    while queue:
+        for node in arcs.get(queue.popleft(), ()):
+            if node in reached:
+                continue
+            if types.get(node) in NOT_FACTS and not before[node] <= reached:
+                continue  # another of its inputs may still come
+            reached.add(node)
+            queue.append(node)
+    return reached
+
+
+def _answering(dag: dict, arcs: Mapping[str, set[str]]) -> set[str]:
+    """The GOAL nodes and the nodes they depend on directly (empty without a GOAL)."""
     goals = {str(n["id"]) for n in dag["nodes"] if n.get("type") == "GOAL"}
-    if not goals:
-        return None
-    answering = goals | {node for node, after in arcs.items() if after & goals}
-    if derived & answering:
+    return goals | {node for node, after in arcs.items() if after & goals}
+
+
+def _goal_problem(answering: set[str], derived: set[str]) -> str | None:
+    """Rule 7: a step derives a GOAL node or a node a GOAL depends on directly."""
+    if not answering or derived & answering:
         return None
     return f"no step derives the goal or a node it depends on ({', '.join(sorted(answering))})"
 
 
+def _skipped(arcs, types, used: str, derived: str, known: set[str]) -> list[str]:
+    """Rule 6: the facts, neither given nor derived before, that every path from ``used`` to
+    ``derived`` passes through."""
+    return [node for node in sorted(types)
+            if node not in (used, derived) and node not in known and types[node] not in (*NOT_FACTS, "GOAL")
+            and leads_to(arcs, used, node) and leads_to(arcs, node, derived)
+            and not leads_to(arcs, used, derived, avoiding=node)]
+
+
 def structure_problems(steps: Sequence[StepDependencies], dag: dict) -> list[str]:
-    """What keeps a solution from the graph's dependency structure (rules 2-5); [] if nothing."""
-    nodes = {str(n["id"]) for n in dag["nodes"]}
+    """What keeps a solution from the graph's dependency structure (rules 2-7); [] if nothing."""
+    types = {str(n["id"]): n.get("type") for n in dag["nodes"]}
     arcs = dependency_arcs(dag)
+    given = given_nodes(dag)
+    answering = _answering(dag, arcs)
+    # the closed world's "no": the givens reach no node that answers the goal
+    closed_world = bool(answering) and not answering & reachable(dag, arcs, given)
+    inputs = _inputs(arcs)
     first_derived: dict[str, int] = {}
     for number, step in enumerate(steps, 1):
         for node in step.derives:
@@ -104,15 +182,28 @@ def structure_problems(steps: Sequence[StepDependencies], dag: dict) -> list[str
     problems = []
     for number, step in enumerate(steps, 1):
         for node in (*step.uses, *step.derives):
-            if node not in nodes:
+            if node not in types:
                 problems.append(f"step {number} names {node!r}, which is not a node of the graph")
-        for used in step.uses:
+        known = given | {node for node, first in first_derived.items() if first < number}
+        for used in (u for u in step.uses if u in types):
             if first_derived.get(used, 0) >= number:
                 problems.append(f"step {number} uses {used!r}, which step {first_derived[used]} derives")
-            for derived in step.derives:
-                if used in nodes and derived in nodes and not leads_to(arcs, used, derived):
+            elif used not in known:
+                problems.append(f"step {number} uses {used!r}, which no step derives and the problem "
+                                "does not give")
+            for derived in (d for d in step.derives if d in types):
+                if not leads_to(arcs, used, derived):
                     problems.append(f"step {number}: {used!r} does not lead to {derived!r} in the graph")
-    goal = _goal_problem(dag, arcs, set(first_derived))
+                for skipped in _skipped(arcs, types, used, derived, known):
+                    problems.append(f"step {number} goes from {used!r} to {derived!r} through {skipped!r}, "
+                                    "which no earlier step derives")
+        if not step.uses:
+            for derived in step.derives:
+                if derived in types and derived not in given and not (closed_world and derived in answering):
+                    named = ", ".join(map(repr, sorted(inputs[derived])))
+                    problems.append(f"step {number} derives {derived!r} from no node, but the problem does "
+                                    "not give it" + (f" (it depends on {named})" if named else ""))
+    goal = _goal_problem(answering, set(first_derived))
     return problems + ([goal] if goal else [])
 
 

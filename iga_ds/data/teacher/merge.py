@@ -4,9 +4,10 @@ The shards ``OUT/shard-I-of-N`` must all be there (I = 0 to N-1, one N), built w
 settings and prompts, finished (no seed pending, no tail cut off by a kill) and not being
 built now; every seed of the seeds file must have exactly one outcome, in the shard its id
 belongs to. Then ``OUT`` gets what an unsharded build would have written: ``isomers.jsonl``
-and ``dropped.jsonl`` in the seeds file's order, ``build.json`` and ``stats.json``, each file
-written whole or not at all. A merged ``OUT`` resumes as an unsharded build would (nothing to
-do).
+and ``dropped.jsonl`` in the seeds file's order, ``stats.json``, and last ``build.json``, each
+file written whole or not at all. ``build.json`` marks a finished merge: until it is written
+(again) the folder is a merge cut off, which a build refuses and the next merge finishes. A
+merged ``OUT`` resumes as an unsharded build would (nothing to do).
 """
 from __future__ import annotations
 
@@ -116,9 +117,13 @@ def merge_shards(seeds_path: str | Path, out_dir: str | Path) -> dict:
             where = ", ".join(f"shard {i}/{count}: {n}" for i, n in sorted(pending.items()))
             raise UserError(f"{sum(pending.values())} of {len(ids)} seeds have no outcome yet ({where}): "
                             "run those shards' builds again, then merge")
+        # build.json is what says the merge finished: an earlier merge's goes first, the new one
+        # last, so a merge killed between its writes leaves none (a build refuses such a folder,
+        # and merging again finishes it)
+        (out / SETTINGS_FILE).unlink(missing_ok=True)
         write_jsonl(out / DROPPED_FILE, [dropped[sid] for sid in ids if sid in dropped])
         write_jsonl(out / KEPT_FILE, [r for sid in ids if sid in kept for r in kept[sid]])
-        atomic_write_json(out / SETTINGS_FILE, {**settings, "merged_shards": count})
         stats = {**compute_stats(out, ids), "merged_shards": count}
         atomic_write_json(out / STATS_FILE, stats)
+        atomic_write_json(out / SETTINGS_FILE, {**settings, "merged_shards": count})
     return stats

@@ -46,7 +46,7 @@ from iga_ds.data.teacher.clients import ChatClient, Counters, TeacherError, Teac
 from iga_ds.data.teacher.filters import check_group
 from iga_ds.data.teacher.parse import Instance, MalformedOutput, parse_dag, parse_instance, parse_verification
 from iga_ds.data.teacher.prompts import Prompts, Template
-from iga_ds.data.teacher.shards import in_shard, parse_shard, shard_dir
+from iga_ds.data.teacher.shards import SHARD_DIR, in_shard, parse_shard, shard_dir
 from iga_ds.errors import DataError, UserError
 from iga_ds.files import (append_lines, atomic_write_json, cut_torn_tail, iter_jsonl, jsonl_text, make_dir,
                           torn_tail_start, write_jsonl)
@@ -526,8 +526,21 @@ class _Workers:
             self._tasks.put(None)
 
 
+def _check_not_a_cut_off_merge(out: Path) -> None:
+    """Refuse a folder where ``iga-ds data merge`` was killed: it writes ``build.json`` last,
+    while a build writes it before any outcome."""
+    if (out / SETTINGS_FILE).exists():
+        return
+    written = [name for name in (KEPT_FILE, DROPPED_FILE, STATS_FILE) if (out / name).exists()]
+    if written and any(SHARD_DIR.match(path.name) and path.is_dir() for path in out.iterdir()):
+        raise UserError(f"--out {out}: holds a merge of shards that did not finish ({', '.join(written)} but "
+                        f"no {SETTINGS_FILE}, which the merge writes last): run `iga-ds data merge` with the "
+                        "same --seeds and --out again to finish it")
+
+
 def _seeds_to_do(out: Path, seeds: list[dict], settings: BuildSettings) -> list[dict]:
     """Prepare ``out`` for a new or resumed build; return the seeds in neither output file."""
+    _check_not_a_cut_off_merge(out)
     _check_settings(out, settings)
     _repair_tail(out / KEPT_FILE, complete_group=len(settings.domains))
     _repair_tail(out / DROPPED_FILE)
