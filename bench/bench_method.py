@@ -47,12 +47,13 @@ import torch
 
 import precision_rule as precision_rule_lib
 from common import (
-    SMALL, environment, environment_line, lora_shapes, make_modules, model_config, peak_extra_mib, spread, time_ms,
+    SMALL, batch_bytes_option, environment, environment_line, lora_shapes, make_modules, model_config,
+    peak_extra_mib, spread, time_ms,
 )
 from iga_ds.files import atomic_write_json
 from iga_ds.methods import ModuleGrads, get_method, module_generator
 from iga_ds.methods.iga import triton_kernels
-from iga_ds.methods.iga.fused import batched_iga, resolve_batch_bytes
+from iga_ds.methods.iga.fused import batched_iga
 from iga_ds.methods.iga.reference import iga_update, mean_and_variance, normalize_variance
 
 
@@ -229,16 +230,6 @@ def print_rule(rule: dict) -> None:
     for name, row in rule["variants"].items():
         print(f"{name:<10}{row['power_iters']:>3}{row['error_vs_f64']['max']:>16.2e}{str(row['within_noise']):>9}"
               f"{row['rank_r_over_optimal']['max']:>24.4f}{str(row['within_one_percent']):>9}")
-
-
-def batch_bytes_option(text: str):
-    """--batch-bytes: 'auto' or a byte count, checked by the fused path's own rule."""
-    if text == "auto":
-        return text
-    try:
-        return resolve_batch_bytes(int(text), torch.device("cpu"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive number of bytes, got {text!r}") from None
 
 
 def parse_args(argv=None):

@@ -19,6 +19,7 @@ of the script it runs (``python bench/x.py``) first on the module search path, a
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.metadata
 import json
@@ -31,6 +32,7 @@ import torch
 
 from iga_ds.errors import ConfigError
 from iga_ds.methods import ModuleGrads
+from iga_ds.methods.iga.fused import resolve_batch_bytes
 
 # LLaMA-2-7B (Touvron et al., 2023, "Llama 2: Open Foundation and Fine-Tuned Chat Models"),
 # the fields of its Hugging Face config that set the shapes
@@ -95,6 +97,32 @@ def llama_config(config: dict):
     from transformers import LlamaConfig
 
     return LlamaConfig(**{k: v for k, v in config.items() if k not in _NOT_FIELDS})
+
+
+def lora_llama(config: dict, *, rank: int, alpha: float, dtype, device, grad_ckpt: bool = False):
+    """A random-weight LLaMA of ``config`` with PEFT LoRA on q, k, v, o, built on ``device`` in
+    ``dtype`` (a float32 7B would not fit first), B drawn non-zero as some steps into a run."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            base = LlamaForCausalLM(llama_config(config))
+    finally:
+        torch.set_default_dtype(previous)
+    lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
+    model = get_peft_model(base, lora)
+    with torch.no_grad():  # B = 0 at PEFT's start; a run some steps in has B != 0
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 1e-3)
+    if grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    return model
 
 
 def lora_shapes(config: dict) -> list[tuple[str, int, int]]:
@@ -248,3 +276,13 @@ def environment_line(env: dict) -> str:
     parts = [f"card: {card}", f"python {env.get('python')}", f"torch {env.get('torch')}", f"CUDA {env.get('cuda')}"]
     parts += [f"{name} {env[name]}" for name in _PACKAGES if env.get(name)]
     return " | ".join(parts)
+
+
+def batch_bytes_option(text: str):
+    """--batch-bytes: 'auto' or a byte count, checked by the fused path's own rule."""
+    if text == "auto":
+        return text
+    try:
+        return resolve_batch_bytes(int(text), torch.device("cpu"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive number of bytes, got {text!r}") from None

@@ -1,35 +1,45 @@
 """Where the IGA method's time goes: a torch.profiler table of the fused path on LLaMA-2-7B shapes.
 
-    python bench/profile_method.py [--rows 30]
+    python bench/profile_method.py [--rows 30] [--precision ieee|tf32|bf16] [--batch-bytes 4294967296]
 
 Prints the CUDA kernels (or CPU ops without CUDA) sorted by total device time, for one
-`batched_iga` call over the 128 q/k/v/o modules after a warm-up call.
+`batched_iga` call over the 128 q/k/v/o modules after a warm-up call, then the call's wall
+time against the device's busy time (median of ``--reps`` calls): when the wall time is the
+larger, the host issues launches slower than the device runs them.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 import torch
 
-from common import SMALL, environment, environment_line, lora_shapes, make_modules, model_config, synchronize
+from common import (SMALL, batch_bytes_option, environment, environment_line, gpu_busy_ms, lora_shapes, make_modules, model_config,
+                    synchronize, time_ms)
 from iga_ds.methods import module_generator
 from iga_ds.methods.iga.fused import batched_iga
 
 
-def main() -> int:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=30)
+    p.add_argument("--precision", choices=("ieee", "tf32x3", "tf32", "bf16"), default="ieee",
+                   help="the tile kernel's precision (batched_iga's triton_precision)")
+    p.add_argument("--batch-bytes", type=batch_bytes_option, default="auto",
+                   help="bytes of masked matrices per stack, or 'auto' (the training default)")
+    p.add_argument("--reps", type=int, default=5, help="timed calls for the wall and busy times")
     p.add_argument("--small", action="store_true")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = model_config(layers=SMALL["layers"], hidden=SMALL["hidden"]) if args.small else model_config()
     modules = make_modules(lora_shapes(config), rank=16, alpha=32.0, domains=4, device=device)
     print(environment_line(environment(device)), flush=True)
+    precision = args.precision if device.type == "cuda" else "ieee"
 
     def run():
         gens = [module_generator(0, 1, m.index, device) for m in modules]
-        return batched_iga(modules, generators=gens)
+        return batched_iga(modules, generators=gens, batch_bytes=args.batch_bytes, triton_precision=precision)
 
     run()
     synchronize(device)
@@ -41,6 +51,12 @@ def main() -> int:
         synchronize(device)
     key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=args.rows, max_name_column_width=60))
+    wall = statistics.median(time_ms(run, device, warmup=1, reps=args.reps, clock="wall"))
+    line = f"{len(modules)} modules, precision {precision}, batch_bytes {args.batch_bytes}: wall {wall:.2f} ms"
+    if device.type == "cuda":
+        busy = statistics.median(gpu_busy_ms(run) for _ in range(args.reps))
+        line += f", device busy {busy:.2f} ms"
+    print(line)
     return 0
 
 

@@ -190,6 +190,28 @@ def test_one_pass_bases_lose_nothing_on_an_ill_conditioned_float32_matrix():
     assert rel(approx, best) < 1e-5
 
 
+def test_cholesky_qr_solves_only_against_its_small_factor(monkeypatch):
+    # a triangular solve against the tall m x k basis was a slow GPU kernel: the k x k factor is
+    # inverted on its own and applied by one product; the bases stay orthonormal and the
+    # method equal to the reference (float64, two passes each)
+    from iga_ds.methods.iga.fused import orthonormalize
+
+    shapes = []
+    real = torch.linalg.solve_triangular
+    monkeypatch.setattr(torch.linalg, "solve_triangular",
+                        lambda A, B, *args, **kw: shapes.append(tuple(B.shape[-2:])) or real(A, B, *args, **kw))
+    Y = torch.randn(3, 200, 12, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    Q = orthonormalize(Y)
+    assert shapes and set(shapes) == {(12, 12)}
+    # 1e-13: the shift CholeskyQR adds for rank-deficient sketches (the triangular solve gave the same)
+    assert float((Q.mT @ Q - torch.eye(12, dtype=torch.float64)).abs().max()) < 1e-12
+    assert float((Q @ (Q.mT @ Y) - Y).abs().max()) < 1e-12  # the same span
+    assert orthonormalize(Y.float(), final=False, out_dtype=torch.bfloat16).dtype == torch.bfloat16
+    mods = [make_module(i) for i in range(2)]
+    out = batched_iga(mods, tau=0.5, normalize="snr", generators=generators(mods))
+    assert_matches_reference(mods, out, torch.float64, tau=0.5, normalize="snr")
+
+
 @pytest.mark.parametrize("rank,power_iters,oversample", [(2, 2, 10), (4, 0, 10), (4, 1, 3), (3, 2, 100)])
 def test_rank_power_iterations_and_sketch_width(rank, power_iters, oversample):
     # oversample 100 makes the sketch as wide as the matrix: width = min(rank + p, out, in)
@@ -455,6 +477,14 @@ def test_bench_method_small_runs_on_cpu(tmp_path):
     assert quality["modules"] == 4 and all(len(quality[k]) == 4 for k in ("randomized", "single_pass"))
     assert all(x >= 1 - 1e-9 for k in ("randomized", "single_pass") for x in quality[k])
     assert "batched_torch" in proc.stdout and "tolerance" in proc.stdout
+
+
+@pytest.mark.slow
+def test_profile_method_small_runs_on_cpu():
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "profile_method.py"), "--small", "--rows", "3",
+                           "--reps", "1", "--batch-bytes", "auto"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "aten::" in proc.stdout and "8 modules, precision ieee, batch_bytes auto: wall" in proc.stdout
 
 
 @pytest.mark.slow
