@@ -1,6 +1,7 @@
 """Isomer sets and benchmarks through `datasets`: Parquet, Arrow, save_to_disk folders and hub ids
 read with the same checks as JSON Lines (errors name the source and the row), `iga-ds data export`
-writes them atomically, and MATH reads a Parquet copy."""
+writes them atomically, MATH reads a Parquet copy, and every benchmark reads one dataset of its
+records (Parquet, Arrow, a save_to_disk folder, a hub id) into the items of its published layout."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -21,7 +23,8 @@ from iga_ds.evaluation.records import read_isomer_records
 from iga_ds.files import write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
-MATH_FIXTURE = REPO / "tests" / "fixtures" / "benchmarks" / "MATH"
+BENCHMARK_FIXTURES = REPO / "tests" / "fixtures" / "benchmarks"
+MATH_FIXTURE = BENCHMARK_FIXTURES / "MATH"
 
 
 @pytest.fixture(autouse=True)
@@ -259,3 +262,177 @@ def test_math_parquet_rows_are_checked_and_missing_subjects_reported(tmp_path):
     shutil.rmtree(root / "geometry")
     with pytest.raises(DataError, match=r"no test/geometry/ folder and no geometry/test-\*.parquet"):
         load_benchmark("math", root)
+
+
+# -- every benchmark from one dataset of its records -----------------------------------------
+
+DATASET_FORMATS = ("parquet", "arrow", "dataset")
+
+
+def _published_records(path: Path) -> list[dict]:
+    """The records of one published file: a JSON array, or JSON Lines."""
+    if path.suffix == ".json":
+        return json.loads(path.read_text())
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _math_records() -> list[dict]:
+    """Every MATH fixture problem (all subjects, prealgebra included) as one table's rows."""
+    return [json.loads(p.read_text()) for folder in sorted((MATH_FIXTURE / "test").iterdir())
+            for p in sorted(folder.glob("*.json"), key=lambda p: (len(p.stem), p.stem))]
+
+
+def _dataset_copy(records: list[dict], folder: Path, stem: str, fmt: str) -> Path:
+    """``records`` as ``stem.parquet``, ``stem.arrow`` (the file save_to_disk writes) or a saved ``stem/``."""
+    import datasets
+
+    folder.mkdir(parents=True, exist_ok=True)
+    table = datasets.Dataset.from_list(records)
+    if fmt == "parquet":
+        table.to_parquet(str(folder / f"{stem}.parquet"))
+        return folder / f"{stem}.parquet"
+    saved = folder / ("saved" if fmt == "arrow" else stem)
+    table.save_to_disk(str(saved))
+    if fmt == "dataset":
+        return saved
+    shutil.copy(next(saved.glob("*.arrow")), folder / f"{stem}.arrow")
+    return folder / f"{stem}.arrow"
+
+
+# (benchmark, published file (None: MATH's whole folder), options of both loads, options of the published load)
+SAME_ITEMS = [
+    ("logiqa2", "logiqa2/test.txt", {}, {"ood_files": []}),
+    ("logiqa2", "logiqa2/ood_test.jsonl", {"id_files": []}, {}),
+    ("reclor", "reclor/val.json", {}, {}),
+    ("reclor", "reclor/test.json", {"split": "test", "hard_start": 2}, {}),
+    ("math", None, {}, {}),
+    ("math", None, {"levels": [1]}, {}),
+    ("arb", "arb/law.json", {}, {}),
+    ("arb", "arb/math_numerical.json", {}, {}),
+]
+
+
+@pytest.mark.parametrize("fmt", DATASET_FORMATS)
+@pytest.mark.parametrize("name, published, options, published_only", SAME_ITEMS,
+                         ids=[f"{case[0]}-{case[1] or 'all'}-{len(case[2])}" for case in SAME_ITEMS])
+def test_a_benchmark_from_one_dataset_gives_the_published_items(tmp_path, fmt, name, published, options,
+                                                                published_only):
+    from iga_ds.data.benchmarks import load_benchmark
+
+    if published is None:  # MATH: one table of every subject stands for the test/ folder
+        want = load_benchmark(name, MATH_FIXTURE, **options)
+        records, stem = _math_records(), "test"
+    else:
+        path = BENCHMARK_FIXTURES / published
+        want = load_benchmark(name, path.parent, **options, **published_only)
+        if name == "arb":  # the published folder holds every category; the dataset one
+            want = [item for item in want if item.domain == path.stem]
+        records, stem = _published_records(path), path.stem
+    root = _dataset_copy(records, tmp_path / fmt, stem, fmt)
+    got = load_benchmark(name, root, **options)
+    assert want and got == want
+
+
+BAD_ROWS = [  # (benchmark, published file (None: MATH's), what row 1 is spoilt by, the error after "SOURCE: row 1: ")
+    ("logiqa2", "logiqa2/test.txt", {"answer": 7}, "field 'answer': expected an index 0-3, got 7"),
+    ("reclor", "reclor/val.json", {"answers": ["a", "b"]}, "field 'answers': expected 4 options, got 2"),
+    ("math", None, {"type": "Topology"}, "field 'type': expected a MATH subject"),
+    ("math", None, {"solution": "no box"}, "field 'solution': expected a final \\boxed"),
+    ("arb", "arb/law.json", {"finalAnswer": "Q"}, "field 'finalAnswer': 'Q' is neither an option letter"),
+]
+
+
+@pytest.mark.parametrize("name, published, change, error", BAD_ROWS,
+                         ids=[f"{case[0]}-{next(iter(case[2]))}" for case in BAD_ROWS])
+def test_a_bad_row_of_a_benchmark_dataset_is_one_line_naming_source_and_row(tmp_path, name, published, change, error):
+    from iga_ds.data.benchmarks import load_benchmark
+
+    if published is None:
+        records, stem = _math_records(), "test"
+    else:
+        records, stem = _published_records(BENCHMARK_FIXTURES / published), Path(published).stem
+    records[1].update(change)
+    root = _dataset_copy(records, tmp_path, stem, "parquet")
+    with pytest.raises(DataError) as info:
+        load_benchmark(name, root)
+    message = str(info.value)
+    assert message.startswith(f"{root}: row 1: {error}") and "\n" not in message
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    """A stand-in for the hub: ``hub.tables[repo]`` is what a hub id of ``repo`` loads;
+    ``hub.requests`` records (repo, revision, split) of every load."""
+    import datasets
+
+    from iga_ds.data import sources
+
+    stand_in = SimpleNamespace(tables={}, requests=[])
+
+    def from_hub(source):
+        stand_in.requests.append((source.location, source.revision, source.split))
+        if source.location not in stand_in.tables:
+            raise ConnectionError("the hub is not reachable")
+        return datasets.Dataset.from_list(stand_in.tables[source.location])
+
+    monkeypatch.setattr(sources, "_from_hub", from_hub)
+    return stand_in
+
+
+def test_benchmark_hub_ids_read_the_split_the_options_name(hub):
+    from iga_ds.data.benchmarks import load_benchmark
+
+    hub.tables["acme/logiqa2"] = _published_records(BENCHMARK_FIXTURES / "logiqa2" / "test.txt")
+    hub.tables["acme/reclor"] = _published_records(BENCHMARK_FIXTURES / "reclor" / "val.json")
+    hub.tables["acme/math"] = _math_records()
+    hub.tables["acme/arb"] = _published_records(BENCHMARK_FIXTURES / "arb" / "law.json")
+    assert load_benchmark("logiqa2", "acme/logiqa2") == load_benchmark("logiqa2", BENCHMARK_FIXTURES / "logiqa2",
+                                                                        ood_files=[])
+    assert {i.split for i in load_benchmark("logiqa2", "acme/logiqa2", id_files=[])} == {"ood"}
+    assert load_benchmark("reclor", "acme/reclor") == load_benchmark("reclor", BENCHMARK_FIXTURES / "reclor")
+    load_benchmark("reclor", "acme/reclor@v1:validation")
+    assert load_benchmark("math", "acme/math") == load_benchmark("math", MATH_FIXTURE)
+    law = load_benchmark("arb", "acme/arb:law")
+    assert [(i.id, i.domain, i.split) for i in law] == [("arb/law/l1", "law", "ood"), ("arb/law/l2", "law", "ood")]
+    assert hub.requests == [("acme/logiqa2", None, "test"), ("acme/logiqa2", None, "ood_test"),
+                            ("acme/reclor", None, "val"), ("acme/reclor", "v1", "validation"),
+                            ("acme/math", None, "test"), ("acme/arb", None, "law")]
+    with pytest.raises(DataError, match=r"^arb: acme/arb: a hub id names its category as the split, "
+                                        r"e.g. acme/arb:law$"):
+        load_benchmark("arb", "acme/arb")
+
+
+def test_a_benchmark_hub_id_that_cannot_load_says_where_to_obtain_the_benchmark(hub, tmp_path, monkeypatch):
+    from iga_ds.data.benchmarks import load_benchmark
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError) as info:  # a missing relative folder is spelled like a hub id
+        load_benchmark("reclor", "data/reclor")
+    message = str(info.value)
+    assert message.startswith("reclor: no usable copy at data/reclor (no such file or folder, and it could not be "
+                              "loaded from the Hugging Face hub (the hub is not reachable)); expected train.json")
+    assert "not bundled" in message and "whyu.me/reclor" in message and "\n" not in message
+
+
+def test_which_file_or_category_a_benchmark_dataset_stands_for(tmp_path):
+    import datasets
+
+    from iga_ds.data.benchmarks import load_benchmark
+
+    table = _dataset_copy(_published_records(BENCHMARK_FIXTURES / "logiqa2" / "test.txt"), tmp_path, "test", "parquet")
+    with pytest.raises(DataError, match=r"^logiqa2: .*test.parquet is one dataset, the records of one file; "
+                                        r"expected id_files to name one file, got 2"):
+        load_benchmark("logiqa2", table, id_files=["test.txt", "dev.txt"])
+    proofs = _dataset_copy(_published_records(BENCHMARK_FIXTURES / "arb" / "math_prooflike.json"), tmp_path,
+                           "math_prooflike", "parquet")
+    with pytest.raises(DataError, match=r"category math_prooflike is proof-like.*include_prooflike=true"):
+        load_benchmark("arb", proofs)
+    assert len(load_benchmark("arb", proofs, include_prooflike=True)) == 1
+    records = _published_records(BENCHMARK_FIXTURES / "reclor" / "val.json")
+    datasets.DatasetDict({"validation": datasets.Dataset.from_list(records)}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(DataError, match=r"dd: a dataset with the splits validation; name one split's folder"):
+        load_benchmark("reclor", tmp_path / "dd")
+    assert len(load_benchmark("reclor", tmp_path / "dd" / "validation")) == len(records)
+    # a file of another kind is not a dataset: the published layout's message says what is expected
+    with pytest.raises(DataError, match=r"reclor: no usable copy at .*val.json; expected train.json"):
+        load_benchmark("reclor", BENCHMARK_FIXTURES / "reclor" / "val.json")

@@ -53,6 +53,15 @@ def test_grid_expands_variants_times_seeds_into_stable_names(tmp_path):
     assert info["normalize_snr-s0"]["label"] == "normalize = snr"
 
 
+def test_a_benchmark_dir_is_a_path_beside_the_grid_or_a_hub_id(tmp_path):
+    (tmp_path / "reclor").mkdir()
+    text = GRID.replace("seeds: [0, 7]", "seeds: [0]\nbenchmarks: [{benchmark: reclor, dir: reclor}, "
+                        "{benchmark: arb, dir: \"org/arb-copy:law\", name: arb_law}]")
+    grid = ex.load_grid(write_grid(tmp_path, text))
+    dirs = {b["name"]: b["dir"] for b in grid.benchmarks}
+    assert dirs == {"reclor": str(tmp_path / "reclor"), "arb_law": "org/arb-copy:law"}
+
+
 def test_every_cell_gets_its_own_run_config(tmp_path):
     grid = ex.load_grid(write_grid(tmp_path))
     cells = {c.name: c for c in grid.cells()}

@@ -89,6 +89,12 @@ def is_hub_dataset_id(text: str) -> bool:
         and Path(match["repo"]).suffix.lower() not in FILE_SUFFIXES
 
 
+def is_dataset_folder(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a folder ``save_to_disk`` wrote: one dataset, or a DatasetDict's splits."""
+    path = Path(path)
+    return all((path / name).is_file() for name in _SAVED_DATASET) or (path / "dataset_dict.json").is_file()
+
+
 def resolve_source(spec: str | os.PathLike, missing: str = "no such file") -> RecordSource:
     """Which kind of source ``spec`` names; a missing file that cannot be a hub id is a
     DataError ``SPEC: <missing>``. Nothing is read or downloaded."""

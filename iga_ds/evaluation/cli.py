@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from iga_ds.data.benchmarks import load_benchmark, resolve_options
-from iga_ds.data.sources import resolve_source
+from iga_ds.data.sources import is_hub_dataset_id, resolve_source
 from iga_ds.errors import UserError
 from iga_ds.evaluation.consistency import lcs_block
 from iga_ds.evaluation.generation import eval_prompt_format, load_model
@@ -64,7 +64,8 @@ def register(subparsers: Any) -> None:
     src = ev.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="isomer JSON Lines file")
     src.add_argument("--benchmark", help="logiqa2, reclor, math or arb (a local copy, see --benchmark-dir)")
-    ev.add_argument("--benchmark-dir", help="folder holding your local copy of the benchmark")
+    ev.add_argument("--benchmark-dir", help="your local copy of the benchmark: its folder, or a Parquet or Arrow "
+                    "file, a saved dataset folder or a hub id (docs/DATA.md)")
     ev.add_argument(
         "--benchmark-option", action="append", type=_option, default=[], metavar="KEY=VALUE",
         help="override a loader default, e.g. ood_subjects=geometry,precalculus or split=test (repeatable)",
@@ -101,12 +102,14 @@ def _load_items(args: argparse.Namespace) -> tuple[list, dict[str, Any], list[di
         source = {"benchmark": name, "data": where, "ood_domains": ood}
         return items, source, records
     if not args.benchmark_dir:
-        raise UserError("--benchmark needs --benchmark-dir: the folder of your local copy")
+        raise UserError("--benchmark needs --benchmark-dir: your local copy (its folder, a file or a hub id)")
     effective = resolve_options(args.benchmark, dict(args.benchmark_option))
     items = load_benchmark(args.benchmark, args.benchmark_dir, **effective)
     source = {
         "benchmark": args.name or args.benchmark,
-        "benchmark_dir": str(Path(args.benchmark_dir).resolve()),
+        # a hub id is recorded as written: it is no path
+        "benchmark_dir": (args.benchmark_dir if is_hub_dataset_id(args.benchmark_dir)
+                          and not Path(args.benchmark_dir).exists() else str(Path(args.benchmark_dir).resolve())),
         "benchmark_options": effective,
     }
     return items, source, None

@@ -22,6 +22,7 @@ from iga_ds.config.run import config_from_dict, resolve_config_paths, resolve_pa
 from iga_ds.data.benchmarks import resolve_options
 from iga_ds.data.domains import DEFAULT_DOMAINS
 from iga_ds.data.patterns import PATTERNS
+from iga_ds.data.sources import is_hub_dataset_id
 from iga_ds.errors import ConfigError
 from iga_ds.files import read_yaml_file
 from iga_ds.methods import get_method, method_class
@@ -301,7 +302,8 @@ def _benchmarks(raw: Any, grid_dir: Path) -> list[dict[str, Any]]:
         limit = entry.get("limit")
         if limit is not None and (not _is_int(limit) or limit < 1):
             raise ConfigError(f"{where}.limit: expected a positive integer or null, got {limit!r}")
-        folder = resolve_path(entry["dir"], grid_dir)
+        # a benchmark may also come from the hub (org/name[:split]), which is no path
+        folder = resolve_path(entry["dir"], grid_dir, keep_missing=True, is_name=is_hub_dataset_id)
         options = _mapping(entry.get("options"), f"{where}.options")
         try:  # a bad option fails here, not at the first evaluation after training
             resolve_options(entry["benchmark"], options)

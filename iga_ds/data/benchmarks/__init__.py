@@ -3,7 +3,9 @@
 None of these datasets is bundled (see each module for where to obtain it and its licence):
 ``logiqa2`` (LogiQA 2.0), ``reclor`` (ReClor), ``math`` (MATH), ``arb`` (ARB).
 ``load_benchmark(name, root, **options)`` returns a list of ``EvalItem`` with the configured
-ID/OOD split; ``benchmark_defaults(name)`` shows the default options.
+ID/OOD split; ``root`` is a folder in the published layout or one dataset of the records of one
+published file (a Parquet or Arrow file, a ``save_to_disk`` folder, a hub id; see ``base``).
+``benchmark_defaults(name)`` shows the default options.
 """
 from __future__ import annotations
 
@@ -80,7 +82,8 @@ def _checked_option(where: str, value: Any, default: Any) -> Any:
 
 
 def load_benchmark(name: str, root: str | Path, **options: Any) -> list[EvalItem]:
-    """Items of benchmark ``name`` from the local copy at ``root``; options override the defaults."""
+    """Items of benchmark ``name`` from ``root`` (a published-layout folder or one dataset);
+    options override the defaults."""
     return _loader(name).load(root, **resolve_options(name, options))
 
 

@@ -1,16 +1,30 @@
 """What every benchmark loader returns, and the checks they share.
 
-A loader reads a user's local copy of a public benchmark in its published layout and returns
-``EvalItem``s: the text the model sees, the gold answer, how to score it, and whether the item
-is in-distribution (``"id"``) or out-of-distribution (``"ood"``) under the configured split.
+A loader reads a user's local copy of a public benchmark and returns ``EvalItem``s: the text the
+model sees, the gold answer, how to score it, and whether the item is in-distribution (``"id"``)
+or out-of-distribution (``"ood"``) under the configured split.
+
+A loader's ``root`` is a folder in the benchmark's published layout, or one dataset holding the
+records of one published file with the same fields (:func:`dataset_source`): a Parquet or Arrow
+file, a ``save_to_disk`` folder, or a Hugging Face hub id ``org/name[@revision][:split]``, read
+through ``datasets`` as isomer sets are (``iga_ds.data.sources``). Both go through the same
+per-record item builder; a dataset's errors name ``SOURCE: row I``.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
+from iga_ds.data.sources import (
+    HUB_DATASET,
+    RecordSource,
+    is_dataset_folder,
+    is_hub_dataset_id,
+    load_rows,
+    resolve_source,
+)
 from iga_ds.errors import DataError
 
 SPLITS = ("id", "ood")
@@ -53,13 +67,55 @@ class BenchmarkSource:
     layout: str
 
 
-def missing_benchmark(name: str, root: Path, source: BenchmarkSource, detail: str = "") -> DataError:
+def missing_benchmark(name: str, root: str | Path, source: BenchmarkSource, detail: str = "") -> DataError:
     what = f" ({detail})" if detail else ""
     return DataError(
         f"{name}: no usable copy at {root}{what}; expected {source.layout}. "
         f"{source.title} is not bundled with iga-ds: obtain it from {source.where} "
-        f"({source.licence}) and pass its folder with --benchmark-dir."
+        f"({source.licence}) and pass its folder (or one Parquet or Arrow file, save_to_disk folder or "
+        f"hub id of its records) with --benchmark-dir."
     )
+
+
+def dataset_source(root: str | Path, hub_split: str | None) -> RecordSource | None:
+    """The one dataset ``root`` names, or None where ``root`` is to be read in the published layout.
+
+    A dataset is a ``.parquet`` or ``.arrow`` file, a folder ``save_to_disk`` wrote, or, where no
+    file or folder of that name exists, a name spelled as a hub id; a hub id naming no split
+    reads ``hub_split`` (None: the caller requires one). Any other folder, file or missing path
+    is left to the published layout, whose loader says what it expected there.
+    """
+    text = str(root)
+    path = Path(text)
+    if path.is_dir():
+        if not is_dataset_folder(path):
+            return None
+    elif path.exists():
+        if path.suffix.lower() not in (".parquet", ".arrow"):
+            return None
+    elif not is_hub_dataset_id(text):
+        return None
+    source = resolve_source(text)
+    if source.kind == "hub" and HUB_DATASET.match(text)["split"] is None:
+        source = replace(source, split=hub_split)
+    return source
+
+
+def dataset_records(name: str, info: BenchmarkSource,
+                    source: RecordSource) -> Iterator[tuple[int, str, dict[str, Any]]]:
+    """(row index, ``SOURCE: row I``, record) of each row of a dataset source. A null is dropped
+    from the record: Arrow stores a field that a record lacks as null in its row, and the item
+    builders treat it as absent, as in a published record. A hub id that cannot be loaded is
+    reported as a missing benchmark (with where to obtain it), the reason kept."""
+    try:
+        rows = load_rows(source)
+    except DataError as exc:
+        if source.kind != "hub":
+            raise
+        reason = str(exc).removeprefix(f"{source.spec}: ")
+        raise missing_benchmark(name, source.spec, info, reason) from None
+    for index, row in enumerate(rows):
+        yield index, source.where(index), {key: value for key, value in row.items() if value is not None}
 
 
 def strip_option_prefix(option: str) -> str:

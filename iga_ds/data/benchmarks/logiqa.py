@@ -10,6 +10,18 @@ Split: the paper's "domain-shuffled" split (business/academic vs news/government
 rebuilt from the public fields, which carry no genre. The default uses what the authors
 publish for this purpose: ``test.txt`` is in-distribution, ``ood_test.jsonl`` (their
 out-of-distribution test set) is OOD. Both lists of files are configurable.
+
+One dataset in place of the folder (``root`` a ``.parquet`` or ``.arrow`` file, a ``save_to_disk``
+folder, or a hub id ``org/name[@revision][:split]``, read through ``datasets``) holds the records
+of one of those files, with the same fields: the one file ``id_files`` names (by default
+``test.txt``, in-distribution), or, where ``id_files`` is empty, the one ``ood_files`` names
+(``id_files= ood_files=ood_test.jsonl`` reads a copy of the OOD set as OOD). Items are those of
+that file: ids ``logiqa2/<file stem>/<id>`` (a row without ``id`` is numbered from 1, as the
+published files' lines are), checks the same, errors at ``SOURCE: row I``. A hub id without
+``:split`` reads the split named after the file's stem (``test``, ``ood_test``). A reasoning
+``type`` read from Arrow lists every type of the column in the column's order, those a record
+lacks as null; the domain is the first type marked true in that order, the published one
+wherever the records list their types in one order.
 """
 from __future__ import annotations
 
@@ -20,6 +32,8 @@ from iga_ds.data.benchmarks.base import (
     BenchmarkSource,
     EvalItem,
     check_options,
+    dataset_records,
+    dataset_source,
     format_choice_problem,
     missing_benchmark,
     require,
@@ -52,11 +66,40 @@ def _domain(obj: dict, where: str) -> str:
     return chosen[0] if chosen else "untyped"
 
 
+def _item(obj: dict, where: str, file_name: str, number: int, split: str) -> EvalItem:
+    """The item of one record of ``file_name``; ``number`` stands in for a missing ``id``."""
+    answer = require(obj, "answer", int, where, "an option index 0-3")
+    options = check_options(require(obj, "options", list, where, "a list of 4 strings"), where, "options")
+    if not 0 <= answer < len(options):
+        raise DataError(f"{where}: field 'answer': expected an index 0-{len(options) - 1}, got {answer}")
+    text = require(obj, "text", str, where, "the passage")
+    question = require(obj, "question", str, where, "the question")
+    return EvalItem(
+        id=f"{NAME}/{Path(file_name).stem}/{obj.get('id', number)}",
+        benchmark=NAME,
+        problem=format_choice_problem(text, question, options),
+        answer="ABCDE"[answer],
+        kind="choice",
+        domain=_domain(obj, where),
+        split=split,
+    )
+
+
 def load(
     root: str | Path,
     id_files: Sequence[str] = DEFAULTS["id_files"],
     ood_files: Sequence[str] = DEFAULTS["ood_files"],
 ) -> list[EvalItem]:
+    # a dataset root stands for one file: id_files' one name, else (id_files empty) ood_files'
+    names, split, option = (id_files, "id", "id_files") if id_files else (ood_files, "ood", "ood_files")
+    source = dataset_source(root, hub_split=Path(names[0]).stem if names else None)
+    if source is not None:
+        if len(names) != 1:
+            raise DataError(f"{NAME}: {root} is one dataset, the records of one file; expected {option} to name "
+                            f"one file, got {len(names)} (e.g. id_files=test.txt, or id_files= and "
+                            "ood_files=ood_test.jsonl)")
+        return [_item(obj, where, names[0], index + 1, split)
+                for index, where, obj in dataset_records(NAME, SOURCE, source)]
     root = Path(root)
     data = _data_dir(root)
     wanted = [(name, "id") for name in id_files] + [(name, "ood") for name in ood_files]
@@ -66,24 +109,5 @@ def load(
     items: list[EvalItem] = []
     for name, split in wanted:
         path = data / name
-        for lineno, obj in iter_jsonl(path):
-            where = f"{path}:{lineno}"
-            answer = require(obj, "answer", int, where, "an option index 0-3")
-            options = check_options(require(obj, "options", list, where, "a list of 4 strings"), where, "options")
-            if not 0 <= answer < len(options):
-                raise DataError(f"{where}: field 'answer': expected an index 0-{len(options) - 1}, got {answer}")
-            text = require(obj, "text", str, where, "the passage")
-            question = require(obj, "question", str, where, "the question")
-            item_id = obj.get("id", lineno)
-            items.append(
-                EvalItem(
-                    id=f"{NAME}/{Path(name).stem}/{item_id}",
-                    benchmark=NAME,
-                    problem=format_choice_problem(text, question, options),
-                    answer="ABCDE"[answer],
-                    kind="choice",
-                    domain=_domain(obj, where),
-                    split=split,
-                )
-            )
+        items += [_item(obj, f"{path}:{lineno}", name, lineno, split) for lineno, obj in iter_jsonl(path)]
     return items

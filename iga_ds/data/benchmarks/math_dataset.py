@@ -19,14 +19,31 @@ A Parquet copy is read too, where ``ROOT`` has no ``test/`` folder: ``ROOT/<subj
 dataset``), with the same fields and checks, read through ``datasets``. Its item ids are row
 numbers (``math/test/algebra/12``: row 12 of the subject's files in name order), not the numbers of
 the JSON files, which the Parquet copies do not keep.
+
+One dataset of every subject is read too: ``root`` a ``.parquet`` or ``.arrow`` file, a
+``save_to_disk`` folder, or a hub id ``org/name[@revision][:split]`` of a single-table copy
+(``datasets`` loads no per-subject configuration from a hub id: read such a repository from a
+local snapshot, as above). Its rows hold the records of one split, fields as published; the
+subject is read from ``type`` (``Counting & Probability`` is ``counting_and_probability``), and
+ids number each subject's rows in their order (``math/test/algebra/0``, ...), as for the Parquet copy
+above, since the records do not hold their JSON files' numbers. A hub id without
+``:split`` reads the split named by ``split``. Errors name ``SOURCE: row I``.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
-from iga_ds.data.benchmarks.base import BenchmarkSource, EvalItem, missing_benchmark, require
-from iga_ds.data.sources import RecordSource, load_rows
+from iga_ds.data.benchmarks.base import (
+    BenchmarkSource,
+    EvalItem,
+    dataset_records,
+    dataset_source,
+    missing_benchmark,
+    require,
+)
+from iga_ds.data.sources import RecordSource
 from iga_ds.errors import DataError
 from iga_ds.files import read_json
 from iga_ds.metrics.math_answers import last_boxed
@@ -85,8 +102,8 @@ def _rows(root: Path, base: Path | None, split: str, subject: str) -> Iterator[t
         raise missing_benchmark(NAME, root, SOURCE, f"no {split}/{subject}/ folder and no {subject}/{split}-*.parquet")
     number = 0
     for path in files:
-        for index, row in enumerate(load_rows(RecordSource("parquet", str(path), str(path)))):
-            yield f"{path}: row {index}", str(number), row
+        for _, where, row in dataset_records(NAME, SOURCE, RecordSource("parquet", str(path), str(path))):
+            yield where, str(number), row
             number += 1
 
 
@@ -110,6 +127,31 @@ def _item(obj: object, where: str, item_id: str, subject: str, item_split: str) 
     )
 
 
+def _subject(obj: dict, where: str) -> str:
+    """The subject folder name of a record's ``type`` (``Counting & Probability``: counting_and_probability)."""
+    kind = require(obj, "type", str, where, "the subject, e.g. 'Counting & Probability'")
+    subject = re.sub(r"[^a-z]+", "_", kind.lower().replace("&", "and")).strip("_")
+    if subject not in SUBJECTS:
+        raise DataError(f"{where}: field 'type': expected a MATH subject ({', '.join(SUBJECTS)}), got {kind!r:.60}")
+    return subject
+
+
+def _dataset_rows(source: RecordSource) -> Callable[[str], Iterable[tuple[str, str, object]]]:
+    """(where, item number, object) of each problem of a subject, from one dataset of all subjects."""
+    by_subject: dict[str, list[tuple[str, dict]]] = {subject: [] for subject in SUBJECTS}
+    for _, where, obj in dataset_records(NAME, SOURCE, source):
+        by_subject[_subject(obj, where)].append((where, obj))
+    return lambda subject: [(where, str(number), obj) for number, (where, obj) in enumerate(by_subject[subject])]
+
+
+def _folder_rows(root: Path, split: str) -> Callable[[str], Iterable[tuple[str, str, object]]]:
+    """(where, item number, object) of each problem of a subject, from a folder of either layout."""
+    base = _split_dir(root, split)
+    if base is None and not any(_parquet_files(root, split, s) for s in SUBJECTS):
+        raise missing_benchmark(NAME, root, SOURCE, f"no {split}/ folder" if root.is_dir() else "")
+    return lambda subject: _rows(root, base, split, subject)
+
+
 def load(
     root: str | Path,
     id_subjects: Sequence[str] = DEFAULTS["id_subjects"],
@@ -117,21 +159,19 @@ def load(
     split: str = DEFAULTS["split"],
     levels: Sequence[int] | None = DEFAULTS["levels"],
 ) -> list[EvalItem]:
-    root = Path(root)
     overlap = sorted(set(id_subjects) & set(ood_subjects))
     if overlap:
         raise DataError(f"{NAME}: subjects {overlap} are both in-distribution and OOD; pick one side")
     unknown = sorted((set(id_subjects) | set(ood_subjects)) - set(SUBJECTS))
     if unknown:
         raise DataError(f"{NAME}: unknown subject(s) {unknown}; expected some of {', '.join(SUBJECTS)}")
-    base = _split_dir(root, split)
-    if base is None and not any(_parquet_files(root, split, s) for s in SUBJECTS):
-        raise missing_benchmark(NAME, root, SOURCE, f"no {split}/ folder" if root.is_dir() else "")
+    source = dataset_source(root, hub_split=split)
+    rows_of = _dataset_rows(source) if source is not None else _folder_rows(Path(root), split)
     wanted = None if levels is None else {str(lv) for lv in levels}
     items: list[EvalItem] = []
     for subjects, item_split in ((id_subjects, "id"), (ood_subjects, "ood")):
         for subject in subjects:
-            for where, number, obj in _rows(root, base, split, subject):
+            for where, number, obj in rows_of(subject):
                 item = _item(obj, where, f"{NAME}/{split}/{subject}/{number}", subject, item_split)
                 if wanted is None or item.meta["level"].replace("Level ", "") in wanted:
                     items.append(item)
