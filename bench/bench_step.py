@@ -71,7 +71,10 @@ DOMAINS = ["math", "medical", "legal", "science"]
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 PROFILE_STEPS = 2
 # the record_function ranges of one optimizer step (see optimizer_step)
-RANGES = ("forward", "loss", "backward", "optimizer_step")
+RANGES = ("forward", "loss", "backward", "optimizer_step",
+          # the engine hook's parts of the boundary (iga_ds/engine/hook.py), inside optimizer_step
+          "boundary/nonfinite_check", "boundary/combine", "boundary/method", "boundary/results",
+          "boundary/statistics", "boundary/write_grads", "boundary/deepspeed_step", "boundary/reset")
 
 
 def ds_config(args, world: int) -> dict:

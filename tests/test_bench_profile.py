@@ -120,8 +120,13 @@ def test_bench_step_profile_writes_tables_and_summaries_on_cpu(tmp_path):
         summary = json.loads((prof / f"{method}_rank0_summary.json").read_text())
         assert (summary["method"], summary["rank"], summary["steps"], summary["cuda"]) == (method, 0, 2, False)
         assert summary["wall_ms"] > 0 and summary["self_cpu_ms"] > 0 and summary["self_cuda_ms"] == 0
-        # 2 steps x 4 micro-batches, each inside every range
-        assert {k: v["calls"] for k, v in summary["ranges"].items()} == {k: 8 for k in RANGES}
+        # 2 steps x 4 micro-batches, each inside every range; the hook's parts of the boundary
+        # once per step (its non-finite check twice: the loss's, then every rank's verdict)
+        boundary = {"boundary/nonfinite_check": 4, "boundary/deepspeed_step": 2}
+        if method == "iga_fused":
+            boundary.update({f"boundary/{part}": 2 for part in
+                             ("combine", "method", "results", "statistics", "write_grads", "reset")})
+        assert {k: v["calls"] for k, v in summary["ranges"].items()} == {**{k: 8 for k in RANGES}, **boundary}
         assert 0 < len(summary["top_ops"]) <= 25
         for op in summary["top_ops"]:
             assert isinstance(op["name"], str) and op["calls"] > 0 and op["self_cpu_ms"] >= 0

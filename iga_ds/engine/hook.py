@@ -24,6 +24,7 @@ import time
 from typing import Iterator
 
 import torch
+from torch.profiler import record_function
 
 from iga_ds.config.hook import HookConfig
 from iga_ds.engine.collectives import Collectives
@@ -151,13 +152,16 @@ class EngineHook:
         stats: dict = {"step": step}
         t0 = time.perf_counter()
         updates = None
-        bad = self._loss_finite is not None and not bool(self._loss_finite)
+        with record_function("boundary/nonfinite_check"):
+            bad = self._loss_finite is not None and not bool(self._loss_finite)
         if self.capture is not None:
-            updates, bad_local, stats_comm = self._combine(step)
+            with record_function("boundary/combine"):
+                updates, bad_local, stats_comm = self._combine(step)
             bad = bad or bad_local
             stats.update(stats_comm)
-        flag = torch.tensor([1.0 if bad else 0.0], device=self.device)
-        bad = bool(self.comm.all_reduce_max(flag).item() > 0)
+        with record_function("boundary/nonfinite_check"):
+            flag = torch.tensor([1.0 if bad else 0.0], device=self.device)
+            bad = bool(self.comm.all_reduce_max(flag).item() > 0)
         self._loss_finite = None
         self.skipped_last_step = bad
         if bad and not self.config.skip_nonfinite:
@@ -170,12 +174,15 @@ class EngineHook:
             result = None
         else:
             if updates is not None:
-                for m, (gA, gB) in zip(self.modules, updates):
-                    write_full_grad(m.lora_A.weight, gA)
-                    write_full_grad(m.lora_B.weight, gB)
-            result = self._original_step(*args, **kwargs)
+                with record_function("boundary/write_grads"):
+                    for m, (gA, gB) in zip(self.modules, updates):
+                        write_full_grad(m.lora_A.weight, gA)
+                        write_full_grad(m.lora_B.weight, gB)
+            with record_function("boundary/deepspeed_step"):
+                result = self._original_step(*args, **kwargs)
         if self.capture is not None:
-            self.capture.reset()
+            with record_function("boundary/reset"):
+                self.capture.reset()
         stats["skipped"] = bad
         # forward and backward of the step's micro-batches, capture included: the capture runs
         # inside autograd and has no clock of its own (bench_step.py derives its cost)
@@ -206,7 +213,8 @@ class EngineHook:
             t1 = t0
             results, bad = self._run_method(self.flat_in, self.modules, 0, counts, step)
             t2 = t3 = self._now()
-            updates, per_module = self._results_direct(self.modules, results)
+            with record_function("boundary/results"):
+                updates, per_module = self._results_direct(self.modules, results)
         else:
             updates, per_module, bad, (t1, t2) = self._combine_in_waves(step, counts)
             t3 = self._now()
@@ -220,7 +228,8 @@ class EngineHook:
             "modules": per_module,
             **method_stats,
         }
-        stats.update(self._summarize(per_module))
+        with record_function("boundary/statistics"):
+            stats.update(self._summarize(per_module))
         return updates, bad, stats
 
     def _run_method(self, summed: torch.Tensor, mine: list[LoraModule], base: int, counts: torch.Tensor, step: int):
@@ -231,7 +240,8 @@ class EngineHook:
         # the summed buffer holds exactly these modules: one check for all
         if not bool(torch.isfinite(summed).all()):
             return [], True
-        return self.method.combine(self._module_grads(summed, mine, base, counts), step), False
+        with record_function("boundary/method"):
+            return self.method.combine(self._module_grads(summed, mine, base, counts), step), False
 
     def _combine_in_waves(self, step: int, counts: torch.Tensor):
         """Owners combine their modules wave by wave (:func:`run_waves`).
