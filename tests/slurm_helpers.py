@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from dist_helpers import free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 FINISHED_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
                    "DEADLINE", "PREEMPTED"}
@@ -51,12 +53,6 @@ def _which(name: str) -> str:
     if found is None:
         raise FileNotFoundError(name)
     return found
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _total_memory_mb() -> int:
@@ -143,8 +139,8 @@ class LocalSlurm:
         self.conf.write_text(
             SLURM_CONF.format(
                 host=self.host,
-                ctld_port=_free_port(),
-                slurmd_port=_free_port(),
+                ctld_port=free_port(),
+                slurmd_port=free_port(),
                 munge_socket=self.munge_socket,
                 user=_current_user(),
                 root=self.root,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from dist_helpers import free_port
 from iga_ds.cluster.liveness import EXIT_PEER_LOST
 
 pytestmark = pytest.mark.slow
@@ -59,16 +60,10 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_ranks(tmp_path: Path, world: int) -> list[subprocess.Popen]:
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(world):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI"))}

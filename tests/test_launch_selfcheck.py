@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from dist_helpers import free_port
 from iga_ds.cli import main
 from iga_ds.cluster.selfcheck import run_selfcheck
 
@@ -68,12 +69,6 @@ def test_a_rank_with_fewer_cpus_than_its_task_asked_for_fails(single_process, mo
     assert "--cpus-per-task" in err and "Traceback" not in err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMIX_", "PMI_"))}
     env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world),
@@ -83,7 +78,7 @@ def _rank_env(rank: int, world: int, port: int) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_two_processes_all_reduce_over_gloo():
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "iga_ds.cli", "selfcheck", "--json", "--skip-ops", "--timeout", "60"]
     procs = [subprocess.Popen(cmd, env=_rank_env(r, 2, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, cwd=REPO) for r in range(2)]
@@ -101,7 +96,7 @@ def test_missing_peer_times_out_with_a_clear_message():
     # WORLD_SIZE=2 but only rank 0 starts (e.g. every task believed it was rank 0 and one won).
     res = subprocess.run(
         [sys.executable, "-m", "iga_ds.cli", "selfcheck", "--skip-ops", "--timeout", "3"],
-        env=_rank_env(0, 2, _free_port()), capture_output=True, text=True, timeout=120, cwd=REPO,
+        env=_rank_env(0, 2, free_port()), capture_output=True, text=True, timeout=120, cwd=REPO,
     )
     assert res.returncode == 1
     last = res.stderr.strip().splitlines()[-1]

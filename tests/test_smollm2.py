@@ -17,7 +17,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import pytest
 import torch
 import yaml
 
+from dist_helpers import free_port
 from test_train_support import run_config_dict, write_isomer_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -118,12 +118,6 @@ def test_the_assistant_turn_alone_carries_the_loss(smollm2):
 # -- 2 LoRA IGA steps: two ZeRO-2 ranks against one process ---------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _config(tmp: Path, data: Path, model: Path, name: str) -> Path:
     over = {"model.name_or_path": str(model), "method": {"name": "iga"}, "data.domains": DOMAINS,
             "data.groups_per_step": 2, "data.groups_per_micro_batch": 1, "data.max_length": 32,
@@ -146,7 +140,7 @@ def runs(smollm2, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("smollm2-runs")
     data = write_isomer_jsonl(tmp / "train.jsonl", groups=4, seed=8, domains=DOMAINS)
     two = _config(tmp, data, smollm2, "two-ranks")
-    port = str(_free_port())
+    port = str(free_port())
     env = dict(_CLEAN_ENV, DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
                WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     procs = [subprocess.Popen([sys.executable, str(REPO / "launch" / "train.py"), "--config", str(two)],

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dist_helpers import free_port
 from test_train_support import run_config_dict, tiny_base, write_isomer_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,12 +44,6 @@ def _write_config(tmp_path, data, base, name, **over) -> Path:
 def _steps(out: Path) -> list[int]:
     f = out / "metrics.jsonl"
     return [json.loads(x)["step"] for x in f.read_text().splitlines()] if f.is_file() else []
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +79,7 @@ def test_sigterm_saves_exits_zero_and_resumes(setup):
 
 
 def _two_ranks(cfg: Path, **popen):
-    port = str(_free_port())
+    port = str(free_port())
     return [
         subprocess.Popen(
             [sys.executable, str(REPO / "launch/train.py"), "--config", str(cfg)],
