@@ -15,8 +15,10 @@ import sys
 
 import torch
 
-from common import (SMALL, batch_bytes_option, environment, environment_line, gpu_busy_ms, lora_shapes, make_modules, model_config,
-                    synchronize, time_ms)
+from common import (
+    SMALL, batch_bytes_option, environment, environment_line, gpu_busy_ms, lora_shapes, make_modules, model_config,
+    synchronize, time_ms,
+)
 from iga_ds.methods import module_generator
 from iga_ds.methods.iga.fused import batched_iga
 

@@ -54,6 +54,7 @@ EXPORT_FORMATS = ("jsonl", "parquet", "dataset")
 JSON_TEXT_FIELDS = ("dag", "meta")
 OPTIONAL_FIELDS = ("dag", "alignment_score", "meta")
 _SAVED_DATASET = ("dataset_info.json", "state.json")
+_DATASET_DICT = "dataset_dict.json"
 
 
 @dataclass(frozen=True)
@@ -89,10 +90,15 @@ def is_hub_dataset_id(text: str) -> bool:
         and Path(match["repo"]).suffix.lower() not in FILE_SUFFIXES
 
 
+def _one_saved_dataset(path: Path) -> bool:
+    """Whether ``path`` is a folder ``save_to_disk`` wrote for one dataset (not a DatasetDict)."""
+    return all((path / name).is_file() for name in _SAVED_DATASET)
+
+
 def is_dataset_folder(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a folder ``save_to_disk`` wrote: one dataset, or a DatasetDict's splits."""
     path = Path(path)
-    return all((path / name).is_file() for name in _SAVED_DATASET) or (path / "dataset_dict.json").is_file()
+    return _one_saved_dataset(path) or (path / _DATASET_DICT).is_file()
 
 
 def resolve_source(spec: str | os.PathLike, missing: str = "no such file") -> RecordSource:
@@ -101,9 +107,9 @@ def resolve_source(spec: str | os.PathLike, missing: str = "no such file") -> Re
     text = str(spec)
     path = Path(text)
     if path.is_dir():
-        if all((path / name).is_file() for name in _SAVED_DATASET):
+        if _one_saved_dataset(path):
             return RecordSource("dataset", text, text)
-        if (path / "dataset_dict.json").is_file():
+        if (path / _DATASET_DICT).is_file():
             splits = sorted(p.name for p in path.iterdir() if (p / "state.json").is_file())
             raise DataError(f"{text}: a dataset with the splits {', '.join(splits) or '(none)'}; "
                             f"name one split's folder, e.g. {path / (splits[0] if splits else 'train')}")
@@ -235,7 +241,7 @@ def write_dataset(records: Sequence[dict[str, Any]], out: str | os.PathLike, fmt
     if fmt not in EXPORT_FORMATS:
         raise UserError(f"--format {fmt}: expected one of {', '.join(EXPORT_FORMATS)}")
     out = Path(out)
-    if out.is_dir() and not all((out / name).is_file() for name in _SAVED_DATASET):
+    if out.is_dir() and not _one_saved_dataset(out):
         raise UserError(f"--out {out}: a folder that save_to_disk did not write is in the way; "
                         "remove it or name another")
     make_dir(out.parent)

@@ -87,15 +87,11 @@ def dataset_source(root: str | Path, hub_split: str | None) -> RecordSource | No
     """
     text = str(root)
     path = Path(text)
-    if path.is_dir():
-        if not is_dataset_folder(path):
-            return None
-    elif path.exists():
-        if path.suffix.lower() not in (".parquet", ".arrow"):
-            return None
-    elif not is_hub_dataset_id(text):
+    if (path.is_dir() and not is_dataset_folder(path)) or (not path.exists() and not is_hub_dataset_id(text)):
         return None
     source = resolve_source(text)
+    if source.kind == "jsonl":  # any other file: a published one
+        return None
     if source.kind == "hub" and HUB_DATASET.match(text)["split"] is None:
         source = replace(source, split=hub_split)
     return source

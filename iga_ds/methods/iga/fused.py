@@ -269,23 +269,21 @@ def orthonormalize(Y: torch.Tensor, final: bool = True, out_dtype: torch.dtype |
     float64 Gram leaves a loss of orthogonality near cond(Y)^2 * 1e-16, under float32
     rounding up to a condition number of 1e4 (and the next pass repairs what a worse one
     leaves). float64 data have no such headroom and keep two passes. ``out_dtype`` (default
-    Y's) is the result's dtype, written by the last product.
+    Y's) is the result's dtype.
     """
     out_dtype = Y.dtype if out_dtype is None else out_dtype
     Q = Y.double()
     k = Q.shape[-1]
     eye = torch.eye(k, dtype=Q.dtype, device=Q.device)
     passes = 1 if not final and Y.dtype != torch.float64 else 2
-    for i in range(passes):
+    for _ in range(passes):
         gram = Q.mT @ Q
         trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(torch.finfo(Q.dtype).tiny)
         shift = (1e-13 * trace / k).view(-1, 1, 1)
         L, _ = torch.linalg.cholesky_ex(gram + shift * eye)
         inv_LT = torch.linalg.solve_triangular(L, eye.expand_as(L), upper=False).mT  # L^-T, k x k
-        if i == passes - 1 and out_dtype != Q.dtype:
-            return (Q @ inv_LT).to(out_dtype)
         Q = Q @ inv_LT
-    return Q
+    return Q.to(out_dtype)
 
 
 def _gram_eigh(smalls: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
