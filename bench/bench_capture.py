@@ -21,7 +21,11 @@ before it reduces them); with ``--owns`` the captured variant skips those and ke
 per-domain sums instead, as under ZeRO-2.
 
 The capture's extra is the time with ``DomainGradientCapture`` attached minus the time
-without. Rounds alternate the two variants; the medians of the rounds are printed.
+without. Rounds alternate the two variants; the medians of the rounds are printed. On a GPU
+the device's busy time per micro-batch (the sum of its kernels' time, profiled) is printed
+too: the capture's kernels are the difference of the two, and whatever the wall time adds
+beyond that is the host's pace (a model whose host work takes as long as its kernels waits
+for the host, and then every microsecond of Python shows).
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ import sys
 
 import torch
 
-from common import LORA_TARGETS, environment, environment_line, lora_llama, model_config, time_ms
+from common import LORA_TARGETS, environment, environment_line, gpu_busy_ms, lora_llama, model_config, time_ms
 from iga_ds.lora.capture import DomainGradientCapture
 from iga_ds.lora.modules import find_lora_modules
 
@@ -80,22 +84,23 @@ def main(argv=None) -> int:
     # domain ids stay on the host, as a training loop has them
     domains = torch.arange(ids.shape[0]) % 4
 
-    def micro_batches(capture) -> float:
-        """Mean ms of ``--iters`` micro-batches' forward and backward, captured or not."""
-        def one():
-            if capture is None:
+    def one_micro_batch(capture):
+        if capture is None:
+            model(input_ids=ids, labels=ids).loss.backward()
+        else:
+            with capture.micro_batch(domains, 0.25):
                 model(input_ids=ids, labels=ids).loss.backward()
-            else:
-                with capture.micro_batch(domains, 0.25):
-                    model(input_ids=ids, labels=ids).loss.backward()
-
-        return statistics.fmean(time_ms(one, device, warmup=1, reps=args.iters, clock="wall"))
 
     times: dict[bool, list[float]] = {False: [], True: []}
+    busy: dict[bool, list[float]] = {False: [], True: []}
     for r in range(args.rounds + 1):  # round 0 warms up
         for with_capture in ((False, True) if r % 2 == 0 else (True, False)):
             capture = DomainGradientCapture(modules, buffers, 4, owns_gradients=args.owns) if with_capture else None
-            ms = micro_batches(capture)
+            # the mean of --iters micro-batches' forward and backward
+            ms = statistics.fmean(time_ms(lambda: one_micro_batch(capture), device, warmup=1, reps=args.iters,
+                                          clock="wall"))
+            if r and device.type == "cuda":
+                busy[with_capture].append(gpu_busy_ms(lambda: one_micro_batch(capture)))
             if capture is not None:
                 capture.remove()
             if r:
@@ -109,6 +114,10 @@ def main(argv=None) -> int:
           f"median of {args.rounds} rounds of {args.iters} micro-batches")
     print(f"forward+backward: {plain:.2f} ms without the capture, {captured:.2f} ms with it: "
           f"{extra:+.2f} ms per micro-batch, {extra / len(modules) * 1e3:.1f} us per LoRA layer")
+    if device.type == "cuda":
+        idle, kernels = statistics.median(busy[False]), statistics.median(busy[True])
+        print(f"device busy per micro-batch: {idle:.2f} ms without, {kernels:.2f} ms with: "
+              f"{kernels - idle:+.2f} ms of the capture's kernels; the rest of the difference is the host's pace")
     print("rounds without:", ", ".join(f"{t:.2f}" for t in times[False]))
     print("rounds with:   ", ", ".join(f"{t:.2f}" for t in times[True]))
     return 0

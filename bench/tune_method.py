@@ -84,22 +84,24 @@ def tile_pass(stack_args, omega, precisions) -> list[dict]:
 
 
 def kernel_alone(factors, mean_var, precision: str = "ieee") -> list[dict]:
-    """The statistics' cost: the tile kernel alone (default blocks, normalize="mean"), with and
-    without them, on buffers allocated once."""
+    """The statistics' cost: the tile kernel alone (default blocks and tiles per program,
+    normalize="mean"), with and without them, on buffers allocated once."""
     wanted = triton_kernels.FACTOR_DTYPES[precision]
     left_mean, right_mean, left_dev, right_dev = (t.to(wanted).contiguous() for t in factors)
     M, N, d_out, k2 = left_dev.shape
     d_in = right_mean.shape[-1]
     out = torch.empty(M, d_out, d_in, device="cuda", dtype=triton_kernels.masked_dtype(precision))
-    parts = torch.empty(M, (d_out // 64) * (d_in // 64), 4, device="cuda")
-    mins = torch.empty(M, (d_out // 64) * (d_in // 64), device="cuda")
+    cols = triton_kernels.strip_tiles(precision)
+    programs = -(-d_out // 64) * triton_kernels.strip_count(d_in, 64, cols)
+    parts = torch.empty(M, programs, 4, device="cuda")
+    mins = torch.empty(M, programs, device="cuda")
     scale = mean_var.float().contiguous()
     eps = torch.ones(M, device="cuda")
     rows = []
     for stats in (True, False):
         kernel = functools.partial(triton_kernels.launch_tile_kernel, left_mean, right_mean, left_dev, right_dev,
                                    scale, eps, out, parts, mins, tau=0.5, normalize="mean", block_m=64, block_n=64,
-                                   precision=precision, num_warps=4, stats=stats)
+                                   precision=precision, num_warps=4, stats=stats, cols=cols)
         rows.append(dict(kernel_only=True, precision=precision, stats=stats, ms=do_bench_ms(kernel)))
         print(rows[-1], flush=True)
     return rows

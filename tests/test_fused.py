@@ -381,14 +381,20 @@ def _triton_tile_pass_matches_torch() -> None:
     # "bf16" is checked on a GPU only (test_bf16_kernel_matches_torch_bf16_tile_pass): the
     # interpreter computes bfloat16 products wrongly (numpy has no bfloat16)
     _tile_passes_agree(cases, close=1e-6, close_stored=1e-6, block=32)
+    # programs that walk a strip of tiles along a row (the bf16 default), also past the last
+    # column: 40 columns are two tiles of 32, in strips of two and of three
+    strips = [("snr", 0.5, "ieee", (4, 48, 40)), ("mean", 0.5, "tf32x3", (2, 33, 17))]
+    for cols in (2, 3):
+        _tile_passes_agree(strips, close=1e-6, close_stored=1e-6, block=32, cols=cols)
 
 
 def _tile_passes_agree(cases, close: float, close_stored: float, block: int, device: str = "cpu",
-                       stats_rtol: float = 1e-5) -> None:
+                       stats_rtol: float = 1e-5, cols: int | None = None) -> None:
     """The Triton tile passes (masked matrices and first sketch; the sketching kernel's two
     sketches) against the PyTorch tile pass of the same precision: ``close`` for the first
     sketch, ``close_stored`` for the masked matrices and the co-range sketch, ``stats_rtol``
-    for the mask statistics and the masked matrices' squared norms."""
+    for the mask statistics and the masked matrices' squared norms; ``cols``, the tile kernel's
+    tiles per program (None: its default for the precision)."""
     from iga_ds.methods.iga import fused, triton_kernels
 
     for normalize, tau, precision, (r, d_in, d_out) in cases:
@@ -402,7 +408,7 @@ def _tile_passes_agree(cases, close: float, close_stored: float, block: int, dev
         kw = dict(tau=tau, normalize=normalize, mean_var=mean_var, mean_sq=mean_sq)
         ref = fused.tile_pass_torch(*factors, omega, tile_elements=1 << 20, precision=precision, **kw)
         got = triton_kernels.tile_pass_triton(*factors, omega, block_m=block, block_n=block, precision=precision,
-                                              **kw)
+                                              cols=cols, **kw)
         assert got[0].dtype == ref[0].dtype == triton_kernels.masked_dtype(precision)
         assert rel(got[0].double(), ref[0].double()) < close_stored and rel(got[1], ref[1]) < close, (normalize, r)
         for key in ref[2]:

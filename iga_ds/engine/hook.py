@@ -35,7 +35,7 @@ from iga_ds.engine.internals import (
     prepare_backward,
     skip_optimizer_step,
     unfuse_gradient_checks,
-    write_full_grad,
+    write_full_grads,
 )
 from iga_ds.engine.layout import Wave, build_layout, run_waves
 from iga_ds.errors import ConfigError
@@ -175,9 +175,8 @@ class EngineHook:
         else:
             if updates is not None:
                 with record_function("boundary/write_grads"):
-                    for m, (gA, gB) in zip(self.modules, updates):
-                        write_full_grad(m.lora_A.weight, gA)
-                        write_full_grad(m.lora_B.weight, gB)
+                    write_full_grads([w for m in self.modules for w in (m.lora_A.weight, m.lora_B.weight)],
+                                     [g for pair in updates for g in pair])
             with record_function("boundary/deepspeed_step"):
                 result = self._original_step(*args, **kwargs)
         if self.capture is not None:
@@ -311,9 +310,7 @@ class EngineHook:
         table = self._stat_table(results).tolist()
         updates, per_module = [], {}
         for m, u, vals in zip(mine, results, table):
-            # reshape and float are no-ops for the methods' float32 (r, in) and (out, r) results
-            updates.append((u.gA.reshape(m.rank, m.in_features).float(),
-                            u.gB.reshape(m.out_features, m.rank).float()))
+            updates.append((_as_shape(u.gA, (m.rank, m.in_features)), _as_shape(u.gB, (m.out_features, m.rank))))
             per_module[m.name] = self._stat_dict(vals)
         return updates, per_module
 
@@ -400,6 +397,15 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
     if not tensors:
         return True
     return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all())
+
+
+def _as_shape(t: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """``t`` as a float32 tensor of ``shape``; the methods' results usually are one already, and
+    this runs once per tensor while the device waits for the host: no operator where none is
+    needed."""
+    if t.dtype != torch.float32:
+        t = t.float()
+    return t if t.shape == shape else t.reshape(shape)
 
 
 def _as_float32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -44,21 +44,40 @@ def check_engine(engine, needs_domain_gradients: bool) -> None:
         raise ConfigError("pipeline parallelism is not supported by the engine hook")
 
 
-def write_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
-    """Write a full gradient (same on every rank) into the optimizer's view of it.
+def write_full_grads(params: list[torch.nn.Parameter], values: list[torch.Tensor]) -> None:
+    """Write full gradients (the same on every rank) into the optimizer's view of them.
 
-    ZeRO-1/2 keep gradients as fragments of flat partitions; DeepSpeed's tensor-fragment
-    mapping writes this rank's fragment (what deepspeed.utils.safe_set_full_grad does),
-    without communication. Without ZeRO the gradient lives in param.grad.
+    ZeRO-1/2 keep gradients as fragments of flat partitions. DeepSpeed's tensor-fragment
+    mapping locates this rank's fragment of each parameter, and one multi-tensor copy writes
+    them all, without communication. ``param.set_full_hp_grad`` (what
+    ``deepspeed.utils.safe_set_full_grad`` calls) writes the same fragment one parameter at a
+    time and then tests the value for infinities, which waits for the device once per
+    parameter: 256 waits a step for LLaMA-2-7B's LoRA factors, most of the boundary's host
+    time (docs/results/h100-2026-11-27-evening/). That test only feeds CPU offload's overflow
+    tracking; the hook writes finite gradients only (a step with a non-finite one is skipped
+    before this), so with offload the per-parameter call stays, and elsewhere it is dropped.
+    Without ZeRO the gradient lives in ``param.grad``.
     """
-    if hasattr(param, "_hp_mapping"):
-        if param._hp_mapping is not None:
-            param.set_full_hp_grad(value)
-        return  # this rank holds no fragment of the parameter
-    if param.grad is None:
-        param.grad = value.to(param.dtype).clone()
-    else:
-        param.grad.copy_(value)
+    fragments, pieces = [], []
+    for param, value in zip(params, values, strict=True):
+        if hasattr(param, "_hp_mapping"):
+            mapping = param._hp_mapping
+            if mapping is None:
+                continue  # this rank holds no fragment of the parameter
+            optimizer = getattr(param, "_zero_optimizer", None)
+            if getattr(optimizer, "cpu_offload", False) or not hasattr(param, "_index_in_param_group"):
+                param.set_full_hp_grad(value)
+                continue
+            fragment = mapping.get_lp_grad_fragment(param._index_in_param_group)
+            address = mapping.lp_fragment_address
+            fragments.append(fragment)
+            pieces.append(value.reshape(-1).narrow(0, address.start, address.numel).view_as(fragment))
+        elif param.grad is None:
+            param.grad = value.to(param.dtype).clone()
+        else:
+            param.grad.copy_(value)
+    if fragments:
+        torch._foreach_copy_(fragments, pieces)
 
 
 def lora_gradients_can_be_left_out(engine) -> bool:

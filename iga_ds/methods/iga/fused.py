@@ -524,11 +524,14 @@ def _in_caller_order(modules: Sequence[ModuleGrads], done, keys: list[str], tabl
     """One ``(gA_new, gB_new, stats)`` per module in the caller's order, each in its module's dtype."""
     results: list = [None] * len(modules)
     column = 0
+    # runs while the device waits for the host (after the statistics' copy): one unbind per
+    # stack, not one indexing operator per module, and no cast where the dtype is already right
     for positions, gA_new, gB_new in done:
-        for j, pos in enumerate(positions):
-            dtype = modules[pos].gA.dtype
-            results[pos] = (gA_new[j].to(dtype), gB_new[j].to(dtype),
-                            {key: table[i][column] for i, key in enumerate(keys)})
+        dtype = modules[positions[0]].gA.dtype  # a stack holds modules of one dtype
+        if gA_new.dtype != dtype:
+            gA_new, gB_new = gA_new.to(dtype), gB_new.to(dtype)
+        for pos, gA, gB in zip(positions, gA_new.unbind(0), gB_new.unbind(0)):
+            results[pos] = (gA, gB, {key: table[i][column] for i, key in enumerate(keys)})
             column += 1
     return results
 

@@ -36,6 +36,17 @@ PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16")
 FACTOR_DTYPES = {"ieee": torch.float32, "tf32x3": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16}
 
 
+# tiles per program of the tile kernel, by precision. bf16: a strip of 16 tiles along a row,
+# 6.82 -> 5.05 ms for 128 LLaMA-2-7B modules on one H100 (docs/results/h100-2026-11-27-evening/);
+# float32 keeps one: its dot inside the loop compiled 27 to 40 times slower there
+STRIP_TILES = {"bf16": 16}
+
+
+def strip_tiles(precision: str) -> int:
+    """Tiles along a row that one program of the tile kernel handles at ``precision``."""
+    return STRIP_TILES.get(precision, 1)
+
+
 def available() -> bool:
     return triton is not None
 
@@ -125,16 +136,43 @@ if triton is not None:
         left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, out_ptr, part_ptr, min_ptr,
         d_out, d_in, k2, tau,
         N: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-        PRECISION: tl.constexpr, STATS: tl.constexpr = True,
+        PRECISION: tl.constexpr, STATS: tl.constexpr = True, COLS: tl.constexpr = 1,
     ):
-        """Writes Gbar * mask tile by tile (the randomized SVD reads it afterwards). ``STATS``
-        False skips the statistics (bench/tune_method.py times their cost)."""
-        pid_r, pid_c, mod, rows, cols, masked, mask, var, valid = _program_tile(
-            left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, d_out, d_in, k2, tau,
-            N, NORM, KP, BM, BN, PRECISION)
-        tl.store(out_ptr + mod * d_out * d_in + rows[:, None] * d_in + cols[None, :], masked, mask=valid)
+        """Writes Gbar * mask for a strip of ``COLS`` tiles along a row (the randomized SVD reads
+        it afterwards). The statistics are summed along each row of the strip as it goes and
+        reduced to one partial sum per program at the end: a reduction across the whole tile
+        per tile cost more than the tile's arithmetic. ``STATS`` False skips them
+        (bench/tune_method.py times their cost)."""
+        pid_r = tl.program_id(0)
+        pid_g = tl.program_id(1)
+        mod = tl.program_id(2).to(tl.int64)
+        rows = pid_r * BM + tl.arange(0, BM)
+        acc_mask = tl.zeros((BM,), dtype=tl.float32)
+        acc_low = tl.zeros((BM,), dtype=tl.float32)
+        acc_var = tl.zeros((BM,), dtype=tl.float32)
+        acc_sq = tl.zeros((BM,), dtype=tl.float32)
+        acc_min = tl.full((BM,), float("inf"), dtype=tl.float32)
+        for c in range(COLS):
+            cols = (pid_g * COLS + c) * BN + tl.arange(0, BN)
+            masked, mask, var, valid = _masked_tile(
+                left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, mod, rows, cols, d_out, d_in, k2,
+                tau, N, NORM, KP, BM, BN, PRECISION)
+            tl.store(out_ptr + mod * d_out * d_in + rows[:, None] * d_in + cols[None, :], masked, mask=valid)
+            if STATS:
+                acc_mask += tl.sum(tl.where(valid, mask, 0.0), axis=1)
+                acc_low += tl.sum(tl.where(valid & (mask < 0.5), 1.0, 0.0), axis=1)
+                acc_var += tl.sum(tl.where(valid, var, 0.0), axis=1)
+                acc_sq += tl.sum(masked * masked, axis=1)
+                acc_min = tl.minimum(acc_min, tl.min(tl.where(valid, mask, float("inf")), axis=1))
         if STATS:
-            _store_tile_stats(part_ptr, min_ptr, mod, masked, mask, var, valid, pid_r, pid_c)
+            program = pid_r * tl.num_programs(1) + pid_g
+            n_programs = tl.num_programs(0) * tl.num_programs(1)
+            base = part_ptr + (mod * n_programs + program) * 4
+            tl.store(base + 0, tl.sum(acc_mask, axis=0))
+            tl.store(base + 1, tl.sum(acc_low, axis=0))
+            tl.store(base + 2, tl.sum(acc_var, axis=0))
+            tl.store(base + 3, tl.sum(acc_sq, axis=0))
+            tl.store(min_ptr + mod * n_programs + program, tl.min(acc_min, axis=0))
 
     @triton.jit
     def _iga_sketch_kernel(
@@ -172,10 +210,11 @@ if triton is not None:
 
 def launch_tile_kernel(left_mean, right_mean, left_dev, right_dev, scale, eps, out, parts, mins, *, tau,
                        normalize, block_m: int = 64, block_n: int = 64, precision: str = "ieee", num_warps: int = 4,
-                       stats: bool = True) -> None:
+                       stats: bool = True, cols: int = 1) -> None:
     """The tile kernel alone: writes ``Gbar * exp(-tau V')`` into ``out`` (M x out x in) and, with
-    ``stats``, each tile's partial sums (mask, mask below 0.5, V, masked^2) into ``parts``
-    (M x tiles x 4) and its smallest mask into ``mins`` (M x tiles), tiles numbered row-major.
+    ``stats``, each program's partial sums (mask, mask below 0.5, V, masked^2) into ``parts``
+    (M x programs x 4) and its smallest mask into ``mins`` (M x programs), programs numbered
+    row-major; a program covers ``cols`` tiles along a row (:func:`strip_count` per row).
 
     Inputs as :func:`tile_pass_triton` prepares them: contiguous float32 factors, ``scale`` the
     mean of V per module (``normalize="mean"``), ``eps`` the floor of the ``"snr"``
@@ -187,22 +226,28 @@ def launch_tile_kernel(left_mean, right_mean, left_dev, right_dev, scale, eps, o
     M, N, d_out, k2 = left_dev.shape
     d_in = right_mean.shape[-1]
     kp = max(16, triton.next_power_of_2(k2))
-    grid = (triton.cdiv(d_out, block_m), triton.cdiv(d_in, block_n), M)
+    grid = (triton.cdiv(d_out, block_m), strip_count(d_in, block_n, cols), M)
     _iga_tile_kernel[grid](
         left_mean, right_mean, left_dev, right_dev, scale, eps, out, parts, mins, d_out, d_in, k2, float(tau),
         N=N, NORM=_NORM_CODE[normalize], KP=kp, BM=block_m, BN=block_n, PRECISION=precision, STATS=stats,
-        num_warps=num_warps)
+        COLS=cols, num_warps=num_warps)
+
+
+def strip_count(d_in: int, block_n: int, cols: int) -> int:
+    """Programs along a row of the tile kernel: strips of ``cols`` tiles of ``block_n`` columns."""
+    return triton.cdiv(triton.cdiv(d_in, block_n), cols)
 
 
 def tile_pass_triton(left_mean, right_mean, left_dev, right_dev, omega, *, tau, normalize, mean_var, mean_sq,
                      psi=None, block_m: int = 64, block_n: int = 64, precision: str = "ieee", num_warps: int = 4,
-                     partial_bytes: int = 1 << 30):
+                     partial_bytes: int = 1 << 30, cols: int | None = None):
     """Stage 4 of :mod:`iga_ds.methods.iga.fused` on CUDA, same contract as its PyTorch
     reference :func:`iga_ds.methods.iga.fused.tile_pass_torch`: (masked, or with ``psi`` the
     co-range sketch psi @ masked), first sketch, stats, sum of masked^2. With ``psi`` the
     modules go through the sketching kernel in chunks whose per-tile partial sketches stay
     under ``partial_bytes``. With ``precision="bf16"`` the masked matrices come back in
-    bfloat16 (:func:`masked_dtype`); inputs are float32 whatever the precision."""
+    bfloat16 (:func:`masked_dtype`); inputs are float32 whatever the precision. ``cols``: tiles
+    along a row per program of the tile kernel (default :func:`strip_tiles`)."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     if precision not in PRECISIONS:
@@ -212,6 +257,7 @@ def tile_pass_triton(left_mean, right_mean, left_dev, right_dev, omega, *, tau, 
     M, N, d_out, k2 = left_dev.shape
     d_in = right_mean.shape[-1]
     kp = max(16, triton.next_power_of_2(k2))
+    cols = strip_tiles(precision) if cols is None else cols
     wanted = FACTOR_DTYPES[precision]
     left_mean, right_mean, left_dev, right_dev = (
         t.to(wanted).contiguous() for t in (left_mean, right_mean, left_dev, right_dev))
@@ -219,7 +265,8 @@ def tile_pass_triton(left_mean, right_mean, left_dev, right_dev, omega, *, tau, 
     eps = (SNR_EPS * mean_sq + torch.finfo(torch.float32).tiny).float().contiguous()
     device = left_mean.device
     rows_t, cols_t = triton.cdiv(d_out, block_m), triton.cdiv(d_in, block_n)
-    n_tiles = rows_t * cols_t
+    # one partial sum per program: per tile for the sketching kernel, per strip for the tile kernel
+    n_tiles = rows_t * (cols_t if psi is not None else strip_count(d_in, block_n, cols))
     parts = torch.empty(M, n_tiles, 4, dtype=torch.float32, device=device)
     mins = torch.empty(M, n_tiles, dtype=torch.float32, device=device)
     consts = dict(N=N, NORM=_NORM_CODE[normalize], KP=kp, BM=block_m, BN=block_n, PRECISION=precision,
@@ -228,7 +275,7 @@ def tile_pass_triton(left_mean, right_mean, left_dev, right_dev, omega, *, tau, 
         masked = torch.empty(M, d_out, d_in, dtype=masked_dtype(precision), device=device)
         launch_tile_kernel(left_mean, right_mean, left_dev, right_dev, scale, eps, masked, parts, mins, tau=tau,
                            normalize=normalize, block_m=block_m, block_n=block_n, precision=precision,
-                           num_warps=num_warps)
+                           num_warps=num_warps, cols=cols)
         first, sketch = masked, torch.bmm(masked, omega.to(masked.dtype)).float()
     else:
         width, co_width = omega.shape[-1], psi.shape[1]
