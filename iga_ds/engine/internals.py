@@ -53,7 +53,7 @@ def write_full_grads(params: list[torch.nn.Parameter], values: list[torch.Tensor
     ``deepspeed.utils.safe_set_full_grad`` calls) writes the same fragment one parameter at a
     time and then tests the value for infinities, which waits for the device once per
     parameter: 256 waits a step for LLaMA-2-7B's LoRA factors, most of the boundary's host
-    time (docs/results/h100-2026-11-27-evening/). That test only feeds CPU offload's overflow
+    time (docs/results/h100-h200-2026-11-27-evening/). That test only feeds CPU offload's overflow
     tracking; the hook writes finite gradients only (a step with a non-finite one is skipped
     before this), so with offload the per-parameter call stays, and elsewhere it is dropped.
     Without ZeRO the gradient lives in ``param.grad``.

@@ -37,7 +37,7 @@ FACTOR_DTYPES = {"ieee": torch.float32, "tf32x3": torch.float32, "tf32": torch.f
 
 
 # tiles per program of the tile kernel, by precision. bf16: a strip of 16 tiles along a row,
-# 6.82 -> 5.05 ms for 128 LLaMA-2-7B modules on one H100 (docs/results/h100-2026-11-27-evening/);
+# 6.82 -> 5.05 ms for 128 LLaMA-2-7B modules on one H100 (docs/results/h100-h200-2026-11-27-evening/);
 # float32 keeps one: its dot inside the loop compiled 27 to 40 times slower there
 STRIP_TILES = {"bf16": 16}
 
