@@ -437,8 +437,9 @@ def test_bf16_kernel_matches_torch_bf16_tile_pass():
     # float32); the share of the mask below 1/2 counts elements at the threshold, which
     # those differences move across it (5.6e-3 relative seen on an H200). A wrong tile or
     # index is off by order one.
+    # 1100 columns: 18 tiles, a full strip of 16 and a partial one
     cases = [("snr", 0.5, "bf16", (16, 300, 200)), ("mean", 0.5, "bf16", (4, 48, 40)),
-             ("none", 1e8, "bf16", (16, 256, 256))]
+             ("none", 1e8, "bf16", (16, 256, 256)), ("mean", 0.5, "bf16", (8, 1100, 72))]
     _tile_passes_agree(cases, close=1e-2, close_stored=5e-3, block=64, device="cuda", stats_rtol=2e-2)
 
 
