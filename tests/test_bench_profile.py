@@ -201,8 +201,8 @@ def test_module_grads_are_per_domain_means(counts):
         hook.detach()
 
 
-def test_batched_finiteness_and_cast_match_the_per_tensor_versions():
-    from iga_ds.engine.hook import _all_finite, _as_float32
+def test_batched_finiteness_and_float32_copies_match_the_per_tensor_versions():
+    from iga_ds.engine.hook import Float32Copies, _all_finite
 
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g), torch.randn(2, 2, 2, generator=g)]
@@ -212,7 +212,14 @@ def test_batched_finiteness_and_cast_match_the_per_tensor_versions():
             t = [x.clone() for x in tensors]
             t[i].view(-1)[1] = bad
             assert not _all_finite(t)
-    assert _as_float32(tensors) is tensors  # float32 already: no copy
-    low = [x.to(torch.bfloat16) for x in tensors]
-    for got, x in zip(_as_float32(low), low):
-        assert got.dtype == torch.float32 and got.shape == x.shape and torch.equal(got, x.float())
+    same = Float32Copies(tensors).refresh()  # float32 already: the tensors themselves
+    assert all(c.data_ptr() == x.data_ptr() for c, x in zip(same, tensors))
+    low = [x.to(torch.bfloat16).requires_grad_() for x in tensors]
+    copies = Float32Copies(low)
+    first = copies.refresh()
+    for got, x in zip(first, low):
+        assert got.dtype == torch.float32 and got.shape == x.shape and torch.equal(got, x.detach().float())
+    with torch.no_grad():  # an optimizer step changes the factors: the next refresh sees it, same buffer
+        low[0].add_(1.0)
+    again = copies.refresh()
+    assert torch.equal(again[0], low[0].detach().float()) and again[0].data_ptr() == first[0].data_ptr()

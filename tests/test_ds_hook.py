@@ -169,20 +169,3 @@ def test_dead_rank_makes_the_others_fail_instead_of_hanging(tmp_path):
     assert results[0][0] != 0, "the surviving rank must exit with an error"
     assert time.time() - t0 < 200
 
-
-def test_float32_copies_follow_bf16_factors_and_pass_float32_ones_through():
-    from iga_ds.engine.hook import Float32Copies
-
-    gen = torch.Generator().manual_seed(0)
-    low = [torch.randn(4, 6, generator=gen).bfloat16().requires_grad_(), torch.randn(6, 4, generator=gen).bfloat16()]
-    copies = Float32Copies(low)
-    first = copies.refresh()
-    assert [c.dtype for c in first] == [torch.float32] * 2
-    assert all(torch.equal(c, t.detach().float()) for c, t in zip(first, low))
-    with torch.no_grad():  # an optimizer step changes the factors: the next refresh sees it
-        low[0].add_(1.0)
-    again = copies.refresh()
-    assert torch.equal(again[0], low[0].detach().float()) and again[0].data_ptr() == first[0].data_ptr()
-    full = [torch.randn(3, 2, generator=gen), torch.randn(2, 3, generator=gen)]
-    same = Float32Copies(full).refresh()
-    assert all(c.data_ptr() == t.data_ptr() for c, t in zip(same, full))
