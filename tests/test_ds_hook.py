@@ -168,4 +168,3 @@ def test_dead_rank_makes_the_others_fail_instead_of_hanging(tmp_path):
     assert results[1][0] == 3
     assert results[0][0] != 0, "the surviving rank must exit with an error"
     assert time.time() - t0 < 200
-

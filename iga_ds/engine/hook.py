@@ -97,8 +97,7 @@ class EngineHook:
             gB = self.flat_in[off + nA: off + nA + nB].view(N, m.out_features, m.rank)
             buffers.append((gA, gB))
         self.buffers = buffers
-        self._buffer_views = {m.index: pair for m, pair in zip(self.modules, buffers)}
-        # the method takes the factors in float32
+        # the method takes the factors in float32; A then B of each module, in module order
         self._weights = Float32Copies([w for m in self.modules for w in (m.lora_A.weight, m.lora_B.weight)])
         # the capture owns the factors' gradients where DeepSpeed copes with none from backward:
         # the method's result replaces them at the boundary, so computing and reducing them
@@ -178,8 +177,7 @@ class EngineHook:
         else:
             if updates is not None:
                 with record_function("boundary/write_grads"):
-                    write_full_grads([w for m in self.modules for w in (m.lora_A.weight, m.lora_B.weight)],
-                                     [g for pair in updates for g in pair])
+                    write_full_grads(self._weights.tensors, [g for pair in updates for g in pair])
             with record_function("boundary/deepspeed_step"):
                 result = self._original_step(*args, **kwargs)
         if self.capture is not None:
@@ -292,10 +290,10 @@ class EngineHook:
             summed.mul_(1.0 / float(counts[0]))
         else:
             scale = (1.0 / counts).to(torch.float32).to(self.device).view(-1, 1, 1)
-        weights = self._float32_weights()
-        # the capture's own buffers are views of flat_in already: no slicing per module (this
-        # runs while the device waits for the host)
-        views = self._buffer_views if summed is self.flat_in else None
+        weights = self._weights.refresh()
+        # the capture's own buffers are views of flat_in already (a module's index is its place
+        # in self.modules): no slicing per module, while the device waits for the host
+        views = self.buffers if summed is self.flat_in else None
         grads = []
         for m in mine:
             if views is not None:
@@ -307,14 +305,9 @@ class EngineHook:
                 gB = summed[off + nA: off + nA + nB].view(N, m.out_features, m.rank)
             if not equal:
                 gA, gB = gA * scale, gB * scale
-            A, B = weights[m.index]
-            grads.append(ModuleGrads(m.name, m.index, A, B, gA, gB, m.scaling))
+            grads.append(ModuleGrads(m.name, m.index, weights[2 * m.index], weights[2 * m.index + 1], gA, gB,
+                                     m.scaling))
         return grads
-
-    def _float32_weights(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Every module's factors in float32 as they are now, by module index."""
-        weights = self._weights.refresh()
-        return {m.index: (weights[2 * i], weights[2 * i + 1]) for i, m in enumerate(self.modules)}
 
     def _results_direct(self, mine: list[LoraModule], results):
         """World size 1: this rank owns every module, so packing would be pure copying."""
