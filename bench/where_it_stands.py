@@ -25,19 +25,20 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "PERFORMANCE.md"
 RESULTS = ROOT / "docs" / "results"
 BEGIN, END = "<!-- where-it-stands:begin (bench/where_it_stands.py) -->", "<!-- where-it-stands:end -->"
-NAME = re.compile(r"machine-(?P<machine>[A-Z])-bench_step_(?P<gpus>\d+)gpu\.json$")
+# machines are lettered A to Z, then AA, AB, ...
+NAME = re.compile(r"machine-(?P<machine>[A-Z]{1,2})-bench_step_(?P<gpus>\d+)gpu\.json$")
 HEADER = ("| machine | card | GPUs | rounds x steps | method | step ms | step / DeepSpeed's ERM (90% interval) "
           "| peak / ERM | method ms | other ms | log |")
 
 
 def archived_runs(results: Path = RESULTS) -> list[tuple[str, int, Path]]:
-    """(machine letter, GPUs, file) of every archived step run, in machine then GPU order."""
+    """(machine letters, GPUs, file) of every archived step run, in machine then GPU order."""
     runs = []
     for path in results.glob("*/machine-*-bench_step_*gpu.json"):
         match = NAME.search(path.name)
         if match:
             runs.append((match["machine"], int(match["gpus"]), path))
-    return sorted(runs, key=lambda run: (run[0], run[1]))
+    return sorted(runs, key=lambda run: (len(run[0]), run[0], run[1]))
 
 
 def _cell(value, fmt: str) -> str:

@@ -139,7 +139,8 @@ def main() -> int:
         waves = len(hook.layout.waves) if hook.capture is not None else 0
         torch.save({"params": state, "stats": stats, "straddles": straddles,
                     "skipped": engine.skipped_steps, "owns_gradients": owns, "waves": waves,
-                    "checks": checks, "fused_checks": hook.fused_checks}, out_path)
+                    "checks": checks, "fused_checks": hook.fused_checks,
+                    "reused_zeros": owns and hook.reused_zeros}, out_path)
     hook.detach()
     torch.distributed.destroy_process_group()  # a clean exit: no group threads alive at teardown
     return 0

@@ -132,11 +132,12 @@ def test_bench_step_profile_writes_tables_and_summaries_on_cpu(tmp_path):
             assert isinstance(op["name"], str) and op["calls"] > 0 and op["self_cpu_ms"] >= 0
 
 
-def _hook_at_world_size_one(implementation: str):
-    """A hook on a stand-in ZeRO-2 engine (no torch.distributed: world size 1) after one captured micro-batch."""
+def _hook_at_world_size_one(implementation: str, dtype: torch.dtype = torch.float32):
+    """A hook on a stand-in ZeRO-2 engine (no torch.distributed: world size 1) after one captured
+    micro-batch, the model's weights in ``dtype`` (as DeepSpeed's bf16 mode casts them)."""
     from iga_ds.engine import HookConfig, attach
 
-    model = tiny_peft_llama(seed=0)
+    model = tiny_peft_llama(seed=0).to(dtype)
     engine = SimpleNamespace(module=model, device="cpu", optimizer=SimpleNamespace(step=lambda *a, **k: None),
                              zero_optimization_stage=lambda: 2, fp16_enabled=lambda: False,
                              gradient_accumulation_steps=lambda: 1, global_steps=0)
@@ -197,6 +198,20 @@ def test_module_grads_are_per_domain_means(counts):
             torch.testing.assert_close(g.gB.double(), want_B, rtol=1e-6, atol=0)
             assert want_A.abs().sum() > 0
             assert torch.equal(g.A, m.lora_A.weight.detach()) and g.A.dtype == torch.float32
+    finally:
+        hook.detach()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_module_grads_carry_the_dtype_of_the_training(dtype):
+    """IGA's precision "auto" follows the weights' dtype, which the float32 factors it gets no longer show."""
+    hook = _hook_at_world_size_one("fused", dtype)
+    try:
+        grads = hook._module_grads(hook.flat_in, hook.owned, 0, hook.capture.counts)
+        assert {g.A.dtype for g in grads} == {g.gA.dtype for g in grads} == {torch.float32}
+        assert {g.trained_in for g in grads} == {dtype}
+        assert hook.method.precision == "auto"
+        assert hook.method.precision_for(grads) == ("bf16" if dtype == torch.bfloat16 else "ieee")
     finally:
         hook.detach()
 

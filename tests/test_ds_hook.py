@@ -116,6 +116,7 @@ def test_two_processes_match_single_process_reference(tmp_path, method, params, 
     # (backward leaves them to the capture); the others, and other stages, keep the plain path
     owns = get_method(method, **params).needs_domain_gradients and extra.get("stage", 2) == 2
     assert got["owns_gradients"] == owns
+    assert got["reused_zeros"] == owns  # and ZeRO-2 is handed persistent zeros for them
     if get_method(method, **params).scope == "module":  # the tiny model has 8 LoRA modules
         assert got["waves"] == min(extra.get("waves", HookConfig().overlap_waves), 8)
     if method == "iga":

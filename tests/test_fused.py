@@ -487,6 +487,46 @@ def test_bench_method_small_runs_on_cpu(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_method_precision_rule_on_a_saved_model(tmp_path):
+    """--model with two seeds: one rule per batch, each batch its own noise, float32 far inside it."""
+    import precision_rule
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from iga_ds.train.model import build_vocab, build_word_tokenizer
+
+    texts = [t for seed in (0, 1) for domain in precision_rule.domain_texts(precision_rule.DEFAULT_DOMAINS, 2, seed)
+             for t in domain]
+    tokenizer = build_word_tokenizer(build_vocab(texts))
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, pad_token_id=tokenizer.pad_token_id,
+                                 )).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    out = tmp_path / "method.json"
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "bench_method.py"), "--small", "--reps", "1",
+                           "--warmup", "0", "--skip-naive", "--f64-modules", "0", "--rank", "4",
+                           "--model", str(tmp_path / "model"), "--rule-groups", "2", "--rule-max-len", "64",
+                           "--rule-seeds", "0,1", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode in (0, 1), proc.stdout[-2000:] + proc.stderr[-2000:]
+    rule = json.loads(out.read_text())["precision_rule"]
+    first, second = rule["batches"]
+    assert (first["seed"], second["seed"]) == (0, 1) and first["modules"] == second["modules"] == 8
+    assert first["noise_reconstruction"] != second["noise_reconstruction"]
+    assert rule["broken"] == sorted(set(first["broken"]) | set(second["broken"]))
+    assert (proc.returncode == 1) == bool(rule["broken"])
+    for batch in rule["batches"]:
+        assert batch["limit"] == batch["noise_reconstruction"]["median"] > 1e-3  # bfloat16 keeps 8 bits
+        float32, bf16 = batch["variants"]["float32"], batch["variants"]["bf16"]
+        assert float32["error_vs_f64"]["max"] < 1e-4 and float32["within_noise"]
+        assert float32["error_over_carried_noise"]["max"] < 1e-2  # float32 rounding far under bf16 training's
+        assert float32["undetermined_modules"] == 0 and float32["error_over_float32_error"]["max"] == 1.0
+        # the same float64 method on the bf16 gradients: one carried noise for both variants
+        assert float32["carried_noise"] == bf16["carried_noise"] and bf16["carried_noise"]["min"] > 1e-4
+        assert all(row["rank_r_over_optimal"]["min"] >= 1 - 1e-6 for row in batch["variants"].values())
+    assert proc.stdout.count("precision rule on") == 2
+
+
+@pytest.mark.slow
 def test_profile_method_small_runs_on_cpu():
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "profile_method.py"), "--small", "--rows", "3",
                            "--reps", "1", "--batch-bytes", "auto"], capture_output=True, text=True, timeout=120)
@@ -540,6 +580,21 @@ def test_bf16_precision_is_float64_up_to_bfloat16_rounding(normalize):
         assert err32 < 5e-4 and 10 * err32 < err16 < 1e-2, (m.name, err32, err16)
         # the mask statistics come from float32 tiles of bf16-rounded factors
         assert stats["mask_mean"] == pytest.approx(rstats["mask_mean"], rel=2e-3)
+
+
+def test_precision_auto_follows_the_dtype_the_gradients_were_computed_in():
+    from dataclasses import replace
+
+    mods = [make_module(i, r=4, d_in=64, d_out=48, dtype=torch.float32) for i in range(3)]
+    run = lambda precision, modules: get_method("iga", implementation="fused", precision=precision).combine(modules, 3)
+    ieee, bf16 = run("ieee", mods), run("bf16", mods)
+    assert any(not torch.equal(a.gA, b.gA) for a, b in zip(ieee, bf16))  # the two precisions differ here
+    for computed_in, want in ((None, ieee), (torch.float32, ieee), (torch.float16, ieee), (torch.bfloat16, bf16)):
+        got = run("auto", [replace(m, compute_dtype=computed_in) for m in mods])
+        for u, w in zip(got, want):
+            assert torch.equal(u.gA, w.gA) and torch.equal(u.gB, w.gB), computed_in
+    # bfloat16 factors handed over as they are: their own dtype says it
+    assert get_method("iga").precision_for([replace(mods[0], A=mods[0].A.bfloat16())]) == "bf16"
 
 
 def test_bf16_tile_pass_stores_bfloat16():

@@ -20,12 +20,16 @@ def test_rows_carry_each_archived_figure_and_a_stale_doc_is_caught(tmp_path):
     folder.mkdir(parents=True)
     (folder / "machine-Q-bench_step_2gpu.json").write_text(json.dumps(run))
     (folder / "bench_step_2gpu.json").write_text(json.dumps(run))  # not named as archived: left out
+    (folder / "machine-AB-bench_step_1gpu.json").write_text(json.dumps(run))  # after Z: two letters, listed last
     table = where_it_stands.table(tmp_path / "results")
     lines = table.splitlines()
-    assert len(lines) == 4 and lines[0] == where_it_stands.HEADER
+    assert len(lines) == 6 and lines[0] == where_it_stands.HEADER
+    assert [line.split(" | ")[0] for line in lines[2:]] == ["| Q", "| Q", "| AB", "| AB"]
+    lines = lines[:4]
     assert lines[2] == "| Q | Card X | 2 | 3 x 8 | erm | 800.0 | - | - | - | - | [log](results/x-run/README.md) |"
     assert lines[3] == ("| Q | Card X | 2 | 3 x 8 | iga_bf16 | 812.3 | 1.015 (0.980-1.041) | 1.011 | 15.0 | 2.0 "
                         "| [log](results/x-run/README.md) |")
+    table = "\n".join(lines)
     doc = f"intro\n{where_it_stands.BEGIN}\nold table\n{where_it_stands.END}\nrest\n"
     fresh = where_it_stands.render(doc, table)
     assert fresh == f"intro\n{where_it_stands.BEGIN}\n{table}\n{where_it_stands.END}\nrest\n"

@@ -33,7 +33,9 @@ from iga_ds.engine.internals import (
     fuse_gradient_checks,
     lora_gradients_can_be_left_out,
     prepare_backward,
+    reuse_zero_gradients,
     skip_optimizer_step,
+    stop_reusing_zero_gradients,
     unfuse_gradient_checks,
     write_full_grads,
 )
@@ -102,9 +104,11 @@ class EngineHook:
         # the capture owns the factors' gradients where DeepSpeed copes with none from backward:
         # the method's result replaces them at the boundary, so computing and reducing them
         # every micro-batch would be wasted
-        self.capture = DomainGradientCapture(self.modules, buffers, N,
-                                             owns_gradients=lora_gradients_can_be_left_out(self.engine),
+        owns = lora_gradients_can_be_left_out(self.engine)
+        self.capture = DomainGradientCapture(self.modules, buffers, N, owns_gradients=owns,
                                              before_backward=lambda: prepare_backward(self.engine.optimizer))
+        # ZeRO-2 would allocate a zero gradient for each left-out factor after every backward
+        self.reused_zeros = owns and reuse_zero_gradients(self.engine.optimizer, self._weights.tensors)
         # where each module's statistics sit in the gathered output: read back only those
         S = len(self.stat_keys)
         self._stat_index = torch.tensor(
@@ -305,8 +309,9 @@ class EngineHook:
                 gB = summed[off + nA: off + nA + nB].view(N, m.out_features, m.rank)
             if not equal:
                 gA, gB = gA * scale, gB * scale
+            # the weights' own dtype is the forward's and backward's (bf16 under DeepSpeed's bf16)
             grads.append(ModuleGrads(m.name, m.index, weights[2 * m.index], weights[2 * m.index + 1], gA, gB,
-                                     m.scaling))
+                                     m.scaling, self._weights.tensors[2 * m.index].dtype))
         return grads
 
     def _results_direct(self, mine: list[LoraModule], results):
@@ -392,6 +397,8 @@ class EngineHook:
         if self.capture is not None:
             self.capture.remove()
             self.capture = None
+            if self.reused_zeros:
+                stop_reusing_zero_gradients(self.engine.optimizer)
         self.engine.optimizer.step = self._original_step
         if self.fused_checks:
             unfuse_gradient_checks(self.engine.optimizer)

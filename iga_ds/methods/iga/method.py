@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import ClassVar, Sequence
 
+import torch
+
 from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, Statistic, module_generator
 from iga_ds.methods.iga.common import FACTOR_MAPS, NORMALIZATIONS, check_choice, check_tau
 from iga_ds.methods.iga.fused import batched_iga
@@ -14,7 +16,7 @@ from iga_ds.methods.iga.reference import Normalize, masked_projection
 from iga_ds.methods.iga.rsvd import SVD_METHODS
 
 IMPLEMENTATIONS = ("auto", "reference", "fused")
-PRECISIONS = ("ieee", "tf32", "bf16")
+PRECISIONS = ("auto", "ieee", "tf32", "bf16")
 
 # what IGA and its ablations report per module, and how a whole model's figure is formed
 MASK_STATISTICS = (
@@ -80,12 +82,13 @@ class IGA(MaskedProjectionMethod):
     module by module; ``fused`` runs :func:`~iga_ds.methods.iga.fused.batched_iga` (same result up
     to rounding, no N full-rank matrices, modules of equal shape batched); ``auto`` takes
     ``fused`` on CUDA.
-    ``precision``: ``tf32`` lets the fused CUDA path use TF32 tensor cores for the
-    reconstruction and the power iterations (faster, about 1e-3 relative error; see
-    docs/PERFORMANCE.md); ``bf16`` rounds the factors to bfloat16 and stores and multiplies
-    the masked matrices in bfloat16 (float32 accumulation; the precision rule in
-    docs/PERFORMANCE.md compares its error with the noise of bf16 training itself);
-    ``ieee`` keeps float32 throughout.
+    ``precision`` (fused path): ``auto`` (default) is ``bf16`` when the gradients come from a
+    bfloat16 forward and backward (:attr:`ModuleGrads.trained_in`; a DeepSpeed bf16 run) and
+    ``ieee`` otherwise: the method is then as exact as the gradients it is given, no more
+    (the precision rule in docs/PERFORMANCE.md measures both errors). ``bf16`` rounds the
+    factors to bfloat16 and stores and multiplies the masked matrices in bfloat16 (float32
+    accumulation); ``tf32`` uses TF32 tensor cores for the reconstruction and the power
+    iterations (about 1e-3 relative error); ``ieee`` keeps float32 throughout.
     ``svd``: ``randomized`` (default; HMT with ``power_iters`` power iterations), ``exact``
     (full SVD, reference path only) or ``single_pass`` (Tropp et al. 2017: both sketches in
     one pass, no power iterations; on the fused path the masked matrices are never stored,
@@ -97,7 +100,7 @@ class IGA(MaskedProjectionMethod):
 
     def __init__(self, tau: float = 0.5, normalize: Normalize = "snr", rank: int | None = None,
                  svd: str = "randomized", oversample: int = 10, power_iters: int = 2, seed: int = 0,
-                 implementation: str = "auto", precision: str = "ieee", factors: str = "chain_rule"):
+                 implementation: str = "auto", precision: str = "auto", factors: str = "chain_rule"):
         super().__init__(tau, normalize, rank, svd, oversample, power_iters, seed, factors)
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -113,11 +116,18 @@ class IGA(MaskedProjectionMethod):
             return self.svd != "exact" and bool(modules) and modules[0].gA.device.type == "cuda"
         return self.implementation == "fused"
 
+    def precision_for(self, modules: Sequence[ModuleGrads]) -> str:
+        """The fused path's precision for these modules: ``precision``, with ``auto`` resolved
+        from the dtype their gradients were computed in."""
+        if self.precision != "auto":
+            return self.precision
+        return "bf16" if modules and modules[0].trained_in == torch.bfloat16 else "ieee"
+
     def combine(self, modules, step):
         if not self._fused(modules):
             return super().combine(modules, step)
         gens = [module_generator(self.seed, step, m.index, m.gA.device) for m in modules]
         out = batched_iga(modules, tau=self.tau, normalize=self.normalize, rank=self.rank,
                           oversample=self.oversample, power_iters=self.power_iters, generators=gens,
-                          triton_precision=self.precision, factors=self.factors, svd=self.svd)
+                          triton_precision=self.precision_for(modules), factors=self.factors, svd=self.svd)
         return [ModuleUpdate(gA, gB, stats) for gA, gB, stats in out]
