@@ -29,6 +29,7 @@ from torch.profiler import record_function
 from iga_ds.config.hook import HookConfig
 from iga_ds.engine.collectives import Collectives
 from iga_ds.engine.internals import (
+    FullGradWriter,
     check_engine,
     fuse_gradient_checks,
     lora_gradients_can_be_left_out,
@@ -37,7 +38,6 @@ from iga_ds.engine.internals import (
     skip_optimizer_step,
     stop_reusing_zero_gradients,
     unfuse_gradient_checks,
-    write_full_grads,
 )
 from iga_ds.engine.layout import Wave, build_layout, run_waves
 from iga_ds.errors import ConfigError
@@ -101,6 +101,7 @@ class EngineHook:
         self.buffers = buffers
         # the method takes the factors in float32; A then B of each module, in module order
         self._weights = Float32Copies([w for m in self.modules for w in (m.lora_A.weight, m.lora_B.weight)])
+        self._writer = FullGradWriter(self._weights.tensors)
         # the capture owns the factors' gradients where DeepSpeed copes with none from backward:
         # the method's result replaces them at the boundary, so computing and reducing them
         # every micro-batch would be wasted
@@ -181,7 +182,7 @@ class EngineHook:
         else:
             if updates is not None:
                 with record_function("boundary/write_grads"):
-                    write_full_grads(self._weights.tensors, [g for pair in updates for g in pair])
+                    self._writer.write([g for pair in updates for g in pair])
             with record_function("boundary/deepspeed_step"):
                 result = self._original_step(*args, **kwargs)
         if self.capture is not None:

@@ -44,8 +44,8 @@ def check_engine(engine, needs_domain_gradients: bool) -> None:
         raise ConfigError("pipeline parallelism is not supported by the engine hook")
 
 
-def write_full_grads(params: list[torch.nn.Parameter], values: list[torch.Tensor]) -> None:
-    """Write full gradients (the same on every rank) into the optimizer's view of them.
+class FullGradWriter:
+    """Writes full gradients (the same on every rank) into the optimizer's view of them.
 
     ZeRO-1/2 keep gradients as fragments of flat partitions. DeepSpeed's tensor-fragment
     mapping locates this rank's fragment of each parameter, and one multi-tensor copy writes
@@ -57,27 +57,52 @@ def write_full_grads(params: list[torch.nn.Parameter], values: list[torch.Tensor
     tracking; the hook writes finite gradients only (a step with a non-finite one is skipped
     before this), so with offload the per-parameter call stays, and elsewhere it is dropped.
     Without ZeRO the gradient lives in ``param.grad``.
+
+    Where each parameter's fragment sits (its mapping, index and slice) is fixed once ZeRO is
+    set up, so it is worked out at the first write and only the fragments themselves, which
+    ZeRO makes anew each step, are looked up after: the write runs while the device waits.
     """
-    fragments, pieces = [], []
-    for param, value in zip(params, values, strict=True):
-        if hasattr(param, "_hp_mapping"):
-            mapping = param._hp_mapping
-            if mapping is None:
-                continue  # this rank holds no fragment of the parameter
-            optimizer = getattr(param, "_zero_optimizer", None)
-            if getattr(optimizer, "cpu_offload", False) or not hasattr(param, "_index_in_param_group"):
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = list(params)
+        self._plan: list[tuple] | None = None
+
+    @staticmethod
+    def _target(param) -> tuple:
+        """(how, param, mapping, index, start, numel): ``fragment`` (one multi-tensor copy),
+        ``offload`` (DeepSpeed's per-parameter call), ``none`` (no fragment here) or ``grad``."""
+        if not hasattr(param, "_hp_mapping"):
+            return ("grad", param, None, 0, 0, 0)
+        mapping = param._hp_mapping
+        if mapping is None:
+            return ("none", param, None, 0, 0, 0)  # this rank holds no fragment of the parameter
+        optimizer = getattr(param, "_zero_optimizer", None)
+        if getattr(optimizer, "cpu_offload", False) or not hasattr(param, "_index_in_param_group"):
+            return ("offload", param, None, 0, 0, 0)
+        address = mapping.lp_fragment_address
+        return ("fragment", param, mapping, param._index_in_param_group, address.start, address.numel)
+
+    def write(self, values: list[torch.Tensor]) -> None:
+        if self._plan is None:
+            self._plan = [self._target(p) for p in self.params]
+        fragments, pieces = [], []
+        for (how, param, mapping, index, start, numel), value in zip(self._plan, values, strict=True):
+            if how == "fragment":
+                fragment = mapping.get_lp_grad_fragment(index)
+                piece = value.reshape(-1)
+                if numel != piece.numel():  # a parameter cut by the partition boundary
+                    piece = piece.narrow(0, start, numel)
+                fragments.append(fragment)
+                pieces.append(piece if fragment.dim() == 1 else piece.view_as(fragment))
+            elif how == "offload":
                 param.set_full_hp_grad(value)
-                continue
-            fragment = mapping.get_lp_grad_fragment(param._index_in_param_group)
-            address = mapping.lp_fragment_address
-            fragments.append(fragment)
-            pieces.append(value.reshape(-1).narrow(0, address.start, address.numel).view_as(fragment))
-        elif param.grad is None:
-            param.grad = value.to(param.dtype).clone()
-        else:
-            param.grad.copy_(value)
-    if fragments:
-        torch._foreach_copy_(fragments, pieces)
+            elif how == "grad":
+                if param.grad is None:
+                    param.grad = value.to(param.dtype).clone()
+                else:
+                    param.grad.copy_(value)
+        if fragments:
+            torch._foreach_copy_(fragments, pieces)
 
 
 def lora_gradients_can_be_left_out(engine) -> bool:

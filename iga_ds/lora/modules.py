@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from torch import nn
 
@@ -10,7 +11,11 @@ from iga_ds.errors import ConfigError
 
 @dataclass(frozen=True)
 class LoraModule:
-    """One adapted layer: dW = scaling * lora_B.weight @ lora_A.weight (out x in)."""
+    """One adapted layer: dW = scaling * lora_B.weight @ lora_A.weight (out x in).
+
+    Its sizes are read once (the hook asks for them per module at every step, while the
+    device waits): LoRA factors keep their shapes, and ZeRO-3, which would empty them, is not
+    supported."""
 
     name: str
     index: int
@@ -18,19 +23,19 @@ class LoraModule:
     lora_B: nn.Linear
     scaling: float
 
-    @property
+    @cached_property
     def rank(self) -> int:
         return self.lora_A.weight.shape[0]
 
-    @property
+    @cached_property
     def in_features(self) -> int:
         return self.lora_A.weight.shape[1]
 
-    @property
+    @cached_property
     def out_features(self) -> int:
         return self.lora_B.weight.shape[0]
 
-    @property
+    @cached_property
     def full_rank_cost(self) -> int:
         """out x in: what reconstruction, mask and SVD cost scale with."""
         return self.out_features * self.in_features
