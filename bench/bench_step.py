@@ -61,6 +61,7 @@ import torch
 
 from common import environment, environment_line, lora_llama, model_config, synchronize
 from iga_ds.engine import HookConfig, attach
+from iga_ds.engine.internals import disable_cpu_shm_comm_op
 from iga_ds.files import atomic_write_json
 from iga_ds.train.batching import sequence_losses
 
@@ -318,6 +319,8 @@ def worker(args) -> int:
     os.environ.setdefault("LOCAL_RANK", str(local))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if not cuda:  # as the trainer does: gloo needs no C++ build of DeepSpeed's shared-memory op
+        disable_cpu_shm_comm_op()
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=1800))
     results = [run_method(m, args, rank, world, device) for m in args.methods]
     if rank == 0:

@@ -80,6 +80,7 @@ def main() -> int:
     import deepspeed
 
     from iga_ds.engine import HookConfig, attach
+    from iga_ds.engine.internals import disable_cpu_shm_comm_op
 
     scenario_path, out_path = sys.argv[1], sys.argv[2]
     s = json.load(open(scenario_path))
@@ -90,6 +91,8 @@ def main() -> int:
     cuda = s.get("cuda", False)
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    else:  # as the trainer does: no C++ build of DeepSpeed's shared-memory op (nor a lock left by a killed one)
+        disable_cpu_shm_comm_op()
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout))
     model = tiny_peft_llama(seed=0, dropout=0.0)
     if cuda:
