@@ -176,10 +176,16 @@ def product_errors(results, reference, modules) -> list[float]:
     return errs
 
 
+def _float64(modules):
+    """The modules in float64 (what the float32 paths are held against)."""
+    return [ModuleGrads(m.name, m.index, m.A.double(), m.B.double(), m.gA.double(), m.gB.double(), m.scaling)
+            for m in modules]
+
+
 def float64_check(modules, args, device, count: int) -> dict:
     """Errors of the float32 paths against float64 on the first ``count`` modules (same sketches)."""
     sub = modules[:count]
-    wide = [ModuleGrads(m.name, m.index, m.A.double(), m.B.double(), m.gA.double(), m.gB.double(), m.scaling) for m in sub]
+    wide = _float64(sub)
     params = method_params(args)
     method = reference_method(args)
     ref64 = [(u.gA, u.gB) for u in method.combine(wide, 1)]
@@ -192,11 +198,6 @@ def float64_check(modules, args, device, count: int) -> dict:
 
 
 RULE_VARIANTS = {"float32": ("ieee", None), "tf32": ("tf32", None), "bf16": ("bf16", None), "bf16_q1": ("bf16", 1)}
-
-
-def _float64(modules):
-    return [ModuleGrads(m.name, m.index, m.A.double(), m.B.double(), m.gA.double(), m.gB.double(), m.scaling)
-            for m in modules]
 
 
 def rule_row(args, precision, q, modules, got, errors, carried, float32, limit) -> dict:
@@ -229,20 +230,24 @@ def rule_on_batch(args, device, seed: int) -> dict:
     modules = noise["modules"]
     limit = precision_rule_lib.summary(noise["reconstruction"])["median"]
     triton_ok = device.type == "cuda" and triton_kernels.available()
-    rows, carried, float32 = {}, {}, {}
+    wide, wide_half = _float64(modules), _float64(noise["half_modules"])
+    rows, per_q = {}, {}
     for name, (precision, power_iters) in RULE_VARIANTS.items():
         if precision == "tf32" and not triton_ok:
             continue  # TF32 exists on CUDA only
         q = args.power_iters if power_iters is None else power_iters
-        ref = batched_variant(_float64(modules), args, device, False, "ieee", power_iters=q)()
-        if q not in carried:  # the training's noise after the method, and the float32 path's own error
-            carried[q] = product_errors(batched_variant(_float64(noise["half_modules"]), args, device, False, "ieee",
-                                                        power_iters=q)(), ref, modules)
-            float32[q] = product_errors(batched_variant(modules, args, device, triton_ok, "ieee", power_iters=q)(),
-                                        ref, modules)
-        got = batched_variant(modules, args, device, triton_ok, precision, power_iters=q)()
+        if q not in per_q:  # once per power-iteration count: the float64 reference, the training's
+            # noise carried through it, and the float32 path (a variant itself, and the yardstick)
+            ref = batched_variant(wide, args, device, False, "ieee", power_iters=q)()
+            carried = product_errors(batched_variant(wide_half, args, device, False, "ieee", power_iters=q)(),
+                                     ref, modules)
+            float32 = batched_variant(modules, args, device, triton_ok, "ieee", power_iters=q)()
+            per_q[q] = (ref, carried, float32, product_errors(float32, ref, modules))
+        ref, carried, float32, float32_errors = per_q[q]
+        got = float32 if precision == "ieee" else batched_variant(modules, args, device, triton_ok, precision,
+                                                                   power_iters=q)()
         errors = product_errors(got, ref, modules)
-        rows[name] = rule_row(args, precision, q, modules, got, errors, carried[q], float32[q], limit)
+        rows[name] = rule_row(args, precision, q, modules, got, errors, carried, float32_errors, limit)
     return {"model": args.model, "seed": seed, "modules": len(modules),
             "noise_factor": precision_rule_lib.summary(noise["factor"]),
             "noise_reconstruction": precision_rule_lib.summary(noise["reconstruction"]), "limit": limit,
