@@ -53,7 +53,7 @@ from common import (
     peak_extra_mib, spread, time_ms,
 )
 from iga_ds.files import atomic_write_json
-from iga_ds.methods import ModuleGrads, get_method, module_generator
+from iga_ds.methods import ModuleGrads, get_method, sketch_key
 from iga_ds.methods.iga import triton_kernels
 from iga_ds.methods.iga.fused import batched_iga
 from iga_ds.methods.iga.reference import iga_update, mean_and_variance, normalize_variance
@@ -123,7 +123,7 @@ def batched_variant(modules, args, device, use_triton, precision="ieee", svd="ra
     params = dict(method_params(args), power_iters=args.power_iters if power_iters is None else power_iters)
 
     def run():
-        gens = [module_generator(0, 1, m.index, device) for m in modules]
+        gens = [sketch_key(0, 1, m.index) for m in modules]
         out = batched_iga(modules, generators=gens, use_triton=use_triton, triton_precision=precision, svd=svd,
                           batch_bytes=args.batch_bytes, **params)
         return [(a, b) for a, b, _ in out]
@@ -160,7 +160,7 @@ def approximation_quality(modules, args, count: int) -> dict:
         S = torch.linalg.svdvals(masked)
         optimal = float(S[args.rank:].pow(2).sum().sqrt())
         for name in ("randomized", "single_pass"):
-            gen = module_generator(0, 1, m.index, masked.device)
+            gen = sketch_key(0, 1, m.index)
             a, b, _ = iga_update(A, B, gA, gB, scaling=m.scaling, tau=args.tau, normalize=args.normalize, svd=name,
                                  oversample=args.oversample, power_iters=args.power_iters, generator=gen)
             err = float((masked - m.scaling * b @ a).norm())
@@ -190,7 +190,7 @@ def float64_check(modules, args, device, count: int) -> dict:
     method = reference_method(args)
     ref64 = [(u.gA, u.gB) for u in method.combine(wide, 1)]
     ref32 = [(u.gA, u.gB) for u in method.combine(sub, 1)]
-    gens = [module_generator(0, 1, m.index, device) for m in sub]
+    gens = [sketch_key(0, 1, m.index) for m in sub]
     fast = [(a, b) for a, b, _ in batched_iga(sub, generators=gens, use_triton=False, **params)]
     return {"modules": count,
             "per_module_f32_vs_f64_max": max(product_errors(ref32, ref64, sub)),

@@ -19,7 +19,7 @@ from common import (
     SMALL, batch_bytes_option, environment, environment_line, gpu_busy_ms, lora_shapes, make_modules, model_config,
     synchronize, time_ms,
 )
-from iga_ds.methods import module_generator
+from iga_ds.methods import sketch_key
 from iga_ds.methods.iga.fused import batched_iga
 
 
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     precision = args.precision if device.type == "cuda" else "ieee"
 
     def run():
-        gens = [module_generator(0, 1, m.index, device) for m in modules]
+        gens = [sketch_key(0, 1, m.index) for m in modules]
         return batched_iga(modules, generators=gens, batch_bytes=args.batch_bytes, triton_precision=precision)
 
     run()

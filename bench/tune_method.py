@@ -9,16 +9,17 @@ On one stack of 16 modules of LLaMA-2-7B shape (4096 x 4096, r 16, N 4, sketch w
 - the tile pass for several block shapes and warp counts, for each of ``--precisions``
   (default ieee and tf32x3), each checked against the default one, and the tile kernel alone
   with and without its statistics;
-- the power iterations' products ``X @ Z`` and ``X^T @ Q`` (cuBLAS), float32 and bfloat16,
-  checked against float64 on one module, against the bandwidth ceiling;
+- the power iterations' products ``X @ Z`` and ``X^T @ Q``, float32 and bfloat16, by cuBLAS
+  and by Triton's skinny product for several block shapes, checked against float64 on one
+  module, against the bandwidth ceiling;
 - CholeskyQR of the sketches, two passes (a final basis) and one (a basis that feeds the next
   power iteration);
 - the whole ``batched_iga`` on 128 modules (the first of ``--precisions``) for several stack
   sizes (``batch_bytes``), with the
   peak memory each adds and the device's busy time (summed kernel time) against the wall time.
 
-Variants measured once and not kept (a row-sweep tile kernel, a Triton kernel for the skinny
-products, CholeskyQR2 through the inverted factor) are in docs/results/h200x2-2026-11-26-method-syncs/README.md,
+Variants measured once and not kept (a row-sweep tile kernel, a first Triton kernel for the
+skinny products on float32 matrices, CholeskyQR2 through the inverted factor) are in docs/results/h200x2-2026-11-26-method-syncs/README.md,
 not here.
 
 Medians of CUDA-event timings (``triton.testing.do_bench``). Needs CUDA and Triton.
@@ -37,7 +38,7 @@ from common import (
     tf32_matmuls,
 )
 from iga_ds.files import atomic_write_json
-from iga_ds.methods import module_generator
+from iga_ds.methods import sketch_key
 from iga_ds.methods.iga import triton_kernels
 from iga_ds.methods.iga.fused import batched_iga, mask_scales, orthonormalize, stack_factors, stack_modules
 
@@ -107,9 +108,19 @@ def kernel_alone(factors, mean_var, precision: str = "ieee") -> list[dict]:
     return rows
 
 
+# block shapes of the skinny product swept by products(): (rows per program, contraction step,
+# warps, stages); the defaults (triton_kernels.SKINNY_BLOCKS) come from this sweep
+SKINNY_SWEEP = {
+    torch.bfloat16: [(64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 256, 8, 3), (256, 64, 8, 3),
+                     (64, 256, 4, 3), (128, 128, 4, 4), (64, 64, 4, 4)],
+    torch.float32: [(64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (32, 128, 4, 4), (128, 32, 4, 4)],
+}
+
+
 def products(masked, width: int) -> list[dict]:
     """The power iterations' skinny products, float32 and with the masked matrix in bfloat16
-    (the ``bf16`` precision: half the bytes), against float64 on one module."""
+    (the ``bf16`` precision: half the bytes), against float64 on one module: cuBLAS, then
+    Triton's skinny product for each block shape of :data:`SKINNY_SWEEP`."""
     gen = torch.Generator(device="cuda").manual_seed(5)
     M, d_out, d_in = masked.shape
     Z = torch.randn(M, d_in, width, device="cuda", generator=gen)
@@ -120,17 +131,21 @@ def products(masked, width: int) -> list[dict]:
         X = masked.to(dtype)
         for transpose in (False, True):
             w = (Q if transpose else Z).to(dtype)
-            ms = do_bench_ms(lambda: (X.mT if transpose else X) @ w)
-            got = (X.mT if transpose else X) @ w
-            rows.append(dict(kind="cublas", dtype=str(dtype).removeprefix("torch."), transpose=transpose, ms=ms,
-                             GBps=X.numel() * X.element_size() / ms / 1e6, err=rel(got[0], want[transpose])))
-            print(rows[-1], flush=True)
+            runs = {"cublas": lambda: (X.mT if transpose else X) @ w}
+            for blocks in SKINNY_SWEEP[dtype]:
+                runs[f"triton {blocks}"] = functools.partial(triton_kernels.skinny_product, X, w,
+                                                             transpose=transpose, blocks=blocks)
+            for kind, run in runs.items():
+                ms = do_bench_ms(run)
+                rows.append(dict(kind=kind, dtype=str(dtype).removeprefix("torch."), transpose=transpose, ms=ms,
+                                 GBps=X.numel() * X.element_size() / ms / 1e6, err=rel(run()[0], want[transpose])))
+                print(rows[-1], flush=True)
     return rows
 
 
 def whole(modules, precision: str = "ieee") -> list[dict]:
     def run(batch_bytes):
-        gens = [module_generator(0, 1, m.index, torch.device("cuda")) for m in modules]
+        gens = [sketch_key(0, 1, m.index) for m in modules]
         return batched_iga(modules, generators=gens, normalize="mean", batch_bytes=batch_bytes,
                            triton_precision=precision)
 

@@ -383,9 +383,43 @@ def _triton_tile_pass_matches_torch() -> None:
     _tile_passes_agree(cases, close=1e-6, close_stored=1e-6, block=32)
     # programs that walk a strip of tiles along a row (the bf16 default), also past the last
     # column: 40 columns are two tiles of 32, in strips of two and of three
+    # programs that walk a strip also take the first sketch (one slot per strip)
     strips = [("snr", 0.5, "ieee", (4, 48, 40)), ("mean", 0.5, "tf32x3", (2, 33, 17))]
     for cols in (2, 3):
         _tile_passes_agree(strips, close=1e-6, close_stored=1e-6, block=32, cols=cols)
+    _skinny_products_agree("cpu", torch.float32, blocks=(16, 32, 4, 2))
+    _gaussian_draws_agree("cpu")
+
+
+def _gaussian_draws_agree(device: str) -> None:
+    """The Triton draw of keyed test matrices against the PyTorch one: the same integers, so
+    the same numbers up to the rounding of log and cos; a block that leaves part over, an
+    offset into the stream."""
+    from iga_ds.methods.iga import sketch, triton_kernels
+
+    keys = [sketch.sketch_key(1, 2, i) for i in range(3)] + [sketch.SketchKey(2**64 - 1)]
+    for rows, cols, offset in ((33, 26, 0), (7, 53, 33 * 26)):
+        got = triton_kernels.gaussian_stack_triton(keys, rows, cols, device=device, offset=offset, block=256)
+        want = sketch.gaussian_stack(keys, rows, cols, device=device, offset=offset)
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+
+
+def _skinny_products_agree(device: str, dtype, blocks=None) -> None:
+    """The skinny product against the float64 product of the same operands, both orientations,
+    shapes that leave part of a block over (and, with small ``blocks``, loop over the
+    contraction): float32 results whatever the operands' dtype, float32 summation error only."""
+    from iga_ds.methods.iga import triton_kernels
+
+    g = torch.Generator().manual_seed(3)
+    for M, rows, cols, k in ((2, 40, 33, 10), (3, 70, 130, 26), (2, 300, 520, 26)):
+        matrix = torch.randn(M, rows, cols, generator=g).to(device, dtype)
+        for transpose in (False, True):
+            factor = torch.randn(M, rows if transpose else cols, k, generator=g).to(device, dtype)
+            got = triton_kernels.skinny_product(matrix, factor, transpose=transpose, blocks=blocks)
+            want = (matrix.double().mT if transpose else matrix.double()) @ factor.double()
+            assert got.dtype == torch.float32 and got.shape == want.shape, (transpose, got.shape)
+            assert rel(got.double(), want) < 1e-5, (M, rows, cols, k, transpose)
 
 
 def _tile_passes_agree(cases, close: float, close_stored: float, block: int, device: str = "cpu",
@@ -441,6 +475,50 @@ def test_bf16_kernel_matches_torch_bf16_tile_pass():
     cases = [("snr", 0.5, "bf16", (16, 300, 200)), ("mean", 0.5, "bf16", (4, 48, 40)),
              ("none", 1e8, "bf16", (16, 256, 256)), ("mean", 0.5, "bf16", (8, 1100, 72))]
     _tile_passes_agree(cases, close=1e-2, close_stored=5e-3, block=64, device="cuda", stats_rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_keyed_sketches_are_drawn_as_the_reference_draws_them():
+    from iga_ds.methods import sketch_key
+
+    _gaussian_draws_agree("cuda")
+    mods = _cuda_modules()
+    keys = [sketch_key(3, 4, m.index) for m in mods]
+    out = batched_iga(mods, tau=0.5, normalize="snr", generators=keys, rank=12)
+    for m, key, (gA, gB, _) in zip(mods, keys, out):
+        ref = iga_update(m.A, m.B, m.gA, m.gB, scaling=m.scaling, tau=0.5, normalize="snr", rank=12, generator=key)
+        assert rel(product(gA, gB, m.scaling), product(ref[0], ref[1], m.scaling)) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_skinny_product_is_the_float64_product_of_its_operands(dtype):
+    _skinny_products_agree("cuda", dtype)
+    _skinny_products_agree("cuda", dtype, blocks=(32, 32, 4, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_method_is_float32_up_to_bfloat16_rounding():
+    # the bf16 path on CUDA (the tile kernel with its in-strip first sketch, the skinny products
+    # of the power iterations) against the float32 one, which test_cuda_paths_match_reference
+    # holds to the reference; float32 draws the same sketches (float64 would draw others)
+    mods = _cuda_modules(count=3, r=8, d_in=1100, d_out=384)
+
+    def gens():
+        return [torch.Generator(device="cuda").manual_seed(100 + m.index) for m in mods]
+
+    ref = batched_iga(mods, normalize="snr", generators=gens())
+    got = batched_iga(mods, normalize="snr", generators=gens(), triton_precision="bf16")
+    torch_path = batched_iga(mods, normalize="snr", generators=gens(), triton_precision="bf16", use_triton=False)
+    for (gA, gB, stats), (rA, rB, rstats), (tA, tB, _), m in zip(got, ref, torch_path, mods):
+        want = product(rA, rB, m.scaling)
+        err_kernel = rel(product(gA.double(), gB.double(), m.scaling), want)
+        err_torch = rel(product(tA.double(), tB.double(), m.scaling), want)
+        assert err_kernel < 1e-2 and err_kernel < 2 * err_torch, (m.name, err_kernel, err_torch)
+        assert stats["mask_mean"] == pytest.approx(rstats["mask_mean"], rel=2e-3)
 
 
 @pytest.mark.slow
@@ -611,3 +689,35 @@ def test_bf16_tile_pass_stores_bfloat16():
     full, _, _, _ = fused.tile_pass_torch(*factors, omega, **kw)
     assert masked.dtype == torch.bfloat16 and sketch.dtype == torch.float32
     assert 0 < rel(masked.double(), full.double()) < 2 ** -8
+
+
+def test_equally_spaced_pieces_of_one_buffer_stack_without_a_copy():
+    from iga_ds.methods.iga.fused import _stacked
+
+    flat = torch.arange(5 * 7 * 2 * 3, dtype=torch.float32)
+    # modules laid out one after another as the hook lays them: [a0 (2 x 3), b0 (7 elements)], ...
+    a = [flat[i * 13: i * 13 + 6].view(2, 3) for i in range(5)]
+    got = _stacked(a)
+    assert torch.equal(got, torch.stack(a)) and got.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    # anything else is copied, and still stacked right
+    for case in (
+        [t.clone() for t in a],  # separate storages
+        a[:2] + a[3:],  # spacing that changes
+        [flat[i * 4: i * 4 + 6].view(2, 3) for i in range(5)],  # overlapping pieces
+        [flat[i * 13: i * 13 + 6].view(3, 2).mT for i in range(5)],  # not contiguous
+    ):
+        got = _stacked(case)
+        assert torch.equal(got, torch.stack(case))
+        assert got.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+
+
+def test_modules_that_are_views_of_one_buffer_give_the_same_result():
+    mods = [make_module(i, r=4, d_in=24, d_out=20, dtype=torch.float32) for i in range(4)]
+    parts = [t for m in mods for t in (m.A, m.B, m.gA, m.gB)]
+    flat = torch.cat([t.flatten() for t in parts])
+    views = [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in parts]), parts)]
+    in_buffer = [ModuleGrads(m.name, m.index, *views[4 * i: 4 * i + 4], m.scaling) for i, m in enumerate(mods)]
+    want = batched_iga(mods, generators=generators(mods))
+    got = batched_iga(in_buffer, generators=generators(in_buffer))
+    for (gA, gB, stats), (wA, wB, wstats) in zip(got, want):
+        assert torch.equal(gA, wA) and torch.equal(gB, wB) and stats == wstats

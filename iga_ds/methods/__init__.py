@@ -10,9 +10,10 @@ from typing import Any
 
 from iga_ds.errors import ConfigError
 from iga_ds.methods.and_mask import ANDMask
-from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, Statistic, module_generator
+from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, Statistic
 from iga_ds.methods.erm import ERM, CapturedERM
 from iga_ds.methods.iga import IGA, IGABinaryMask, IGALoRASpace, IGANoProjection, MeanNoMask
+from iga_ds.methods.iga.sketch import sketch_key
 from iga_ds.methods.irm import IRM
 from iga_ds.methods.pareto import ParetoGS
 from iga_ds.methods.pcgrad import PCGrad
@@ -79,6 +80,6 @@ __all__ = [
     "get_method",
     "method_class",
     "method_parameters",
-    "module_generator",
     "register",
+    "sketch_key",
 ]

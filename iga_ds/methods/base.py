@@ -76,15 +76,6 @@ class ModuleUpdate:
     stats: dict[str, float] = field(default_factory=dict)
 
 
-def module_generator(seed: int, step: int, index: int, device: torch.device | str) -> torch.Generator:
-    """A generator seeded by (seed, step, module index): the same sketch on any rank, any world size."""
-    # Mix with large odd constants so neighbouring (step, index) pairs give unrelated seeds.
-    mixed = (seed * 0x9E3779B1 + step * 0x85EBCA77 + index * 0xC2B2AE3D) % (2**63 - 1)
-    gen = torch.Generator(device=device)
-    gen.manual_seed(mixed)
-    return gen
-
-
 class GradientMethod:
     """Base class: subclasses set ``name``, ``scope`` and ``paper``, declare the per-module
     ``statistics`` they report, and override one hook."""

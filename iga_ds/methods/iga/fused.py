@@ -12,9 +12,10 @@ projection), computed differently:
   ``||L @ R||_F^2 = <L^T L, R R^T>``, in float64.
 - Modules of equal (r, in, out) are stacked and handled by batched matmuls, QR and SVD.
 - The first sketch ``Y = masked @ omega`` of the randomized SVD (Halko, Martinsson and
-  Tropp, SIAM Review 2011, Alg. 4.4) is taken inside the tile pass; omega is drawn from each
-  module's own generator exactly as :func:`iga_ds.methods.iga.rsvd.randomized_svd` draws it, so
-  both paths agree up to float rounding.
+  Tropp, SIAM Review 2011, Alg. 4.4) is taken with the tile pass; omega comes from
+  each module's own key (or generator) exactly as :func:`iga_ds.methods.iga.rsvd.randomized_svd`
+  draws it, so both paths agree up to float rounding; keyed modules are drawn all at once
+  (:mod:`iga_ds.methods.iga.sketch`).
 - With ``svd="single_pass"`` (:func:`iga_ds.methods.iga.rsvd.single_pass_svd`) the tile pass also
   takes the co-range sketch ``W = psi @ masked`` and the masked matrix is not stored at all:
   no pass over it after the tile pass, and no out x in matrix per module in memory.
@@ -40,6 +41,7 @@ tests can check one against its reference. In order:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -48,9 +50,12 @@ import torch
 
 from iga_ds.methods.base import ModuleGrads
 from iga_ds.methods.iga import triton_kernels
-from iga_ds.methods.iga.common import FACTOR_MAPS, NORMALIZATIONS, SNR_EPS, check_choice, check_module, check_tau
+from iga_ds.methods.iga.common import (
+    FACTOR_MAPS, NORMALIZATIONS, SNR_EPS, check_choice, check_module, check_tau, host_values,
+)
 from iga_ds.methods.iga.reference import chain_rule_factors
 from iga_ds.methods.iga.rsvd import canonical_signs, single_pass_widths
+from iga_ds.methods.iga.sketch import SketchKey, gaussian, gaussian_stack
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # the stacked masked matrices of one batch of equal-shape modules stay under this many bytes
@@ -74,7 +79,7 @@ class Stack:
     gA: torch.Tensor  # M x N x r x in
     gB: torch.Tensor  # M x N x out x r
     scaling: torch.Tensor  # M
-    generators: list[torch.Generator | None]
+    generators: list[SketchKey | torch.Generator | None]
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -105,6 +110,25 @@ def resolve_batch_bytes(batch_bytes, device: torch.device) -> int:
     return batch_bytes
 
 
+def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(tensors)``, as a view without a copy when the tensors are contiguous,
+    equally spaced pieces of one buffer: the hook's gradient buffer and its float32 copies of
+    the factors lay equal modules out one after another, and stacking 128 of them one by one
+    cost the host more than the device's copy took."""
+    first, last = tensors[0], tensors[-1]
+    if len(tensors) > 1 and all(t.is_contiguous() for t in tensors):
+        ptrs = [t.data_ptr() for t in tensors]
+        step = ptrs[1] - ptrs[0]
+        size = first.element_size()
+        storage = first.untyped_storage()
+        if (step >= first.numel() * size and step % size == 0
+                and all(b - a == step for a, b in zip(ptrs, ptrs[1:]))
+                and last.untyped_storage().data_ptr() == storage.data_ptr()
+                and ptrs[-1] + last.numel() * size <= storage.data_ptr() + storage.nbytes()):
+            return first.as_strided((len(tensors), *first.shape), (step // size, *first.stride()))
+    return torch.stack(tensors)
+
+
 def stack_modules(modules: Sequence[ModuleGrads], generators, batch_bytes: int,
                   element_bytes: int | None = None) -> list[Stack]:
     """Stage 1: group modules of equal shape, dtype and device, then split groups to fit
@@ -125,11 +149,11 @@ def stack_modules(modules: Sequence[ModuleGrads], generators, batch_bytes: int,
             wd = _work_dtype(dtype)
             out.append(Stack(
                 positions=part,
-                A=torch.stack([modules[i].A for i in part]).to(wd),
-                B=torch.stack([modules[i].B for i in part]).to(wd),
-                gA=torch.stack([modules[i].gA for i in part]).to(wd),
-                gB=torch.stack([modules[i].gB for i in part]).to(wd),
-                scaling=torch.tensor([float(modules[i].scaling) for i in part], dtype=wd, device=modules[part[0]].gA.device),
+                A=_stacked([modules[i].A for i in part]).to(wd),
+                B=_stacked([modules[i].B for i in part]).to(wd),
+                gA=_stacked([modules[i].gA for i in part]).to(wd),
+                gB=_stacked([modules[i].gB for i in part]).to(wd),
+                scaling=host_values([float(modules[i].scaling) for i in part], wd, modules[part[0]].gA.device),
                 generators=[generators[i] for i in part],
             ))
     return out
@@ -237,7 +261,8 @@ def tile_pass_torch(left_mean, right_mean, left_dev, right_dev, omega, *, tau, n
         acc[3] += tile.pow(2).sum(dim=(1, 2), dtype=torch.float64)
         if psi is None:
             masked[:, sl] = tile
-        sketch[:, sl] = torch.bmm(tile.to(store), omega.to(store))
+        # the stored values times omega rounded alike, summed in the work dtype (the kernels' contract)
+        sketch[:, sl] = torch.bmm(tile.to(store).to(dtype), omega.to(store).to(dtype))
         if psi is not None:
             co_sketch.baddbmm_(psi[:, :, sl].to(store).to(dtype), tile.to(store).to(dtype))
     numel = d_out * d_in
@@ -328,7 +353,16 @@ def _tf32_matmuls(enabled: bool):
         torch.backends.cuda.matmul.allow_tf32 = previous
 
 
-def project(masked, sketch, power_iters: int, tf32: bool = False):
+def _times(masked, factor, transpose: bool, use_triton: bool, tf32: bool):
+    """``masked @ factor`` (``masked^T @ factor``): Triton's skinny product where it is the
+    faster (:data:`iga_ds.methods.iga.triton_kernels.SKINNY_DTYPES`; float32 result), else a
+    batched matrix product."""
+    if use_triton and masked.dtype in triton_kernels.SKINNY_DTYPES:
+        return triton_kernels.skinny_product(masked, factor, transpose=transpose, precision="tf32" if tf32 else "ieee")
+    return (masked.mT if transpose else masked) @ factor
+
+
+def project(masked, sketch, power_iters: int, tf32: bool = False, use_triton: bool = False):
     """Stage 5, HMT Alg. 4.4 up to the small matrix: orthonormalize the first sketch, power
     iterations, then ``small = Q^T M``; returns ``(Q, small)`` in the sketch's dtype, and the
     SVD of ``small`` finishes it (:func:`svd_from_projection`).
@@ -336,7 +370,9 @@ def project(masked, sketch, power_iters: int, tf32: bool = False):
     With ``tf32`` the power iterations (which only refine the range estimate) use TF32
     tensor cores; the final projection Q^T M stays in float32. Masked matrices stored in
     bfloat16 are multiplied with bfloat16 bases (float32 accumulation), each product read
-    back in the sketch's dtype: every pass moves half the bytes.
+    back in the sketch's dtype: every pass moves half the bytes. ``use_triton`` (CUDA): the
+    products go through :func:`iga_ds.methods.iga.triton_kernels.skinny_product` where it is
+    the faster, which keeps them in float32.
     """
     work, store = sketch.dtype, masked.dtype
     # each basis comes out in the dtype of the product it feeds (no extra copy); the
@@ -345,9 +381,11 @@ def project(masked, sketch, power_iters: int, tf32: bool = False):
     with _tf32_matmuls(tf32):
         for i in range(power_iters):
             last = i == power_iters - 1
-            Z = orthonormalize(masked.mT @ Q, final=False, out_dtype=store)
-            Q = orthonormalize(masked @ Z, final=last, out_dtype=work if last else store)
-    return Q, (Q.to(store).mT @ masked).to(work)  # M x width x in
+            Z = orthonormalize(_times(masked, Q, True, use_triton, tf32), final=False, out_dtype=store)
+            Q = orthonormalize(_times(masked, Z, False, use_triton, tf32), final=last, out_dtype=work if last else store)
+    if use_triton and masked.dtype in triton_kernels.SKINNY_DTYPES:
+        return Q, _times(masked, Q.to(store), True, use_triton, tf32).mT.to(work)  # M x width x in
+    return Q, (Q.to(store).mT @ masked).to(work)
 
 
 def _project_single_pass(sketch, co_sketch, psi):
@@ -375,13 +413,21 @@ def svd_from_projection(Q, small, rank: int, eig=None):
 
 def _draw_sketches(generators, d_in: int, width: int, dtype, device, d_out: int | None = None,
                    co_width: int = 0):
-    """Gaussian test matrices per module, drawn as the reference draws them (same generator,
-    same calls, same order): omega (in x width), then psi (co_width x out) when co_width > 0."""
+    """Gaussian test matrices per module, drawn as the reference draws them: omega (in x
+    width), then psi (co_width x out) when co_width > 0. Modules keyed by
+    :class:`iga_ds.methods.iga.sketch.SketchKey` (the IGA method's) are drawn all at once, by
+    one Triton launch per matrix on CUDA in float32; ``torch.Generator`` ones one at a time,
+    in order."""
+    if generators and all(isinstance(g, SketchKey) for g in generators):
+        on_gpu = device.type == "cuda" and dtype == torch.float32 and triton_kernels.available()
+        draw = triton_kernels.gaussian_stack_triton if on_gpu else functools.partial(gaussian_stack, dtype=dtype)
+        omega = draw(generators, d_in, width, device=device)
+        return omega, (draw(generators, co_width, d_out, device=device, offset=d_in * width) if co_width else None)
     omegas, psis = [], []
     for g in generators:
-        omegas.append(torch.randn(d_in, width, dtype=dtype, device=device, generator=g))
+        omegas.append(gaussian(g, d_in, width, dtype=dtype, device=device))
         if co_width:
-            psis.append(torch.randn(co_width, d_out, dtype=dtype, device=device, generator=g))
+            psis.append(gaussian(g, co_width, d_out, dtype=dtype, device=device, offset=d_in * width))
     return torch.stack(omegas), (torch.stack(psis) if co_width else None)
 
 
@@ -421,20 +467,22 @@ def project_stack(st: Stack, *, tau, normalize, rank, oversample, power_iters, t
         masked, sketch, stats, energy_total = tile_pass_torch(
             left_mean, right_mean, left_dev, right_dev, omega, tile_elements=tile_elements, **kwargs)
     if psi is None:
-        Q, small = project(masked, sketch, power_iters, tf32=use_triton and triton_precision == "tf32")
+        Q, small = project(masked, sketch, power_iters, tf32=use_triton and triton_precision == "tf32",
+                           use_triton=use_triton)
     else:  # `masked` holds the co-range sketch here
         Q, small = _project_single_pass(sketch, masked, psi)
     return Projected(Q, small, k, stats, energy_total)
 
 
-def _factor_gradients(st: Stack, proj: Projected, eig) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    U, S, Vh = svd_from_projection(proj.Q, proj.small, proj.rank, eig)
+def _factor_gradients(st: Stack, proj: Projected, small64: torch.Tensor, eig):
+    """``(gA_new, gB_new, energy_kept)`` of a stack from its projection (``small64``: its small
+    matrix in float64) and the eigendecomposition of that matrix's Gram."""
+    U, S, Vh = svd_from_projection(proj.Q, small64, proj.rank, eig)
     M, _, r, d_in = st.gA.shape
     d_out, k = st.B.shape[1], proj.rank
-    stats = dict(proj.stats)
     kept = S.double().pow(2).sum(dim=-1)
     total = proj.energy_total
-    stats["energy_kept"] = torch.where(total > 0, kept / torch.where(total > 0, total, 1), 1.0)
+    energy_kept = torch.where(total > 0, kept / torch.where(total > 0, total, 1), 1.0)
     # gB = U S^1/2 / sqrt(s), gA = S^1/2 Vh / sqrt(s): s * gB @ gA = U S Vh (factors_from_svd)
     root = S.clamp_min(0).sqrt() / st.scaling.sqrt().view(-1, 1)
     gB_new = U * root.unsqueeze(-2)
@@ -442,7 +490,7 @@ def _factor_gradients(st: Stack, proj: Projected, eig) -> tuple[torch.Tensor, to
     if k < r:
         gB_new = torch.cat([gB_new, gB_new.new_zeros(M, d_out, r - k)], dim=-1)
         gA_new = torch.cat([gA_new, gA_new.new_zeros(M, r - k, d_in)], dim=-2)
-    return gA_new, gB_new, stats
+    return gA_new, gB_new, energy_kept
 
 
 def batched_iga(
@@ -453,7 +501,7 @@ def batched_iga(
     rank: int | None = None,
     oversample: int = 10,
     power_iters: int = 2,
-    generators: Sequence[torch.Generator | None],
+    generators: Sequence[SketchKey | torch.Generator | None],
     batch_bytes: int | str = "auto",
     tile_elements: int = DEFAULT_TILE_ELEMENTS,
     use_triton: bool | None = None,
@@ -506,14 +554,18 @@ def _finish_stacks(stacks: Sequence[Stack], projected: Sequence[Projected], fact
     """The small SVDs and the factor gradients of every stack, and all statistics in one table
     on the host: ``(done, keys, table)``, ``done`` one ``(positions, gA_new, gB_new)`` per stack,
     ``table[i][column]`` statistic ``keys[i]`` of the column-th module in stack order."""
-    eigs = _gram_eigh([proj.small for proj in projected])
-    done, tables, keys = [], [], []
-    for st, proj, eig in zip(stacks, projected, eigs):
-        gA_new, gB_new, stats = _factor_gradients(st, proj, eig)
+    # queued before the eigendecompositions, which wait for the device: less for the host to
+    # issue afterwards, while the device idles
+    smalls64 = [proj.small.double() for proj in projected]
+    tile_stats = [torch.stack([value.double() for value in proj.stats.values()]) for proj in projected]
+    keys = [*projected[0].stats, "energy_kept"] if projected else []
+    eigs = _gram_eigh(smalls64)
+    done, tables = [], []
+    for st, proj, small64, eig, tile_table in zip(stacks, projected, smalls64, eigs, tile_stats):
+        gA_new, gB_new, energy_kept = _factor_gradients(st, proj, small64, eig)
         if factors == "chain_rule":
             gA_new, gB_new = chain_rule_factors(st.A, st.B, gA_new, gB_new, st.scaling.view(-1, 1, 1))
-        keys = list(stats)
-        tables.append(torch.stack([stats[key].double() for key in keys]))
+        tables.append(torch.cat([tile_table, energy_kept.double().unsqueeze(0)]))
         done.append((st.positions, gA_new, gB_new))
     # one device-to-host copy for all statistics: a copy per stack would stall the device per stack
     table = torch.cat(tables, dim=1).cpu().tolist() if tables else []

@@ -9,11 +9,12 @@ from typing import ClassVar, Sequence
 
 import torch
 
-from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, Statistic, module_generator
+from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, Statistic
 from iga_ds.methods.iga.common import FACTOR_MAPS, NORMALIZATIONS, check_choice, check_tau
 from iga_ds.methods.iga.fused import batched_iga
 from iga_ds.methods.iga.reference import Normalize, masked_projection
 from iga_ds.methods.iga.rsvd import SVD_METHODS
+from iga_ds.methods.iga.sketch import sketch_key
 
 IMPLEMENTATIONS = ("auto", "reference", "fused")
 PRECISIONS = ("auto", "ieee", "tf32", "bf16")
@@ -65,8 +66,8 @@ class MaskedProjectionMethod(GradientMethod):
 
     def combine_module(self, module: ModuleGrads, step: int) -> ModuleUpdate:
         gen = None
-        if self.svd != "exact" and self.projection == "svd":  # sketched: seeded per step and module
-            gen = module_generator(self.seed, step, module.index, module.gA.device)
+        if self.svd != "exact" and self.projection == "svd":  # sketched: keyed per step and module
+            gen = sketch_key(self.seed, step, module.index)
         gA, gB, stats = masked_projection(
             module.A, module.B, module.gA, module.gB, scaling=module.scaling, tau=self.tau, rank=self.rank,
             normalize=self.normalize, svd=self.svd, oversample=self.oversample, power_iters=self.power_iters,
@@ -126,7 +127,7 @@ class IGA(MaskedProjectionMethod):
     def combine(self, modules, step):
         if not self._fused(modules):
             return super().combine(modules, step)
-        gens = [module_generator(self.seed, step, m.index, m.gA.device) for m in modules]
+        gens = [sketch_key(self.seed, step, m.index) for m in modules]
         out = batched_iga(modules, tau=self.tau, normalize=self.normalize, rank=self.rank,
                           oversample=self.oversample, power_iters=self.power_iters, generators=gens,
                           triton_precision=self.precision_for(modules), factors=self.factors, svd=self.svd)

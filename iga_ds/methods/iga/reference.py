@@ -15,6 +15,7 @@ import torch
 
 from iga_ds.methods.iga.common import FACTOR_MAPS, NORMALIZATIONS, SNR_EPS, check_choice, check_module, check_tau
 from iga_ds.methods.iga.rsvd import truncated_svd
+from iga_ds.methods.iga.sketch import SketchKey
 
 Normalize = Literal["none", "mean", "snr"]
 
@@ -152,7 +153,7 @@ def iga_update(
     svd: Literal["randomized", "single_pass", "exact"] = "randomized",
     oversample: int = 10,
     power_iters: int = 2,
-    generator: torch.Generator | None = None,
+    generator: SketchKey | torch.Generator | None = None,
     factors: Literal["split", "chain_rule"] = "split",
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """The IGA update of one LoRA module.
@@ -163,7 +164,9 @@ def iga_update(
     mean_n G[n] * exp(-tau * V'), G[n] = scaling * (gB[n] @ A + B @ gA[n]); with
     ``"chain_rule"`` they are the factor gradients of g~ through dW = s B A
     (:func:`chain_rule_factors`, what the registered ``iga`` method trains with).
-    Computes in the dtype it is given.
+    Computes in the dtype it is given. ``generator``: the sketch's source, a
+    :class:`iga_ds.methods.iga.sketch.SketchKey` (the method's, one per module and step) or a
+    ``torch.Generator``.
     """
     check_choice(normalize, NORMALIZATIONS, "normalize")
     check_choice(factors, FACTOR_MAPS, "factors")

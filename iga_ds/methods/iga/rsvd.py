@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from iga_ds.methods.iga.sketch import SketchKey, gaussian
+
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -34,17 +36,19 @@ def randomized_svd(
     *,
     oversample: int = 10,
     power_iters: int = 2,
-    generator: torch.Generator | None = None,
+    generator: SketchKey | torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rank-`rank` SVD from a Gaussian sketch of width rank + oversample.
 
     Power iterations (with re-orthonormalization, HMT Algorithm 4.4) sharpen the range
-    estimate when the spectrum decays slowly; each costs two passes over M.
+    estimate when the spectrum decays slowly; each costs two passes over M. ``generator``:
+    where omega comes from, a module's :class:`iga_ds.methods.iga.sketch.SketchKey` (what the
+    IGA method passes) or a ``torch.Generator``.
     """
     work = M.float() if M.dtype in _LOW_PRECISION else M
     m, n = work.shape
     width = min(rank + oversample, m, n)
-    omega = torch.randn(n, width, dtype=work.dtype, device=work.device, generator=generator)
+    omega = gaussian(generator, n, width, dtype=work.dtype, device=work.device)
     Q, _ = torch.linalg.qr(work @ omega)
     for _ in range(power_iters):
         Z, _ = torch.linalg.qr(work.mT @ Q)
@@ -67,7 +71,7 @@ def single_pass_svd(
     rank: int,
     *,
     oversample: int = 10,
-    generator: torch.Generator | None = None,
+    generator: SketchKey | torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rank-`rank` SVD from one pass over M (Tropp et al. 2017, Algorithms 1, 3 and 7).
 
@@ -76,13 +80,14 @@ def single_pass_svd(
     X = (Psi Q)^+ W and M ~ Q X, truncated through the SVD of the small X. Exact when
     rank(M) <= k. No power iterations: the fused path never has to store M (it sketches
     each tile as it is formed), at the price of a looser approximation when the spectrum
-    decays slowly. Omega is drawn first, then Psi, from ``generator``.
+    decays slowly. Omega is drawn first, then Psi, from ``generator`` (a key's psi starts
+    where its omega ended).
     """
     work = M.float() if M.dtype in _LOW_PRECISION else M
     m, n = work.shape
     width, co_width = single_pass_widths(rank, oversample, m, n)
-    omega = torch.randn(n, width, dtype=work.dtype, device=work.device, generator=generator)
-    psi = torch.randn(co_width, m, dtype=work.dtype, device=work.device, generator=generator)
+    omega = gaussian(generator, n, width, dtype=work.dtype, device=work.device)
+    psi = gaussian(generator, co_width, m, dtype=work.dtype, device=work.device, offset=n * width)
     Y, W = work @ omega, psi @ work
     Q, _ = torch.linalg.qr(Y)
     X = torch.linalg.lstsq(psi @ Q, W).solution  # width x n
@@ -102,7 +107,7 @@ def truncated_svd(
     method: str = "randomized",
     oversample: int = 10,
     power_iters: int = 2,
-    generator: torch.Generator | None = None,
+    generator: SketchKey | torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if method == "exact":
         return exact_svd(M, rank)

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from iga_ds.methods.iga.common import SNR_EPS
+from iga_ds.methods.iga import sketch
+from iga_ds.methods.iga.common import SNR_EPS, host_values
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs lack it
     import triton
@@ -208,6 +209,51 @@ if triton is not None:
         _store_tile_stats(part_ptr, min_ptr, mod, masked, mask, var, valid, pid_r, pid_c)
 
 
+    @triton.jit
+    def _skinny_kernel(m_ptr, x_ptr, y_ptr, n_rows, n_cols, k, TRANSPOSE: tl.constexpr, BR: tl.constexpr,
+                       BK: tl.constexpr, KP: tl.constexpr, PRECISION: tl.constexpr):
+        """BR rows of Y = M @ X (M n_rows x n_cols, X n_cols x k) or, with TRANSPOSE, of
+        Y = M^T @ X (X n_rows x k), for the module of program axis 1: the contraction runs
+        in a loop of BK, so each program streams its BR rows (columns) of M once."""
+        pid = tl.program_id(0)
+        mod = tl.program_id(1).to(tl.int64)
+        out = pid * BR + tl.arange(0, BR)
+        ks = tl.arange(0, KP)  # k padded to a power of two >= 16; pads load as 0
+        m_base = m_ptr + mod * n_rows * n_cols
+        inner_len = n_rows if TRANSPOSE else n_cols
+        out_len = n_cols if TRANSPOSE else n_rows
+        x_base = x_ptr + mod * inner_len * k
+        acc = tl.zeros((BR, KP), dtype=tl.float32)
+        for start in range(0, inner_len, BK):
+            inner = start + tl.arange(0, BK)
+            x = _load_factor(x_base, inner, ks, inner_len, k, k)
+            if TRANSPOSE:
+                acc += _dot(tl.trans(_load_factor(m_base, inner, out, n_rows, n_cols, n_cols)), x, PRECISION)
+            else:
+                acc += _dot(_load_factor(m_base, out, inner, n_rows, n_cols, n_cols), x, PRECISION)
+        tl.store(y_ptr + mod * out_len * k + out[:, None] * k + ks[None, :], acc,
+                 mask=(out[:, None] < out_len) & (ks[None, :] < k))
+
+
+    @triton.jit
+    def _gaussian_kernel(keys_ptr, out_ptr, n, offset, BLOCK: tl.constexpr):
+        """BLOCK elements of the stream of the key of program axis 1, as
+        :func:`iga_ds.methods.iga.sketch.gaussian_stack` computes them (unsigned 64-bit
+        arithmetic here, the same bits)."""
+        pid = tl.program_id(0)
+        mod = tl.program_id(1).to(tl.int64)
+        e = pid * BLOCK + tl.arange(0, BLOCK)
+        key = tl.load(keys_ptr + mod).to(tl.uint64, bitcast=True)
+        z = key + (e + offset + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+        z = z ^ (z >> 31)
+        u1 = ((z >> 40).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 2^-24
+        u2 = ((z >> 16) & 0xFFFFFF).to(tl.float32) * 5.9604644775390625e-08
+        g = tl.sqrt(-2.0 * tl.log(u1)) * tl.cos(6.283185307179586 * u2)
+        tl.store(out_ptr + mod * n + e, g, mask=e < n)
+
+
 def launch_tile_kernel(left_mean, right_mean, left_dev, right_dev, scale, eps, out, parts, mins, *, tau,
                        normalize, block_m: int = 64, block_n: int = 64, precision: str = "ieee", num_warps: int = 4,
                        stats: bool = True, cols: int = 1) -> None:
@@ -276,7 +322,8 @@ def tile_pass_triton(left_mean, right_mean, left_dev, right_dev, omega, *, tau, 
         launch_tile_kernel(left_mean, right_mean, left_dev, right_dev, scale, eps, masked, parts, mins, tau=tau,
                            normalize=normalize, block_m=block_m, block_n=block_n, precision=precision,
                            num_warps=num_warps, cols=cols)
-        first, sketch = masked, torch.bmm(masked, omega.to(masked.dtype)).float()
+        first, omega = masked, omega.to(masked.dtype)
+        sketch = skinny_product(masked, omega) if masked.dtype in SKINNY_DTYPES else torch.bmm(masked, omega).float()
     else:
         width, co_width = omega.shape[-1], psi.shape[1]
         omega, psi = omega.float().contiguous(), psi.float().contiguous()
@@ -297,6 +344,64 @@ def tile_pass_triton(left_mean, right_mean, left_dev, right_dev, omega, *, tau, 
             torch.sum(w_part, dim=1, out=first[lo:hi])
     stats, energy = _reduce_tile_stats(parts, mins, d_out * d_in)
     return first, sketch, stats, energy
+
+
+# the masked matrices' dtypes whose products with skinny factors go through skinny_product
+# rather than cuBLAS
+SKINNY_DTYPES = (torch.bfloat16,)
+# block sizes of the skinny product by the matrices' dtype: (rows of Y per program, contraction
+# step, warps, pipeline stages)
+SKINNY_BLOCKS = {torch.bfloat16: (128, 128, 8, 3), torch.float32: (128, 32, 4, 4)}
+
+
+def skinny_product(matrix: torch.Tensor, factor: torch.Tensor, *, transpose: bool = False,
+                   precision: str = "ieee", blocks: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """``matrix @ factor`` (``matrix^T @ factor`` with ``transpose``) for stacks of matrices
+    (M x rows x cols, contiguous) and skinny factors (M x cols x k or M x rows x k, k up to a
+    few dozen), in float32 whatever the operands' dtype.
+
+    The products of the randomized SVD read every masked matrix once per product and do
+    little arithmetic per element: memory-bound, with k far below the tiles cuBLAS picks
+    for it. One program streams a block of rows (or, transposed, of columns) of one matrix
+    and keeps its k-wide slab of the result in registers. bfloat16 operands multiply on bf16
+    tensor cores with float32 accumulation and the result stays float32 (cuBLAS would round it
+    back to bfloat16); float32 operands use ``precision`` (Triton's ``input_precision``).
+    ``blocks``: (rows per program, contraction step, warps, stages), default
+    :data:`SKINNY_BLOCKS` for the dtype."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    if matrix.dtype != factor.dtype or matrix.dim() != 3 or factor.dim() != 3:
+        raise ValueError(f"skinny_product needs stacks of one dtype, got {tuple(matrix.shape)} {matrix.dtype} "
+                         f"and {tuple(factor.shape)} {factor.dtype}")
+    M, rows, cols = matrix.shape
+    inner, out_len = (rows, cols) if transpose else (cols, rows)
+    if factor.shape[:2] != (M, inner):
+        raise ValueError(f"factor {tuple(factor.shape)} does not fit matrix {tuple(matrix.shape)} "
+                         f"(transpose={transpose})")
+    k = factor.shape[-1]
+    block_rows, block_inner, num_warps, num_stages = blocks or SKINNY_BLOCKS[matrix.dtype]
+    matrix, factor = matrix.contiguous(), factor.contiguous()
+    out = torch.empty(M, out_len, k, dtype=torch.float32, device=matrix.device)
+    _skinny_kernel[(triton.cdiv(out_len, block_rows), M)](
+        matrix, factor, out, rows, cols, k, TRANSPOSE=transpose, BR=block_rows, BK=block_inner,
+        KP=max(16, triton.next_power_of_2(k)), PRECISION="bf16" if matrix.dtype == torch.bfloat16 else precision,
+        num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def gaussian_stack_triton(keys, rows: int, cols: int, *, device, offset: int = 0,
+                          block: int = 1024) -> torch.Tensor:
+    """:func:`iga_ds.methods.iga.sketch.gaussian_stack` in float32 on CUDA, one launch for all
+    ``keys`` (a list of :class:`iga_ds.methods.iga.sketch.SketchKey`); the same numbers up to
+    the rounding of the logarithm and the cosine."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    mixed = host_values(sketch.mixed_keys(keys), torch.int64, device)
+    out = torch.empty(len(keys), rows, cols, dtype=torch.float32, device=device)
+    n = rows * cols
+    if n and len(keys):
+        _gaussian_kernel[(triton.cdiv(n, block), len(keys))](mixed, out, n, offset, BLOCK=block)
+    return out
 
 
 def _reduce_tile_stats(parts, mins, numel: int):
