@@ -164,3 +164,32 @@ def test_overlap_waves_round_trips_and_defaults_to_one():
     assert HookConfig().overlap_waves == 1
     cfg = HookConfig.from_dict({"method": "iga", "overlap_waves": 4})
     assert cfg.overlap_waves == 4 and HookConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_equal_modules_of_one_rank_stack_as_views_of_its_buffer():
+    # the fused method stacks modules of one shape; laid out one after another, as a rank's
+    # buffer holds them, their gradient sums stack without a copy (fused._stacked)
+    from iga_ds.methods.iga.fused import _stacked
+
+    modules = fake_modules([(4, 16, 12)] * 5)
+    N = 3
+    lay = build_layout(modules, 1, N, 1, num_stats=len(MASK_STATISTICS))
+    flat = torch.arange(lay.in_size, dtype=torch.float32)
+    gA, gB = [], []
+    for m in modules:  # as the hook's buffers view it
+        off, nA, nB = lay.in_offsets[m.index], N * m.rank * m.in_features, N * m.out_features * m.rank
+        gA.append(flat[off: off + nA].view(N, m.rank, m.in_features))
+        gB.append(flat[off + nA: off + nA + nB].view(N, m.out_features, m.rank))
+    for pieces in (gA, gB):
+        stacked = _stacked(pieces)
+        assert torch.equal(stacked, torch.stack(pieces))
+        assert stacked.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    # and so do the float32 copies of bf16 factors, A then B of each module
+    from iga_ds.engine.hook import Float32Copies
+
+    weights = [torch.randn(shape, dtype=torch.bfloat16) for _ in modules for shape in ((4, 16), (12, 4))]
+    copies = Float32Copies(weights).refresh()
+    for pieces in (copies[0::2], copies[1::2]):
+        stacked = _stacked(pieces)
+        assert torch.equal(stacked, torch.stack(pieces))
+        assert stacked.untyped_storage().data_ptr() == pieces[0].untyped_storage().data_ptr()
