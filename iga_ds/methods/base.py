@@ -41,7 +41,7 @@ class ModuleGrads:
 
     A: r x in (lora_A.weight), B: out x r (lora_B.weight), gA: N x r x in, gB: N x out x r,
     scaling: s in dW = s * B @ A. ``index`` is the module's position in the model's list of
-    LoRA modules; it seeds the module's random sketch so results do not depend on which rank
+    LoRA modules; it keys the module's random sketch so results do not depend on which rank
     computes them. ``compute_dtype``: the dtype of the forward and backward that produced the
     gradients (the engine hook passes the LoRA weights' own dtype, bfloat16 in a DeepSpeed
     bf16 run, while A and B arrive in float32); None: A's dtype. A method may match its own

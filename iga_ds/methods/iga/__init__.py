@@ -3,8 +3,11 @@
 - ``common``: the options and input checks both paths share;
 - ``reference``: the update of one module step by step (:func:`iga_update`), the reference;
 - ``rsvd``: truncated SVD, exact, randomized and single-pass;
+- ``sketch``: the Gaussian test matrices, keyed by (seed, step, module), drawn for many
+  modules at once;
 - ``fused``: the same update for many modules at once, without the N full-rank gradients
-  (:func:`batched_iga`), and ``triton_kernels``, its CUDA tile pass;
+  (:func:`batched_iga`), and ``triton_kernels``, its CUDA kernels (the tile pass, the skinny
+  products, the keyed draws);
 - ``method``: the registered ``iga`` method, which picks the path;
 - ``ablations``: the paper's Table 3 variants, each changing one step.
 """
