@@ -32,6 +32,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from iga_ds.lora.modules import LoraModule
+from iga_ds.methods.base import host_to_device
 
 
 @dataclass
@@ -208,10 +209,8 @@ class DomainGradientCapture:
         one_per_domain = ids_cpu.tolist() == list(range(self.num_domains))
         if one_per_domain:  # backward adds in place and needs no ids on the device
             ids_dev = None
-        elif device.type == "cuda":  # pinned, so the copy is queued without a stream sync
-            ids_dev = ids_cpu.pin_memory().to(device, non_blocking=True)
-        else:
-            ids_dev = ids_cpu.to(device)
+        else:  # pinned on CUDA, so the copy is queued without a stream sync
+            ids_dev = host_to_device(ids_cpu, device)
         self._micro = _MicroBatch(ids_dev, 1.0 / loss_scale, int(ids_cpu.numel()), one_per_domain,
                                   self.before_backward if self.owns_gradients else None)
         try:

@@ -67,6 +67,17 @@ class ModuleGrads:
         return int(self.gA.shape[0])
 
 
+def host_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A small host tensor on ``device``, without waiting for the device.
+
+    A plain ``.to("cuda")`` copies from pageable memory, and PyTorch then synchronizes the
+    stream: the host waits for every kernel queued so far. From pinned memory the copy is
+    queued like a kernel (the pinned block is not reused before it ran)."""
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class ModuleUpdate:
     """The gradients the optimizer will see for one module, with per-module statistics."""

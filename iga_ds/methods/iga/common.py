@@ -1,5 +1,4 @@
-"""What the reference and the batched path of IGA share: the options, the input checks, and
-how a few host numbers reach the device."""
+"""What the reference and the batched path of IGA share: the options and the input checks."""
 from __future__ import annotations
 
 import torch
@@ -38,14 +37,3 @@ def check_module(A: torch.Tensor, B: torch.Tensor, gA: torch.Tensor, gB: torch.T
         raise ValueError(f"{where}rank must be in [1, {r}] (the LoRA rank), got {rank}")
     return k
 
-
-def host_values(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A small tensor of host numbers on ``device``, without waiting for the device.
-
-    ``torch.tensor(values, device="cuda")`` copies from pageable memory, and PyTorch then
-    synchronizes the stream: the host waits for every kernel queued so far. From pinned
-    memory the copy is queued like a kernel (the pinned block is not reused before it ran)."""
-    host = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)

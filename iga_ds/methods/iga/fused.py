@@ -48,10 +48,10 @@ from typing import Sequence
 
 import torch
 
-from iga_ds.methods.base import ModuleGrads
+from iga_ds.methods.base import ModuleGrads, host_to_device
 from iga_ds.methods.iga import triton_kernels
 from iga_ds.methods.iga.common import (
-    FACTOR_MAPS, NORMALIZATIONS, SNR_EPS, check_choice, check_module, check_tau, host_values,
+    FACTOR_MAPS, NORMALIZATIONS, SNR_EPS, check_choice, check_module, check_tau,
 )
 from iga_ds.methods.iga.reference import chain_rule_factors
 from iga_ds.methods.iga.rsvd import canonical_signs, single_pass_widths
@@ -153,7 +153,8 @@ def stack_modules(modules: Sequence[ModuleGrads], generators, batch_bytes: int,
                 B=_stacked([modules[i].B for i in part]).to(wd),
                 gA=_stacked([modules[i].gA for i in part]).to(wd),
                 gB=_stacked([modules[i].gB for i in part]).to(wd),
-                scaling=host_values([float(modules[i].scaling) for i in part], wd, modules[part[0]].gA.device),
+                scaling=host_to_device(torch.tensor([float(modules[i].scaling) for i in part], dtype=wd),
+                                       modules[part[0]].gA.device),
                 generators=[generators[i] for i in part],
             ))
     return out
@@ -358,11 +359,10 @@ def _tf32_matmuls(enabled: bool):
         torch.backends.cuda.matmul.allow_tf32 = previous
 
 
-def _times(masked, factor, transpose: bool, use_triton: bool, tf32: bool):
-    """``masked @ factor`` (``masked^T @ factor``): Triton's skinny product where it is the
-    faster (:data:`iga_ds.methods.iga.triton_kernels.SKINNY_DTYPES`; float32 result), else a
-    batched matrix product."""
-    if use_triton and masked.dtype in triton_kernels.SKINNY_DTYPES:
+def _times(masked, factor, transpose: bool, skinny: bool, tf32: bool):
+    """``masked @ factor`` (``masked^T @ factor``): with ``skinny`` Triton's skinny product
+    (float32 result), else a batched matrix product."""
+    if skinny:
         return triton_kernels.skinny_product(masked, factor, transpose=transpose, precision="tf32" if tf32 else "ieee")
     return (masked.mT if transpose else masked) @ factor
 
@@ -380,16 +380,18 @@ def project(masked, sketch, power_iters: int, tf32: bool = False, use_triton: bo
     the faster, which keeps them in float32.
     """
     work, store = sketch.dtype, masked.dtype
+    # Triton's skinny product where it is the faster (triton_kernels.SKINNY_DTYPES)
+    skinny = use_triton and store in triton_kernels.SKINNY_DTYPES
     # each basis comes out in the dtype of the product it feeds (no extra copy); the
     # products' results go to orthonormalize as they are (it reads them in float64)
     Q = orthonormalize(sketch, final=power_iters == 0, out_dtype=store if power_iters else work)
     with _tf32_matmuls(tf32):
         for i in range(power_iters):
             last = i == power_iters - 1
-            Z = orthonormalize(_times(masked, Q, True, use_triton, tf32), final=False, out_dtype=store)
-            Q = orthonormalize(_times(masked, Z, False, use_triton, tf32), final=last, out_dtype=work if last else store)
-    if use_triton and masked.dtype in triton_kernels.SKINNY_DTYPES:
-        return Q, _times(masked, Q.to(store), True, use_triton, tf32).mT.to(work)  # M x width x in
+            Z = orthonormalize(_times(masked, Q, True, skinny, tf32), final=False, out_dtype=store)
+            Q = orthonormalize(_times(masked, Z, False, skinny, tf32), final=last, out_dtype=work if last else store)
+    if skinny:  # the final projection in float32, as Q^T M is below
+        return Q, _times(masked, Q.to(store), True, skinny, False).mT.to(work)  # M x width x in
     return Q, (Q.to(store).mT @ masked).to(work)
 
 

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from iga_ds.methods.iga.common import host_values
+from iga_ds.methods.base import host_to_device
 
 _MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
@@ -84,8 +84,8 @@ def _mix_tensor(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shift_right(z, 31)
 
 
-def box_muller(high: torch.Tensor, low: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Standard normals from two tensors of 24-bit integers (as floats of ``dtype``)."""
+def box_muller(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """Standard normals from two float tensors holding 24-bit integers, in their dtype."""
     scale = 2.0 ** -UNIFORM_BITS
     u1 = (high + 0.5) * scale  # in (0, 1): the logarithm stays finite
     u2 = low * scale
@@ -98,12 +98,12 @@ def gaussian_stack(keys: Sequence[SketchKey], rows: int, cols: int, *, dtype: to
     ``keys[i]`` starting at element ``offset``: plain PyTorch, on any device (the reference
     of the Triton kernel, and the path for float64)."""
     work = torch.float64 if dtype == torch.float64 else torch.float32
-    mixed = host_values(mixed_keys(keys), torch.int64, device).view(-1, 1)
+    mixed = host_to_device(torch.tensor(mixed_keys(keys), dtype=torch.int64), device).view(-1, 1)
     counter = torch.arange(offset + 1, offset + rows * cols + 1, dtype=torch.int64, device=device)
     h = _mix_tensor(mixed + counter * _signed(GOLDEN))
     high = _shift_right(h, 64 - UNIFORM_BITS).to(work)
     low = (_shift_right(h, 64 - 2 * UNIFORM_BITS) & ((1 << UNIFORM_BITS) - 1)).to(work)
-    return box_muller(high, low, work).to(dtype).view(len(keys), rows, cols)
+    return box_muller(high, low).to(dtype).view(len(keys), rows, cols)
 
 
 def gaussian(source: SketchKey | torch.Generator | None, rows: int, cols: int, *, dtype: torch.dtype,

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from iga_ds.methods.iga import sketch
-from iga_ds.methods.iga.common import SNR_EPS, host_values
+from iga_ds.methods.base import host_to_device
+from iga_ds.methods.iga.common import SNR_EPS
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs lack it
     import triton
@@ -396,7 +397,7 @@ def gaussian_stack_triton(keys, rows: int, cols: int, *, device, offset: int = 0
     the rounding of the logarithm and the cosine."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
-    mixed = host_values(sketch.mixed_keys(keys), torch.int64, device)
+    mixed = host_to_device(torch.tensor(sketch.mixed_keys(keys), dtype=torch.int64), device)
     out = torch.empty(len(keys), rows, cols, dtype=torch.float32, device=device)
     n = rows * cols
     if n and len(keys):
