@@ -94,7 +94,7 @@ def kernel_alone(factors, mean_var, precision: str = "ieee") -> list[dict]:
     out = torch.empty(M, d_out, d_in, device="cuda", dtype=triton_kernels.masked_dtype(precision))
     cols = triton_kernels.strip_tiles(precision)
     programs = -(-d_out // 64) * triton_kernels.strip_count(d_in, 64, cols)
-    parts = torch.empty(M, programs, 4, device="cuda")
+    parts = torch.empty(M, programs, triton_kernels.STAT_SLOTS, device="cuda")
     mins = torch.empty(M, programs, device="cuda")
     scale = mean_var.float().contiguous()
     eps = torch.ones(M, device="cuda")

@@ -376,15 +376,19 @@ def test_cuda_auto_stacks_grow_into_the_room_below_the_peak(monkeypatch):
 
 def _triton_tile_pass_matches_torch() -> None:
     """Run under TRITON_INTERPRET=1 (CPU): the kernels' tile passes against the PyTorch one."""
+    # (4, 64, 96): tiles of 32 cover it exactly, the kernel's path without per-element masks
     cases = [("none", 1e8, "ieee", (4, 48, 40)), ("mean", 0.5, "ieee", (2, 33, 17)),
-             ("snr", 0.5, "ieee", (4, 48, 40)), ("mean", 0.5, "tf32x3", (4, 48, 40))]
+             ("snr", 0.5, "ieee", (4, 48, 40)), ("mean", 0.5, "tf32x3", (4, 48, 40)),
+             ("snr", 0.5, "ieee", (4, 64, 96))]
     # "bf16" is checked on a GPU only (test_bf16_kernel_matches_torch_bf16_tile_pass): the
     # interpreter computes bfloat16 products wrongly (numpy has no bfloat16)
     _tile_passes_agree(cases, close=1e-6, close_stored=1e-6, block=32)
     # programs that walk a strip of tiles along a row (the bf16 default), also past the last
     # column: 40 columns are two tiles of 32, in strips of two and of three
-    # programs that walk a strip also take the first sketch (one slot per strip)
-    strips = [("snr", 0.5, "ieee", (4, 48, 40)), ("mean", 0.5, "tf32x3", (2, 33, 17))]
+    # programs that walk a strip also take the first sketch (one slot per strip); 64 columns
+    # are one exact strip of two tiles (no per-element masks) and a partial strip of three
+    strips = [("snr", 0.5, "ieee", (4, 48, 40)), ("mean", 0.5, "tf32x3", (2, 33, 17)),
+              ("snr", 0.5, "ieee", (4, 64, 64))]
     for cols in (2, 3):
         _tile_passes_agree(strips, close=1e-6, close_stored=1e-6, block=32, cols=cols)
     _skinny_products_agree("cpu", torch.float32, blocks=(16, 32, 4, 2))
@@ -471,9 +475,11 @@ def test_bf16_kernel_matches_torch_bf16_tile_pass():
     # float32); the share of the mask below 1/2 counts elements at the threshold, which
     # those differences move across it (5.6e-3 relative seen on an H200). A wrong tile or
     # index is off by order one.
-    # 1100 columns: 18 tiles, a full strip of 16 and a partial one
+    # 1100 columns: 18 tiles, a full strip of 16 and a partial one; 1024 x 128: strips that
+    # cover the matrix exactly (the kernel's path without per-element masks)
     cases = [("snr", 0.5, "bf16", (16, 300, 200)), ("mean", 0.5, "bf16", (4, 48, 40)),
-             ("none", 1e8, "bf16", (16, 256, 256)), ("mean", 0.5, "bf16", (8, 1100, 72))]
+             ("none", 1e8, "bf16", (16, 256, 256)), ("mean", 0.5, "bf16", (8, 1100, 72)),
+             ("snr", 0.5, "bf16", (16, 1024, 128))]
     _tile_passes_agree(cases, close=1e-2, close_stored=5e-3, block=64, device="cuda", stats_rtol=2e-2)
 
 

@@ -228,7 +228,8 @@ def tile_pass_torch(left_mean, right_mean, left_dev, right_dev, omega, *, tau, n
                     mean_sq, tile_elements, psi=None, precision="ieee"):
     """Stage 4 in PyTorch: masked matrices, first sketch and mask statistics, one row tile at a time.
 
-    Returns ``(masked M x out x in, sketch masked @ omega, stats, sum of masked^2 per module)``;
+    Returns ``(masked M x out x in, sketch masked @ omega, stats, sum of masked^2 per module)``,
+    ``stats`` the mask's mean, share below 1/2 and minimum per module;
     the reference of :func:`iga_ds.methods.iga.triton_kernels.tile_pass_triton`, which has the
     same contract. With ``psi`` (M x l x out) the co-range sketch ``psi @ masked`` is
     accumulated tile by tile and returned in place of the masked matrices, which are then
@@ -247,7 +248,7 @@ def tile_pass_torch(left_mean, right_mean, left_dev, right_dev, omega, *, tau, n
     else:
         co_sketch = torch.zeros(M, psi.shape[1], d_in, dtype=dtype, device=device)
     sketch = torch.empty(M, d_out, omega.shape[-1], dtype=dtype, device=device)
-    acc = torch.zeros(4, M, dtype=torch.float64, device=device)  # mask sum, count below 0.5, sum of V, sum of g^2
+    acc = torch.zeros(3, M, dtype=torch.float64, device=device)  # mask sum, count below 0.5, sum of masked^2
     mask_min = torch.full((M,), math.inf, dtype=torch.float64, device=device)
     rows = max(1, min(d_out, tile_elements // max(1, M * d_in)))
     for start in range(0, d_out, rows):
@@ -261,10 +262,9 @@ def tile_pass_torch(left_mean, right_mean, left_dev, right_dev, omega, *, tau, n
         mask = _masked_tile(G, var, normalize, tau, mean_var, mean_sq, dtype)
         acc[0] += mask.sum(dim=(1, 2), dtype=torch.float64)
         acc[1] += (mask < 0.5).sum(dim=(1, 2)).double()
-        acc[2] += var.sum(dim=(1, 2), dtype=torch.float64)
         mask_min = torch.minimum(mask_min, mask.amin(dim=(1, 2)).double())
         tile = G * mask
-        acc[3] += tile.pow(2).sum(dim=(1, 2), dtype=torch.float64)
+        acc[2] += tile.pow(2).sum(dim=(1, 2), dtype=torch.float64)
         if psi is None:
             masked[:, sl] = tile
         # the stored values times omega rounded alike, summed in the work dtype (the kernels' contract)
@@ -276,9 +276,8 @@ def tile_pass_torch(left_mean, right_mean, left_dev, right_dev, omega, *, tau, n
         "mask_mean": acc[0] / numel,
         "mask_frac_below_half": acc[1] / numel,
         "mask_min": mask_min,
-        "gir": acc[2],
     }
-    return (masked if psi is None else co_sketch), sketch, stats, acc[3]
+    return (masked if psi is None else co_sketch), sketch, stats, acc[2]
 
 
 def orthonormalize(Y: torch.Tensor, final: bool = True, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -473,6 +472,8 @@ def project_stack(st: Stack, *, tau, normalize, rank, oversample, power_iters, t
     else:
         masked, sketch, stats, energy_total = tile_pass_torch(
             left_mean, right_mean, left_dev, right_dev, omega, tile_elements=tile_elements, **kwargs)
+    # the sum of V over the elements is N * numel * mean(V) / N: the Grams have it in float64
+    stats["gir"] = mean_var * (d_out * d_in)
     if psi is None:
         Q, small = project(masked, sketch, power_iters, tf32=use_triton and triton_precision == "tf32",
                            use_triton=use_triton)

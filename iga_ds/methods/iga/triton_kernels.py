@@ -38,6 +38,10 @@ PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16")
 FACTOR_DTYPES = {"ieee": torch.float32, "tf32x3": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16}
 
 
+# partial sums per program of the tile kernels: mask, mask below 1/2, masked^2 (the sum of V,
+# the "gir" statistic, comes from the factors' Grams: iga_ds.methods.iga.fused.mask_scales)
+STAT_SLOTS = 3
+
 # tiles per program of the tile kernel, by precision. bf16: a strip of 16 tiles along a row,
 # 6.82 -> 5.05 ms for 128 LLaMA-2-7B modules on one H100 (docs/results/h100-h200-2026-11-27-evening/);
 # float32 keeps one: its dot inside the loop compiled 27 to 40 times slower there
@@ -77,8 +81,9 @@ if triton is not None:
     @triton.jit
     def _masked_tile(left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, mod, rows, cols,
                      d_out, d_in, k2, tau, N: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr):
-        """One BM x BN tile of Gbar * exp(-tau V'), its mask and V, from the rank-2r factors."""
+                     BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr = False):
+        """One BM x BN tile of Gbar * exp(-tau V') and its mask, from the rank-2r factors.
+        ``EVEN``: the tile lies inside the matrix (no element to mask out)."""
         ks = tl.arange(0, KP)  # 2r padded to a power of two >= 16 (tl.dot's minimum); pads load as 0
         lhs = _load_factor(left_mean + mod * d_out * k2, rows, ks, d_out, k2, k2)
         rhs = _load_factor(right_mean + mod * k2 * d_in, ks, cols, k2, d_in, d_in)
@@ -103,8 +108,11 @@ if triton is not None:
             vn = var / (gbar * gbar + tl.load(eps_ptr + mod))
         mask = tl.exp(-tau * vn)
         valid = (rows[:, None] < d_out) & (cols[None, :] < d_in)
-        masked = tl.where(valid, gbar * mask, 0.0)
-        return masked, mask, var, valid
+        if EVEN:  # every element valid: no select per element (the kernel's arithmetic is per element)
+            masked = gbar * mask
+        else:
+            masked = tl.where(valid, gbar * mask, 0.0)
+        return masked, mask, valid
 
     @triton.jit
     def _program_tile(left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, d_out, d_in, k2, tau,
@@ -116,21 +124,20 @@ if triton is not None:
         mod = tl.program_id(2).to(tl.int64)
         rows = pid_r * BM + tl.arange(0, BM)
         cols = pid_c * BN + tl.arange(0, BN)
-        masked, mask, var, valid = _masked_tile(
+        masked, mask, valid = _masked_tile(
             left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, mod, rows, cols, d_out, d_in, k2, tau,
             N, NORM, KP, BM, BN, PRECISION)
-        return pid_r, pid_c, mod, rows, cols, masked, mask, var, valid
+        return pid_r, pid_c, mod, rows, cols, masked, mask, valid
 
     @triton.jit
-    def _store_tile_stats(part_ptr, min_ptr, mod, masked, mask, var, valid, pid_r, pid_c):
+    def _store_tile_stats(part_ptr, min_ptr, mod, masked, mask, valid, pid_r, pid_c):
         # per-tile partial sums, reduced in float64 on the host side of the kernel: deterministic
         tile = pid_r * tl.num_programs(1) + pid_c
         n_tiles = tl.num_programs(0) * tl.num_programs(1)
-        base = part_ptr + (mod * n_tiles + tile) * 4
+        base = part_ptr + (mod * n_tiles + tile) * 3
         tl.store(base + 0, tl.sum(tl.sum(tl.where(valid, mask, 0.0), axis=1), axis=0))
         tl.store(base + 1, tl.sum(tl.sum(tl.where(valid & (mask < 0.5), 1.0, 0.0), axis=1), axis=0))
-        tl.store(base + 2, tl.sum(tl.sum(tl.where(valid, var, 0.0), axis=1), axis=0))
-        tl.store(base + 3, tl.sum(tl.sum(masked * masked, axis=1), axis=0))
+        tl.store(base + 2, tl.sum(tl.sum(masked * masked, axis=1), axis=0))
         tl.store(min_ptr + mod * n_tiles + tile, tl.min(tl.min(tl.where(valid, mask, float("inf")), axis=1), axis=0))
 
     @triton.jit
@@ -138,42 +145,49 @@ if triton is not None:
         left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, out_ptr, part_ptr, min_ptr,
         d_out, d_in, k2, tau,
         N: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-        PRECISION: tl.constexpr, STATS: tl.constexpr = True, COLS: tl.constexpr = 1,
+        PRECISION: tl.constexpr, STATS: tl.constexpr = True, COLS: tl.constexpr = 1, EVEN: tl.constexpr = False,
     ):
         """Writes Gbar * mask for a strip of ``COLS`` tiles along a row (the randomized SVD reads
         it afterwards). The statistics are summed along each row of the strip as it goes and
         reduced to one partial sum per program at the end: a reduction across the whole tile
         per tile cost more than the tile's arithmetic. ``STATS`` False skips them
-        (bench/tune_method.py times their cost)."""
+        (bench/tune_method.py times their cost). ``EVEN``: the strips tile the matrix exactly,
+        so no element is masked out (no compare or select per element)."""
         pid_r = tl.program_id(0)
         pid_g = tl.program_id(1)
         mod = tl.program_id(2).to(tl.int64)
         rows = pid_r * BM + tl.arange(0, BM)
         acc_mask = tl.zeros((BM,), dtype=tl.float32)
         acc_low = tl.zeros((BM,), dtype=tl.float32)
-        acc_var = tl.zeros((BM,), dtype=tl.float32)
         acc_sq = tl.zeros((BM,), dtype=tl.float32)
         acc_min = tl.full((BM,), float("inf"), dtype=tl.float32)
         for c in range(COLS):
             cols = (pid_g * COLS + c) * BN + tl.arange(0, BN)
-            masked, mask, var, valid = _masked_tile(
+            masked, mask, valid = _masked_tile(
                 left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, mod, rows, cols, d_out, d_in, k2,
-                tau, N, NORM, KP, BM, BN, PRECISION)
-            tl.store(out_ptr + mod * d_out * d_in + rows[:, None] * d_in + cols[None, :], masked, mask=valid)
+                tau, N, NORM, KP, BM, BN, PRECISION, EVEN)
+            target = out_ptr + mod * d_out * d_in + rows[:, None] * d_in + cols[None, :]
+            if EVEN:
+                tl.store(target, masked)
+            else:
+                tl.store(target, masked, mask=valid)
             if STATS:
-                acc_mask += tl.sum(tl.where(valid, mask, 0.0), axis=1)
-                acc_low += tl.sum(tl.where(valid & (mask < 0.5), 1.0, 0.0), axis=1)
-                acc_var += tl.sum(tl.where(valid, var, 0.0), axis=1)
+                if EVEN:
+                    acc_mask += tl.sum(mask, axis=1)
+                    acc_low += tl.sum((mask < 0.5).to(tl.float32), axis=1)
+                    acc_min = tl.minimum(acc_min, tl.min(mask, axis=1))
+                else:
+                    acc_mask += tl.sum(tl.where(valid, mask, 0.0), axis=1)
+                    acc_low += tl.sum(tl.where(valid & (mask < 0.5), 1.0, 0.0), axis=1)
+                    acc_min = tl.minimum(acc_min, tl.min(tl.where(valid, mask, float("inf")), axis=1))
                 acc_sq += tl.sum(masked * masked, axis=1)
-                acc_min = tl.minimum(acc_min, tl.min(tl.where(valid, mask, float("inf")), axis=1))
         if STATS:
             program = pid_r * tl.num_programs(1) + pid_g
             n_programs = tl.num_programs(0) * tl.num_programs(1)
-            base = part_ptr + (mod * n_programs + program) * 4
+            base = part_ptr + (mod * n_programs + program) * 3
             tl.store(base + 0, tl.sum(acc_mask, axis=0))
             tl.store(base + 1, tl.sum(acc_low, axis=0))
-            tl.store(base + 2, tl.sum(acc_var, axis=0))
-            tl.store(base + 3, tl.sum(acc_sq, axis=0))
+            tl.store(base + 2, tl.sum(acc_sq, axis=0))
             tl.store(min_ptr + mod * n_programs + program, tl.min(acc_min, axis=0))
 
     @triton.jit
@@ -190,7 +204,7 @@ if triton is not None:
         ``w_part`` (modules x row tiles x co_width x in); the host sums the slots, so the result
         does not depend on the order programs run in (no atomics).
         """
-        pid_r, pid_c, mod, rows, cols, masked, mask, var, valid = _program_tile(
+        pid_r, pid_c, mod, rows, cols, masked, mask, valid = _program_tile(
             left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, d_out, d_in, k2, tau,
             N, NORM, KP, BM, BN, PRECISION)
         ws = tl.arange(0, WP)  # width padded to a power of two >= 16; pads load as 0
@@ -207,7 +221,7 @@ if triton is not None:
         w_base = w_part + (mod * n_row_tiles + pid_r) * co_width * d_in
         tl.store(w_base + ls[:, None] * d_in + cols[None, :], w,
                  mask=(ls[:, None] < co_width) & (cols[None, :] < d_in))
-        _store_tile_stats(part_ptr, min_ptr, mod, masked, mask, var, valid, pid_r, pid_c)
+        _store_tile_stats(part_ptr, min_ptr, mod, masked, mask, valid, pid_r, pid_c)
 
 
     @triton.jit
@@ -259,8 +273,8 @@ def launch_tile_kernel(left_mean, right_mean, left_dev, right_dev, scale, eps, o
                        normalize, block_m: int = 64, block_n: int = 64, precision: str = "ieee", num_warps: int = 4,
                        stats: bool = True, cols: int = 1) -> None:
     """The tile kernel alone: writes ``Gbar * exp(-tau V')`` into ``out`` (M x out x in) and, with
-    ``stats``, each program's partial sums (mask, mask below 0.5, V, masked^2) into ``parts``
-    (M x programs x 4) and its smallest mask into ``mins`` (M x programs), programs numbered
+    ``stats``, each program's partial sums (mask, mask below 0.5, masked^2) into ``parts``
+    (M x programs x :data:`STAT_SLOTS`) and its smallest mask into ``mins`` (M x programs), programs numbered
     row-major; a program covers ``cols`` tiles along a row (:func:`strip_count` per row).
 
     Inputs as :func:`tile_pass_triton` prepares them: contiguous float32 factors, ``scale`` the
@@ -274,10 +288,11 @@ def launch_tile_kernel(left_mean, right_mean, left_dev, right_dev, scale, eps, o
     d_in = right_mean.shape[-1]
     kp = max(16, triton.next_power_of_2(k2))
     grid = (triton.cdiv(d_out, block_m), strip_count(d_in, block_n, cols), M)
+    even = d_out % block_m == 0 and d_in % (block_n * cols) == 0
     _iga_tile_kernel[grid](
         left_mean, right_mean, left_dev, right_dev, scale, eps, out, parts, mins, d_out, d_in, k2, float(tau),
         N=N, NORM=_NORM_CODE[normalize], KP=kp, BM=block_m, BN=block_n, PRECISION=precision, STATS=stats,
-        COLS=cols, num_warps=num_warps)
+        COLS=cols, EVEN=even, num_warps=num_warps)
 
 
 def strip_count(d_in: int, block_n: int, cols: int) -> int:
@@ -314,7 +329,7 @@ def tile_pass_triton(left_mean, right_mean, left_dev, right_dev, omega, *, tau, 
     rows_t, cols_t = triton.cdiv(d_out, block_m), triton.cdiv(d_in, block_n)
     # one partial sum per program: per tile for the sketching kernel, per strip for the tile kernel
     n_tiles = rows_t * (cols_t if psi is not None else strip_count(d_in, block_n, cols))
-    parts = torch.empty(M, n_tiles, 4, dtype=torch.float32, device=device)
+    parts = torch.empty(M, n_tiles, STAT_SLOTS, dtype=torch.float32, device=device)
     mins = torch.empty(M, n_tiles, dtype=torch.float32, device=device)
     consts = dict(N=N, NORM=_NORM_CODE[normalize], KP=kp, BM=block_m, BN=block_n, PRECISION=precision,
                   num_warps=num_warps)
@@ -408,11 +423,10 @@ def gaussian_stack_triton(keys, rows: int, cols: int, *, device, offset: int = 0
 def _reduce_tile_stats(parts, mins, numel: int):
     """The mask statistics and the sum of masked^2 per module from the kernels' per-tile parts,
     in float64 (a fixed order: deterministic)."""
-    sums = parts.double().sum(dim=1)  # M x 4
+    sums = parts.double().sum(dim=1)  # M x STAT_SLOTS
     stats = {
         "mask_mean": sums[:, 0] / numel,
         "mask_frac_below_half": sums[:, 1] / numel,
         "mask_min": mins.double().amin(dim=1),
-        "gir": sums[:, 2],
     }
-    return stats, sums[:, 3]
+    return stats, sums[:, 2]
