@@ -22,7 +22,9 @@ Methods: ``erm`` (DeepSpeed's own path: LoRA gradients reduced after every micro
 ``erm_captured`` (the same update through the hook's capture, reduced once per step),
 ``iga`` (the registered method, module by module), ``iga_fused``
 (the same method through :func:`iga_ds.methods.iga.fused.batched_iga`), ``iga_bf16`` (that
-path with ``precision: bf16``) and ``iga_bf16_q1`` (bf16 with one power iteration); ``iga-wK`` and
+path with ``precision: bf16``), ``iga_bf16_q1`` (bf16 with one power iteration) and
+``iga_bf16_q1p16`` (bf16, one power iteration, oversampling 16: the setting the precision rule
+of ``bench/bench_method.py --model`` holds two passes cheaper); ``iga-wK`` and
 ``iga_fused-wK`` run the hook with ``overlap_waves`` K (the modules in K waves, so that one
 wave's collectives overlap another's method; the default is the hook's own), e.g.
 ``--gpus 2 --methods erm,iga_fused-w1,iga_fused-w2,iga_fused-w4``.
@@ -65,9 +67,10 @@ from iga_ds.engine.internals import disable_cpu_shm_comm_op
 from iga_ds.files import atomic_write_json
 from iga_ds.train.batching import sequence_losses
 
-METHODS = ("erm", "erm_captured", "iga", "iga_fused", "iga_bf16", "iga_bf16_q1")
+METHODS = ("erm", "erm_captured", "iga", "iga_fused", "iga_bf16", "iga_bf16_q1", "iga_bf16_q1p16")
 # the fused variants that fix their precision (iga_fused takes --precision) and power iterations
-FIXED_VARIANTS = {"iga_bf16": {"precision": "bf16"}, "iga_bf16_q1": {"precision": "bf16", "power_iters": 1}}
+FIXED_VARIANTS = {"iga_bf16": {"precision": "bf16"}, "iga_bf16_q1": {"precision": "bf16", "power_iters": 1},
+                  "iga_bf16_q1p16": {"precision": "bf16", "power_iters": 1, "oversample": 16}}
 DOMAINS = ["math", "medical", "legal", "science"]
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 PROFILE_STEPS = 2
@@ -164,7 +167,7 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
     optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(args, world))
     # "iga" is the per-module reference path, "iga_fused" the batched fast path, "iga_bf16" that
-    # path in bf16 (and "_q1" with one power iteration): one method
+    # path in bf16 (and "_q1" with one power iteration, "_q1p16" also oversampling 16): one method
     base, waves = method_variant(method)
     iga_params = {} if base.startswith("erm") else {
         "tau": args.tau, "normalize": args.normalize,
@@ -517,7 +520,8 @@ def parse_args(argv=None):
     p.add_argument("--alpha", type=float, default=32.0)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--tau", type=float, default=0.5)
-    p.add_argument("--normalize", choices=["none", "mean", "snr"], default="mean")
+    p.add_argument("--normalize", choices=["none", "mean", "snr"], default="snr",
+                   help="the mask's normalization (default: the method's own, snr)")
     p.add_argument("--precision", choices=["ieee", "tf32"], default="ieee",
                    help="iga_fused: float32 throughout, or TF32 tensor cores in the tile pass and power iterations")
     p.add_argument("--warmup", type=int, default=3)

@@ -4,7 +4,7 @@
 #   checks: 2-GPU bf16 equivalence test, fused-path GPU tests, bench_method (128 LLaMA-2-7B modules)
 #   stepN:  bench_step.py on N GPUs (erm and the fused iga; add iga=reference with STEP_METHODS)
 #   tf32stepN: the fused iga with TF32 tensor cores on N GPUs
-#   bf16stepN: erm, the fused iga and its bf16 variants (iga_bf16, iga_bf16_q1) on N GPUs
+#   bf16stepN: erm, the fused iga and its bf16 variants (iga_bf16, iga_bf16_q1p16) on N GPUs
 #   rule:   bench_method with the precision rule on the model file or folder in RULE_MODEL
 # Each stage has its own time limit so one slow stage cannot eat the others' output.
 set -uo pipefail
@@ -40,7 +40,7 @@ for s in "$@"; do
     bf16step*)
       n=${s#bf16step}
       stage "bench_step_${n}gpu_bf16" 560 python3 bench/bench_step.py --gpus "$n" \
-        --methods "${BF16_METHODS:-erm,iga_fused,iga_bf16,iga_bf16_q1}" --rounds "${STEP_ROUNDS:-2}" \
+        --methods "${BF16_METHODS:-erm,iga_fused,iga_bf16,iga_bf16_q1p16}" --rounds "${STEP_ROUNDS:-2}" \
         --steps "${STEP_STEPS:-8}" --warmup 2 --out "$out/bench_step_${n}gpu_bf16.json"
       ;;
     tf32step*)

@@ -554,6 +554,17 @@ def test_bench_method_gives_each_variant_its_pass_mark():
         "single_pass_triton": 1e-4, "single_pass_triton_tf32x3": 1e-4, "single_pass_triton_tf32": 5e-3}
 
 
+def test_bench_method_runs_each_bf16_variant_with_its_settings():
+    import bench_method
+
+    args = bench_method.parse_args(["--power-iters", "2", "--oversample", "10"])
+    variants = bench_method.low_precision_variants(triton_ok=False)
+    assert variants == {"batched_torch_bf16": ("bf16", None, None), "batched_torch_bf16_q1": ("bf16", 1, None),
+                        "batched_torch_bf16_q1p16": ("bf16", 1, 16)}
+    assert [bench_method.variant_settings(name, args) for name in variants] == [(2, 10), (1, 10), (1, 16)]
+    assert bench_method.variant_settings("batched_triton_tf32", args) == (2, 10)
+
+
 @pytest.mark.slow
 def test_bench_method_small_runs_on_cpu(tmp_path):
     out = tmp_path / "method.json"
@@ -597,7 +608,10 @@ def test_bench_method_precision_rule_on_a_saved_model(tmp_path):
     assert (first["seed"], second["seed"]) == (0, 1) and first["modules"] == second["modules"] == 8
     assert first["noise_reconstruction"] != second["noise_reconstruction"]
     assert rule["broken"] == sorted(set(first["broken"]) | set(second["broken"]))
-    assert (proc.returncode == 1) == bool(rule["broken"])
+    # only the variants the method offers fail the run (bf16_q1 is shown, not offered)
+    assert rule["failed"] == [name for name in rule["broken"] if name != "bf16_q1"]
+    assert (proc.returncode == 1) == bool(rule["failed"])
+    assert {(row["power_iters"], row["oversample"]) for row in first["variants"].values()} == {(2, 10), (1, 10), (1, 16)}
     for batch in rule["batches"]:
         assert batch["limit"] == batch["noise_reconstruction"]["median"] > 1e-3  # bfloat16 keeps 8 bits
         float32, bf16 = batch["variants"]["float32"], batch["variants"]["bf16"]
@@ -695,6 +709,27 @@ def test_bf16_tile_pass_stores_bfloat16():
     full, _, _, _ = fused.tile_pass_torch(*factors, omega, **kw)
     assert masked.dtype == torch.bfloat16 and sketch.dtype == torch.float32
     assert 0 < rel(masked.double(), full.double()) < 2 ** -8
+
+
+def test_mask_scales_against_the_full_matrices_in_float64():
+    """Both scales against V and Gbar formed element by element in float64; the deviations'
+    Grams in float32 (exact_var=False, where the mean of V scales no mask) within float32
+    rounding, in float64 to float64 rounding."""
+    from iga_ds.methods.iga import fused
+
+    mods = [make_module(i, r=4, d_in=48, d_out=40, dtype=torch.float32) for i in range(3)]
+    factors = fused.stack_factors(fused.stack_modules(mods, generators(mods), 1 << 30)[0])
+    exact = fused.mask_scales(*factors, 48 * 40)
+    narrow = fused.mask_scales(*factors, 48 * 40, exact_var=False)
+    for i, m in enumerate(mods):
+        # tau = 0, no mask: the masked matrix is the mean
+        _, mean, _, var = iga_reference(m.A, m.B, m.gA, m.gB, m.scaling, 0.0, 4, "none")
+        assert exact[0][i].item() == pytest.approx(var.mean(), rel=1e-6)  # float32 factors
+        assert narrow[0][i].item() == pytest.approx(var.mean(), rel=1e-5)
+        assert exact[1][i].item() == narrow[1][i].item() == pytest.approx((mean ** 2).mean(), rel=1e-6)
+    assert exact[0].dtype == narrow[0].dtype == torch.float64
+    # the same Grams of float32 factors, in float64 and in float32: float32 rounding apart, not more
+    assert 0 < (exact[0] - narrow[0]).abs().max() / exact[0].abs().max() < 1e-5
 
 
 def test_equally_spaced_pieces_of_one_buffer_stack_without_a_copy():
