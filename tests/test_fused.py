@@ -693,7 +693,8 @@ def test_precision_auto_follows_the_dtype_the_gradients_were_computed_in():
             assert torch.equal(u.gA, w.gA) and torch.equal(u.gB, w.gB), computed_in
     # bfloat16 factors handed over as they are: their own dtype says it
     assert get_method("iga", precision="auto").precision_for([replace(mods[0], A=mods[0].A.bfloat16())]) == "bf16"
-    assert get_method("iga").precision == "ieee"  # the default: auto is asked for
+    # the default: bf16 for gradients of a bf16 forward and backward, float32 otherwise
+    assert get_method("iga").precision == "auto"
 
 
 def test_bf16_tile_pass_stores_bfloat16():
