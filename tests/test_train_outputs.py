@@ -121,7 +121,6 @@ def test_update_norms_match_a_float64_recomputation_from_the_parameters(run, tmp
     (in float64, found by name, not through the tracker) and the saved adapter's factors."""
     import math
 
-    import torch
     from safetensors.torch import load_file
 
     from iga_ds.config.run import config_from_dict

@@ -348,11 +348,12 @@ def _small_svd(small: torch.Tensor, rank: int, eig=None):
     ``eig``: the Gram's eigendecomposition from :func:`_gram_eigh`, when already computed."""
     S64 = small.double()
     evals, evecs = eig if eig is not None else _gram_eigh([small])[0]
-    evals, evecs = evals.flip(-1)[..., :rank], evecs.flip(-1)[..., :rank]
+    evals, evecs = evals[..., -rank:].flip(-1), evecs[..., -rank:].flip(-1)  # descending
     S = evals.clamp_min(0).sqrt()
-    safe = torch.where(S > 0, S, torch.ones_like(S))
-    Vh = (evecs.mT @ S64) / safe.unsqueeze(-1)
-    Vh = torch.where((S > 0).unsqueeze(-1), Vh, torch.zeros_like(Vh))
+    # 1/S, 0 where S is: the rows of Vh for zero singular values are zero. Few operators: after
+    # the eigendecomposition the device waits for each launch
+    inverse = torch.where(S > 0, S.reciprocal(), 0.0)
+    Vh = (evecs.mT @ S64) * inverse.unsqueeze(-1)
     return evecs.to(small.dtype), S.to(small.dtype), Vh.to(small.dtype)
 
 
@@ -508,11 +509,12 @@ def _factor_gradients(st: Stack, proj: Projected, small64: torch.Tensor, eig):
     U, S, Vh = svd_from_projection(proj.Q, small64, proj.rank, eig)
     M, _, r, d_in = st.gA.shape
     d_out, k = st.B.shape[1], proj.rank
-    kept = S.double().pow(2).sum(dim=-1)
+    # the kept energy is the sum of the top k eigenvalues of small's Gram (S^2, in float64)
+    kept = eig[0][..., -k:].clamp_min(0).sum(dim=-1)
     total = proj.energy_total
-    energy_kept = torch.where(total > 0, kept / torch.where(total > 0, total, 1), 1.0)
+    energy_kept = torch.where(total > 0, kept / total, 1.0)
     # gB = U S^1/2 / sqrt(s), gA = S^1/2 Vh / sqrt(s): s * gB @ gA = U S Vh (factors_from_svd)
-    root = S.clamp_min(0).sqrt() / st.scaling.sqrt().view(-1, 1)
+    root = (S / st.scaling.view(-1, 1)).sqrt()
     gB_new = U * root.unsqueeze(-2)
     gA_new = root.unsqueeze(-1) * Vh
     if k < r:

@@ -17,8 +17,9 @@ def canonical_signs(U: torch.Tensor, Vh: torch.Tensor) -> tuple[torch.Tensor, to
     """Flip each pair (u_i, v_i) so that the largest-magnitude entry of u_i is positive;
     batched over leading dimensions (U: ... x m x k, Vh: ... x k x n)."""
     idx = U.abs().argmax(dim=-2, keepdim=True)
-    signs = torch.sign(torch.gather(U, -2, idx))  # ... x 1 x k
-    signs = torch.where(signs == 0, torch.ones_like(signs), signs)
+    # -1 where that entry is negative, else +1 (a zero column keeps its sign); two operators,
+    # not four: on the fused path they run while the device waits for the host
+    signs = torch.where(torch.gather(U, -2, idx) < 0, -1.0, 1.0).to(U.dtype)  # ... x 1 x k
     return U * signs, Vh * signs.mT
 
 
