@@ -210,8 +210,8 @@ def mask_scales(left_mean, right_mean, left_dev, right_dev, numel: int, exact_va
     Grams of the factors of :func:`stack_factors`: ``(mean of V, mean of Gbar^2)`` over the
     ``numel`` (out x in) elements. ``exact_var=False`` takes the deviations' Grams in their own
     dtype: enough where the mean of V scales no mask (normalize "snr" or "none") and only gives
-    the ``gir`` statistic, and it spares float64 copies of the N deviation factors (0.7 ms of
-    device time for 128 LLaMA-2-7B modules on an H100). The mean's Grams stay float64: "snr"
+    the ``gir`` statistic, and it spares float64 copies of the N deviation factors (about 0.7
+    ms of device time for 128 LLaMA-2-7B modules on an H100). The mean's Grams stay float64: "snr"
     takes its floor from them."""
     N = left_dev.shape[1]
     mean_var = _frobenius_sq(left_dev, right_dev, wide=exact_var).sum(dim=1) / (N * numel)
@@ -493,7 +493,7 @@ def project_stack(st: Stack, *, tau, normalize, rank, oversample, power_iters, t
     else:
         masked, sketch, stats, energy_total = tile_pass_torch(
             left_mean, right_mean, left_dev, right_dev, omega, tile_elements=tile_elements, **kwargs)
-    # the sum of V over the elements is N * numel * mean(V) / N: the Grams have it in float64
+    # gir, the sum of V over the elements, is numel times the mean of V the mask scales hold
     stats["gir"] = mean_var * (d_out * d_in)
     if psi is None:
         Q, small = project(masked, sketch, power_iters, tf32=use_triton and triton_precision == "tf32",
