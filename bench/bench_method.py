@@ -139,8 +139,9 @@ def batched_variant(modules, args, device, use_triton, precision="ieee", svd="ra
     return run
 
 
-# the bf16 settings, suffix -> (power iterations, oversampling; None: --power-iters, --oversample)
-LOW_PRECISION_SETTINGS = {"": (None, None), "_q1": (1, None), "_q1p16": (1, 16)}
+# the bf16 settings, suffix -> (power iterations, oversampling; None: --power-iters, --oversample),
+# and whether the method offers it (bf16_q1 is shown for what one power iteration alone costs)
+LOW_PRECISION_SETTINGS = {"": (None, None, True), "_q1": (1, None, False), "_q1p16": (1, 16, True)}
 
 
 def low_precision_variants(triton_ok: bool) -> dict[str, tuple[str, int | None, int | None]]:
@@ -148,12 +149,12 @@ def low_precision_variants(triton_ok: bool) -> dict[str, tuple[str, int | None, 
     command line's): bf16 with the usual settings, with one power iteration (``_q1``), and with
     one and an oversampling of 16 (``_q1p16``)."""
     base = "batched_triton" if triton_ok else "batched_torch"
-    return {f"{base}_bf16{suffix}": ("bf16", q, p) for suffix, (q, p) in LOW_PRECISION_SETTINGS.items()}
+    return {f"{base}_bf16{suffix}": ("bf16", q, p) for suffix, (q, p, _) in LOW_PRECISION_SETTINGS.items()}
 
 
 def variant_settings(name: str, args) -> tuple[int, int]:
     """(power iterations, oversampling) a variant runs (its reference must run the same)."""
-    for suffix, (q, p) in LOW_PRECISION_SETTINGS.items():
+    for suffix, (q, p, _) in LOW_PRECISION_SETTINGS.items():
         if suffix and name.endswith(suffix):
             return q, (args.oversample if p is None else p)
     return args.power_iters, args.oversample
@@ -216,10 +217,9 @@ def float64_check(modules, args, device, count: int) -> dict:
 
 # the precision rule's variants: name -> (precision, power iterations, oversampling; None: the
 # command line's), and whether the method offers it (an offered variant that breaks the rule
-# fails the run; bf16_q1 is shown for what one power iteration alone costs)
+# fails the run); the bf16 ones are the benchmark's own bf16 settings
 RULE_VARIANTS = {"float32": ("ieee", None, None, True), "tf32": ("tf32", None, None, True),
-                 "bf16": ("bf16", None, None, True), "bf16_q1": ("bf16", 1, None, False),
-                 "bf16_q1p16": ("bf16", 1, 16, True)}
+                 **{f"bf16{suffix}": ("bf16", *setting) for suffix, setting in LOW_PRECISION_SETTINGS.items()}}
 
 
 def rule_row(args, precision, q, p, modules, got, errors, carried, float32, limit) -> dict:

@@ -107,3 +107,21 @@ def test_the_run_yaml_and_the_iga_block_share_one_validator(tmp_path):
         HookConfig.from_dict({"seed": True})
     with pytest.raises(ConfigError, match=r"^iga: method 'iga' has no parameter 'tua'"):
         HookConfig.from_dict({"method": "iga", "params": {"tua": 1}})
+
+
+def test_method_parameters_shown_in_the_docs_validate():
+    """Every `params: {...}` fragment the docs show for the hook's method loads through the real
+    config validation and reaches the method as written."""
+    import re
+
+    import yaml
+
+    from iga_ds.config.hook import HookConfig
+
+    fragments = [(doc.name, m) for doc in sorted((REPO / "docs").glob("*.md"))
+                 for m in re.findall(r"`params: (\{[^`]*\})`", doc.read_text(encoding="utf-8"))]
+    assert fragments, "no params fragment found in docs/*.md"
+    for name, text in fragments:
+        params = yaml.safe_load(text)
+        method = HookConfig.from_dict({"method": "iga", "params": params}, name).build_method()
+        assert all(getattr(method, key) == value for key, value in params.items()), (name, text)

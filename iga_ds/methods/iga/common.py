@@ -36,4 +36,3 @@ def check_module(A: torch.Tensor, B: torch.Tensor, gA: torch.Tensor, gB: torch.T
     if not 1 <= k <= r:
         raise ValueError(f"{where}rank must be in [1, {r}] (the LoRA rank), got {rank}")
     return k
-

@@ -185,7 +185,7 @@ def _frobenius_sq(L: torch.Tensor, R: torch.Tensor, wide: bool = True) -> torch.
     float64."""
     if wide:
         L, R = L.double(), R.double()
-    with _exact_matmuls():
+    with _tf32_matmuls(False):
         return ((L.mT @ L) * (R @ R.mT)).sum(dim=(-2, -1), dtype=torch.float64)
 
 
@@ -358,20 +358,11 @@ def _small_svd(small: torch.Tensor, rank: int, eig=None):
 
 
 @contextlib.contextmanager
-def _exact_matmuls():
-    """float32 matrix products in true float32 even where the process allows TF32."""
+def _tf32_matmuls(allowed: bool | None):
+    """float32 matrix products on TF32 tensor cores inside the block (``allowed``), in true
+    float32 (False), or as the process has it (None)."""
     previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
-
-
-@contextlib.contextmanager
-def _tf32_matmuls(enabled: bool):
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = enabled or previous
+    torch.backends.cuda.matmul.allow_tf32 = previous if allowed is None else allowed
     try:
         yield
     finally:
@@ -404,7 +395,7 @@ def project(masked, sketch, power_iters: int, tf32: bool = False, use_triton: bo
     # each basis comes out in the dtype of the product it feeds (no extra copy); the
     # products' results go to orthonormalize as they are (it reads them in float64)
     Q = orthonormalize(sketch, final=power_iters == 0, out_dtype=store if power_iters else work)
-    with _tf32_matmuls(tf32):
+    with _tf32_matmuls(True if tf32 else None):
         for i in range(power_iters):
             last = i == power_iters - 1
             Z = orthonormalize(_times(masked, Q, True, skinny, tf32), final=False, out_dtype=store)
