@@ -30,8 +30,10 @@ wave's collectives overlap another's method; the default is the hook's own), e.g
 ``--gpus 2 --methods erm,iga_fused-w1,iga_fused-w2,iga_fused-w4``.
 Measured per method: median optimizer-step time over ``--steps`` steps after ``--warmup``
 (``torch.cuda.synchronize`` around each), tokens per second (all ranks), peak memory
-(``torch.cuda.max_memory_allocated``, max over ranks), and from the engine hook the time of
-the method and of its collectives. The hook's capture overhead is derived: IGA step minus
+(``torch.cuda.max_memory_allocated``, max over ranks), each step's forward-and-backward and
+boundary phases (split by a CUDA event where ``engine.step()`` begins: the benchmark adds no
+wait of its own there), and from the engine hook the time of the method and of its
+collectives (its own events). The hook's capture overhead is derived: IGA step minus
 ERM step minus method minus communication.
 
 Profiling: ``--profile DIR`` runs 2 more optimizer steps per method after the timed ones under
@@ -63,6 +65,7 @@ import torch
 
 from common import environment, environment_line, lora_llama, model_config, synchronize
 from iga_ds.engine import HookConfig, attach
+from iga_ds.engine.hook import PhaseClock
 from iga_ds.engine.internals import disable_cpu_shm_comm_op
 from iga_ds.files import atomic_write_json
 from iga_ds.train.batching import sequence_losses
@@ -132,13 +135,14 @@ def method_variant(name: str) -> tuple[str, int | None]:
     return base, int(waves)
 
 
-def optimizer_step(engine, hook, args, vocab: int, device, step: int, mark, boundary_clock: list | None = None) -> None:
+def optimizer_step(engine, hook, args, vocab: int, device, step: int, mark, clock: PhaseClock | None = None) -> None:
     """One optimizer step of the benchmark: every micro-batch's forward, loss and backward
     inside the hook's micro-batch, then ``engine.step()`` (at the accumulation boundary: the
     hook's method, then AdamW).
 
     ``mark``: ``torch.profiler.record_function`` when profiled, a no-op context in the timed
-    steps; ``boundary_clock``: gets the host time, device caught up, at which the boundary begins.
+    steps; ``clock``: gets the mark ``boundary`` where the boundary begins, on the device's own
+    clock (a CUDA event: no wait of the benchmark's own there).
     """
     for ids, attn, domains in micro_batches(args, vocab, device, step):
         with hook.micro_batch(domains):
@@ -148,9 +152,8 @@ def optimizer_step(engine, hook, args, vocab: int, device, step: int, mark, boun
                 loss = hook.objective(sequence_losses(logits, ids), domains)
             with mark("backward"):
                 engine.backward(loss)
-        if boundary_clock is not None and engine.is_gradient_accumulation_boundary():
-            synchronize(device)
-            boundary_clock.append(time.perf_counter())
+        if clock is not None and engine.is_gradient_accumulation_boundary():
+            clock.mark("boundary")
         with mark("optimizer_step"):
             engine.step()
 
@@ -179,9 +182,10 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
                                     **({"overlap_waves": waves} if waves else {})))
     one_step = functools.partial(optimizer_step, engine, hook, args, config["vocab_size"], device)
 
-    # each timed step in two phases, split by a synchronization before engine.step() (the same
-    # for every method): the micro-batches' forward and backward (IGA's capture runs there),
-    # then the boundary (IGA's collectives and method, DeepSpeed's reduction and AdamW)
+    # each timed step in two phases, split where engine.step() begins on the device (an event,
+    # the same for every method: no wait of the benchmark's own): the micro-batches' forward and
+    # backward (IGA's capture runs there), then the boundary (IGA's collectives and method,
+    # DeepSpeed's reduction and AdamW)
     times, fwd_bwd, boundary, hook_stats = [], [], [], []
     from tqdm import tqdm
 
@@ -190,14 +194,16 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
             torch.cuda.reset_peak_memory_stats(device)
         synchronize(device)
         t0 = time.perf_counter()
-        clock: list[float] = []
+        clock = PhaseClock(device)
+        clock.mark("start")
         one_step(step, contextlib.nullcontext, clock)
+        clock.mark("end")
         synchronize(device)
         t1 = time.perf_counter()
         if step >= args.warmup:
             times.append(t1 - t0)
-            fwd_bwd.append(clock[0] - t0)
-            boundary.append(t1 - clock[0])
+            fwd_bwd.append(clock.seconds("start", "boundary"))
+            boundary.append(clock.seconds("boundary", "end"))
             stats = hook.pop_stats()
             hook_stats.append({k: stats.get(k, 0.0) for k in ("time/comm_s", "time/method_s", "time/boundary_s")})
     steady_peak = torch.cuda.max_memory_allocated(device) if cuda else 0

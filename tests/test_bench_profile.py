@@ -122,8 +122,8 @@ def test_bench_step_profile_writes_tables_and_summaries_on_cpu(tmp_path):
         assert (summary["method"], summary["rank"], summary["steps"], summary["cuda"]) == (method, 0, 2, False)
         assert summary["wall_ms"] > 0 and summary["self_cpu_ms"] > 0 and summary["self_cuda_ms"] == 0
         # 2 steps x 4 micro-batches, each inside every range; the hook's parts of the boundary
-        # once per step (its non-finite check twice: the loss's, then every rank's verdict)
-        boundary = {"boundary/nonfinite_check": 4, "boundary/deepspeed_step": 2}
+        # once per step (its non-finite check once: every flag folded into one verdict)
+        boundary = {"boundary/nonfinite_check": 2, "boundary/deepspeed_step": 2}
         if method == "iga_fused":
             boundary.update({f"boundary/{part}": 2 for part in
                              ("combine", "method", "results", "statistics", "write_grads", "reset")})
@@ -162,10 +162,11 @@ def test_world_size_one_results_match_the_packed_path(implementation):
         # a statistic a method lacks and one it reports as NaN: both dropped
         del results[0].stats["gir"]
         results[1].stats["mask_min"] = math.nan
-        direct = hook._results_direct(hook.owned, results)
+        direct = hook._results_direct(hook.owned, results), hook._results_stats(hook.owned, results)
         # at world size 1 the packed chunk is the whole gathered buffer
         (wave,) = hook.layout.waves
-        packed = hook._unpack(hook._pack(wave, hook.owned, results))
+        gathered = hook._pack(wave, hook.owned, results)
+        packed = hook._unpack(gathered), hook._unpack_stats(gathered)
         for (gA, gB), (pA, pB), u, m in zip(direct[0], packed[0], results, hook.modules):
             assert gA.shape == (m.rank, m.in_features) and gB.shape == (m.out_features, m.rank)
             assert gA.dtype == pA.dtype == torch.float32 and gB.dtype == pB.dtype
@@ -176,6 +177,34 @@ def test_world_size_one_results_match_the_packed_path(implementation):
         names = [m.name for m in hook.modules]
         assert "gir" not in direct[1][names[0]] and "mask_min" not in direct[1][names[1]]
         assert set(direct[1][names[2]]) == {"mask_mean", "mask_frac_below_half", "mask_min", "gir", "energy_kept"}
+    finally:
+        hook.detach()
+
+
+def test_a_method_failing_on_non_finite_sums_skips_the_step_and_on_finite_ones_raises():
+    """The boundary reads no flag before the method: a method that raises (an SVD that does not
+    converge) is forgiven only where the sums it was given were not finite."""
+    from iga_ds.engine.hook import PhaseClock, _Combined
+
+    hook = _hook_at_world_size_one("reference")
+    try:
+        def fails(modules, step):
+            raise RuntimeError("the SVD did not converge")
+
+        def run():
+            out = _Combined(PhaseClock(torch.device("cpu")), hook.capture.counts)
+            return hook._run_method(hook.flat_in, hook.owned, 0, hook.capture.counts, 0, out), out
+
+        results, out = run()  # finite sums, the real method: flags for the sums and the results
+        assert len(results) == len(hook.modules) and not out.failed
+        assert [bool(f) for f in out.finite] == [True, True] and not hook._any_rank_bad(out.finite, out.failed)
+        hook.method.combine = fails
+        with pytest.raises(RuntimeError, match="did not converge"):
+            run()
+        hook.flat_in[7] = math.nan
+        results, out = run()
+        assert results == [] and out.failed and [bool(f) for f in out.finite] == [False]
+        assert hook._any_rank_bad(out.finite, out.failed)
     finally:
         hook.detach()
 
@@ -217,17 +246,34 @@ def test_module_grads_carry_the_dtype_of_the_training(dtype):
         hook.detach()
 
 
+def _finite_one_by_one(tensors) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
 def test_batched_finiteness_and_float32_copies_match_the_per_tensor_versions():
-    from iga_ds.engine.hook import Float32Copies, _all_finite
+    from iga_ds.engine.hook import Float32Copies, _finite_flag
+
+    def finite(ts):
+        flag = _finite_flag(ts, "cpu")
+        assert flag.dtype == torch.bool and flag.shape == ()
+        return bool(flag)
 
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g), torch.randn(2, 2, 2, generator=g)]
-    assert _all_finite(tensors) and _all_finite([])
+    assert finite(tensors) and finite([])
     for bad in (math.nan, math.inf, -math.inf):
         for i in range(len(tensors)):
             t = [x.clone() for x in tensors]
             t[i].view(-1)[1] = bad
-            assert not _all_finite(t)
+            assert not finite(t) and not _finite_one_by_one(t)
+    # views of stacks, as a batched method returns them: checked through the stack where they
+    # cover it, one by one where they do not (a value outside them must not count)
+    for cover in (4, 2):
+        for where in range(4):
+            stack = torch.randn(4, 3, 5, generator=g)
+            stack[where, 1, 2] = math.nan
+            views = [*stack.unbind(0)[:cover], torch.randn(3, generator=g)]
+            assert finite(views) == _finite_one_by_one(views) == (where >= cover)
     same = Float32Copies(tensors).refresh()  # float32 already: the tensors themselves
     assert all(c.data_ptr() == x.data_ptr() for c, x in zip(same, tensors))
     low = [x.to(torch.bfloat16).requires_grad_() for x in tensors]
@@ -239,3 +285,57 @@ def test_batched_finiteness_and_float32_copies_match_the_per_tensor_versions():
         low[0].add_(1.0)
     again = copies.refresh()
     assert torch.equal(again[0], low[0].detach().float()) and again[0].data_ptr() == first[0].data_ptr()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_statistics_and_phase_clock_on_cuda():
+    """The statistics' copy is queued, not waited for: what is read is the table as it was when
+    the copy was queued, even if the device overwrites it afterwards; the clock's marks time
+    what the device ran between them."""
+    from iga_ds.engine.hook import PhaseClock
+    from iga_ds.methods.base import StatsTable
+
+    clock = PhaseClock(torch.device("cuda"))
+    clock.mark("start")
+    torch.cuda._sleep(50_000_000)  # tens of milliseconds of device time on any recent card
+    table = torch.arange(6, dtype=torch.float64, device="cuda").view(2, 3)
+    stats = StatsTable(["a", "b"], table)
+    table.fill_(-1.0)  # queued after the copy
+    clock.mark("end")
+    columns = [stats.column(j) for j in range(3)]
+    assert [dict(c) for c in columns] == [{"a": 0.0, "b": 3.0}, {"a": 1.0, "b": 4.0}, {"a": 2.0, "b": 5.0}]
+    seconds = clock.seconds("start", "end")
+    assert 0.001 < seconds < 10 and clock.seconds("end", "end") == 0.0
+
+
+def test_copy_all_matches_a_copy_per_tensor(monkeypatch):
+    """The writer's strided copies against one copy_ per pair: fragments of one flat partition
+    (A then B per module, of unequal sizes), results as views of two stacks, and lists that no
+    view covers."""
+    from iga_ds.engine.internals import copy_all
+
+    g = torch.Generator().manual_seed(3)
+    M, r, d_in, d_out = 5, 2, 7, 3
+    gA, gB = torch.randn(M, r, d_in, generator=g), torch.randn(M, d_out, r, generator=g)
+    values = [t for pair in zip(gA.unbind(0), gB.unbind(0)) for t in pair]
+    sizes = [t.numel() for t in values]
+    loose = [torch.randn(2, 3, generator=g) for _ in range(4)]
+    cases = [
+        (lambda: list(torch.zeros(sum(sizes)).split(sizes)), values, True),  # two strided copies
+        (lambda: list(torch.zeros(M, r * d_in).unbind(0)), list(gA.unbind(0)), True),  # one
+        (lambda: [torch.zeros(6, dtype=torch.float64) for _ in loose], loose, False),  # one by one, cast
+        (lambda: list(torch.zeros(4, 6).unbind(0))[::-1], loose, False),  # out of order: one by one
+    ]
+    per_tensor = torch._foreach_copy_
+    for make_targets, vals, strided in cases:
+        got, want = make_targets(), make_targets()
+        with monkeypatch.context() as patch:
+            if strided:  # the strided path must be the one taken
+                patch.setattr(torch, "_foreach_copy_", None)
+            copy_all(got, vals)
+        assert torch._foreach_copy_ is per_tensor
+        for w, v in zip(want, vals):
+            w.copy_(v.reshape(w.shape))
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert all(a.abs().sum() > 0 for a in got)

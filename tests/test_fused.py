@@ -647,10 +647,11 @@ def test_bench_step_smoke_runs_on_cpu(tmp_path):
     assert iga["method_ms"] > 0 and erm["method_ms"] == 0
     assert iga["ratio_step"] == pytest.approx(iga["step_ms"] / erm["step_ms"])
     assert report["env"]["world_size"] == 1 and "step x" in proc.stdout
-    # each step split at the synchronization before the boundary: the phases add up to the step
+    # each step split where the boundary begins: the phases, marked just inside the step's
+    # own clock readings, cover it (on the CPU, up to the few microseconds between them)
     for row in (erm, iga):
         for total, a, b in zip(row["step_ms_all"], row["fwd_bwd_ms_all"], row["boundary_ms_all"]):
-            assert a > 0 and b > 0 and a + b == pytest.approx(total, rel=1e-9)
+            assert a > 0 and b > 0 and a + b <= total and a + b == pytest.approx(total, rel=0.01)
     assert iga["capture_ms"] == pytest.approx(iga["fwd_bwd_ms"] - erm["fwd_bwd_ms"])
     assert "capture ms" in proc.stdout and "boundary ms" in proc.stdout
     # two rounds, the second in reverse order: 2 timed steps each, pooled

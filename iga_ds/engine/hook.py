@@ -21,6 +21,7 @@ import contextlib
 import logging
 import math
 import time
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -43,7 +44,7 @@ from iga_ds.engine.layout import Wave, build_layout, run_waves
 from iga_ds.errors import ConfigError
 from iga_ds.lora.capture import DomainGradientCapture
 from iga_ds.lora.modules import LoraModule, find_lora_modules
-from iga_ds.methods.base import ModuleGrads
+from iga_ds.methods.base import ModuleGrads, host_to_device
 from iga_ds.metrics.mask import aggregate_module_stats
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,8 @@ class EngineHook:
         # every micro-batch would be wasted
         owns = lora_gradients_can_be_left_out(self.engine)
         self.capture = DomainGradientCapture(self.modules, buffers, N, owns_gradients=owns,
-                                             before_backward=lambda: prepare_backward(self.engine.optimizer))
+                                             before_backward=lambda: prepare_backward(self.engine.optimizer),
+                                             storage=self.flat_in)
         # ZeRO-2 would allocate a zero gradient for each left-out factor after every backward
         self.reused_zeros = owns and reuse_zero_gradients(self.engine.optimizer, self._weights.tensors)
         # where each module's statistics sit in the gathered output: read back only those
@@ -155,20 +157,21 @@ class EngineHook:
 
     # -- at the accumulation boundary ------------------------------------------------------
     def _boundary_step(self, *args, **kwargs):
+        """The optimizer's step, wrapped: the method's gradient in, then the original step.
+
+        The host waits for the device once here (the non-finite verdict, every flag folded
+        into one); anything the host only reports (statistics, phase times) is read after the
+        original step has been queued, while the device works on it."""
         step = int(self.engine.global_steps)
-        stats: dict = {"step": step}
-        t0 = time.perf_counter()
-        updates = None
-        with record_function("boundary/nonfinite_check"):
-            bad = self._loss_finite is not None and not bool(self._loss_finite)
+        started = time.perf_counter()
+        combined = None
+        flags = [] if self._loss_finite is None else [self._loss_finite]
         if self.capture is not None:
             with record_function("boundary/combine"):
-                updates, bad_local, stats_comm = self._combine(step)
-            bad = bad or bad_local
-            stats.update(stats_comm)
+                combined = self._combine(step)
+            flags += combined.finite
         with record_function("boundary/nonfinite_check"):
-            flag = torch.tensor([1.0 if bad else 0.0], device=self.device)
-            bad = bool(self.comm.all_reduce_max(flag).item() > 0)
+            bad = self._any_rank_bad(flags, combined is not None and combined.failed)
         self._loss_finite = None
         self.skipped_last_step = bad
         if bad and not self.config.skip_nonfinite:
@@ -180,96 +183,110 @@ class EngineHook:
             skip_optimizer_step(self.engine.optimizer)
             result = None
         else:
-            if updates is not None:
+            if combined is not None and combined.updates is not None:
                 with record_function("boundary/write_grads"):
-                    self._writer.write([g for pair in updates for g in pair])
+                    self._writer.write([g for pair in combined.updates for g in pair])
             with record_function("boundary/deepspeed_step"):
                 result = self._original_step(*args, **kwargs)
-        if self.capture is not None:
+        stats: dict = {"step": step}
+        if combined is not None:
+            with record_function("boundary/statistics"):
+                stats.update(self._report(combined))
             with record_function("boundary/reset"):
                 self.capture.reset()
         stats["skipped"] = bad
         # forward and backward of the step's micro-batches, capture included: the capture runs
         # inside autograd and has no clock of its own (bench_step.py derives its cost)
         stats["time/micro_batches_s"] = self._micro_batch_seconds
-        stats["time/boundary_s"] = time.perf_counter() - t0
+        stats["time/boundary_s"] = time.perf_counter() - started
         self._micro_batch_seconds = 0.0
         self._stats = stats
         return result
 
-    def _combine(self, step: int):
-        """Reduce to owners, run the method, gather: returns per-module (gA, gB), a non-finite flag, stats."""
-        t0 = self._now()
-        counts = self.comm.all_reduce_sum(self.capture.counts.to(self.device)).cpu()
+    def _any_rank_bad(self, flags: list[torch.Tensor], failed: bool) -> bool:
+        """Whether any rank saw a non-finite loss, sum or result: the device flags folded into
+        one and read once (with every rank's verdict where there are several)."""
+        ok = torch.stack([f.reshape(()) for f in flags]).all() if flags else None
+        if self.comm.world_size == 1:
+            return failed or (ok is not None and not bool(ok))
+        flag = torch.zeros(1, dtype=torch.float32, device=self.device) if ok is None else (~ok).float().reshape(1)
+        if failed:
+            flag.fill_(1.0)
+        return bool(self.comm.all_reduce_max(flag).item() > 0)
+
+    def _global_counts(self) -> torch.Tensor:
+        """Sequences per domain in the whole batch, on the host (summed over ranks where
+        there are several: one rank has them on the host already)."""
+        counts = self.capture.counts
+        if self.comm.world_size > 1:
+            counts = self.comm.all_reduce_sum(host_to_device(counts, self.device)).cpu()
+        return counts.clone()
+
+    def _combine(self, step: int) -> "_Combined":
+        """Reduce to owners, run the method, gather: every module's (gA, gB) for the write, and
+        what the boundary reports once the step is queued."""
+        clock = PhaseClock(self.device)
+        clock.mark("start")
+        counts = self._global_counts()
         if bool((counts == 0).any()):
             missing = [d for d, c in zip(self.config.domains, counts.tolist()) if c == 0]
             raise RuntimeError(f"step {step}: no sequence of domain(s) {missing} in the global batch; "
                                "each optimizer step needs every domain (whole isomer groups)")
-        method_stats = {}
+        out = _Combined(clock, counts)
         if self.method.scope == "global":  # every rank needs every module: all-reduce, compute redundantly
             summed = self.comm.all_reduce_sum(self.flat_in)
-            t1 = self._now()
-            results, bad = self._run_method(summed, self.modules, 0, counts, step)
-            t2 = t3 = self._now()
-            updates = [(u.gA, u.gB) for u in results] or None
-            per_module = {m.name: u.stats for m, u in zip(self.modules, results)}
-            method_stats = {f"method/{k}": v for k, v in (results[0].stats if results else {}).items()}
+            clock.mark("received")
+            out.results = self._run_method(summed, self.modules, 0, counts, step, out)
+            clock.mark("computed")
+            out.updates = [(u.gA, u.gB) for u in out.results] or None
         elif self.comm.world_size == 1:  # this rank owns every module: no collective, no packing
-            t1 = t0
-            results, bad = self._run_method(self.flat_in, self.modules, 0, counts, step)
-            t2 = t3 = self._now()
+            out.results = self._run_method(self.flat_in, self.modules, 0, counts, step, out)
+            clock.mark("computed")
             with record_function("boundary/results"):
-                updates, per_module = self._results_direct(self.modules, results)
+                out.updates = self._results_direct(self.modules, out.results)
         else:
-            updates, per_module, bad, (t1, t2) = self._combine_in_waves(step, counts)
-            t3 = self._now()
-        bad = bad or (updates is not None and not _all_finite([t for pair in updates for t in pair]))
-        stats = {
-            # communication not hidden behind the method: until the first wave's sums have
-            # arrived, and after the last wave's method has finished
-            "time/comm_s": (t1 - t0) + (t3 - t2),
-            "time/method_s": t2 - t1,
-            "domain_counts": counts.tolist(),
-            "modules": per_module,
-            **method_stats,
-        }
-        with record_function("boundary/statistics"):
-            stats.update(self._summarize(per_module))
-        return updates, bad, stats
+            out.gathered = self._combine_in_waves(step, counts, out)
+            out.updates = self._unpack(out.gathered)
+            clock.mark("gathered")
+        return out
 
-    def _run_method(self, summed: torch.Tensor, mine: list[LoraModule], base: int, counts: torch.Tensor, step: int):
-        """The method on the modules in ``mine``, whose sums start at ``base`` in ``summed``:
-        (results, non-finite flag); no results when the sums are not finite."""
+    def _run_method(self, summed: torch.Tensor, mine: list[LoraModule], base: int, counts: torch.Tensor,
+                    step: int, out: "_Combined") -> list:
+        """The method's results on the modules in ``mine``, whose sums start at ``base`` in
+        ``summed``; their finiteness and that of the results go into ``out`` as device flags."""
         if not mine:
-            return [], False
-        # the summed buffer holds exactly these modules: one check for all
-        if not bool(torch.isfinite(summed).all()):
-            return [], True
-        with record_function("boundary/method"):
-            return self.method.combine(self._module_grads(summed, mine, base, counts), step), False
+            return []
+        # the summed buffer holds exactly these modules: one check for all, read with the rest
+        out.finite.append(torch.isfinite(summed).all())
+        try:
+            with record_function("boundary/method"):
+                results = self.method.combine(self._module_grads(summed, mine, base, counts), step)
+        except Exception:
+            # a method may fail on what non-finite sums make of its inputs (an SVD that does
+            # not converge): then the step is skipped like any other non-finite one
+            if bool(out.finite[-1]):
+                raise
+            out.failed = True
+            return []
+        out.finite.append(_finite_flag([t for u in results for t in (u.gA, u.gB)], self.device))
+        return results
 
-    def _combine_in_waves(self, step: int, counts: torch.Tensor):
-        """Owners combine their modules wave by wave (:func:`run_waves`).
-
-        Returns every module's (gA, gB) and statistics, a non-finite flag, and the host times
-        at which the first wave's sums had arrived and the last wave's method had finished.
-        """
+    def _combine_in_waves(self, step: int, counts: torch.Tensor, out: "_Combined") -> torch.Tensor:
+        """Owners combine their modules wave by wave (:func:`run_waves`); returns the gathered
+        output (every module's new gradients and statistics), marking on ``out``'s clock when
+        the first wave's sums had arrived and the last wave's method had been run."""
         lay, W, rank = self.layout, self.comm.world_size, self.comm.rank
         gathered = torch.empty(lay.out_size, dtype=torch.float32, device=self.device)
-        marks: dict[str, float] = {}
-        bad = False
 
         def exchange(k: int):
             wave = lay.waves[k]
             return self.comm.start_reduce_scatter_sum(self.flat_in[wave.in_start: wave.in_start + W * wave.in_chunk])
 
         def compute(k: int, summed: torch.Tensor) -> torch.Tensor:
-            nonlocal bad
-            if k == 0:  # wave 1's sums are in flight: wait for wave 0's alone
-                marks["received"] = self._now(this_stream_only=True)
+            if k == 0:  # wave 1's sums are in flight: the current stream waits for wave 0's alone
+                out.clock.mark("received")
             wave, mine = lay.waves[k], self._owned_by_wave[k]
-            results, wave_bad = self._run_method(summed, mine, wave.in_start + rank * wave.in_chunk, counts, step)
-            bad = bad or wave_bad
+            results = self._run_method(summed, mine, wave.in_start + rank * wave.in_chunk, counts, step, out)
             return self._pack(wave, mine, results)
 
         def gather(k: int, packed: torch.Tensor):
@@ -277,11 +294,10 @@ class EngineHook:
             return self.comm.start_all_gather(packed, gathered[wave.out_start: wave.out_start + W * wave.out_chunk])
 
         in_flight = run_waves(len(lay.waves), exchange, compute, gather)
-        computed = self._now(this_stream_only=True)
+        out.clock.mark("computed")
         for pending in in_flight:
             pending.wait()
-        updates, per_module = self._unpack(gathered)
-        return updates, per_module, bad, (marks["received"], computed)
+        return gathered
 
     def _module_grads(self, summed: torch.Tensor, mine: list[LoraModule], base: int, counts: torch.Tensor):
         """Per-domain means (sums / global sequence counts) of the modules in ``mine``, as views.
@@ -294,7 +310,7 @@ class EngineHook:
         if equal:
             summed.mul_(1.0 / float(counts[0]))
         else:
-            scale = (1.0 / counts).to(torch.float32).to(self.device).view(-1, 1, 1)
+            scale = host_to_device((1.0 / counts).to(torch.float32), self.device).view(-1, 1, 1)
         weights = self._weights.refresh()
         # the capture's own buffers are views of flat_in already (a module's index is its place
         # in self.modules): no slicing per module, while the device waits for the host
@@ -315,18 +331,18 @@ class EngineHook:
                                      m.scaling, self._weights.tensors[2 * m.index].dtype))
         return grads
 
-    def _results_direct(self, mine: list[LoraModule], results):
+    def _results_direct(self, mine: list[LoraModule], results) -> list | None:
         """World size 1: this rank owns every module, so packing would be pure copying."""
         if not results:
-            return None, {}
-        # the packed path carries statistics as float32; round the same way on the host (they are
-        # host floats already: no device copy), so both paths report the same numbers
-        table = self._stat_table(results).tolist()
-        updates, per_module = [], {}
-        for m, u, vals in zip(mine, results, table):
-            updates.append((_as_shape(u.gA, (m.rank, m.in_features)), _as_shape(u.gB, (m.out_features, m.rank))))
-            per_module[m.name] = self._stat_dict(vals)
-        return updates, per_module
+            return None
+        return [(_as_shape(u.gA, (m.rank, m.in_features)), _as_shape(u.gB, (m.out_features, m.rank)))
+                for m, u in zip(mine, results)]
+
+    def _results_stats(self, mine: list[LoraModule], results) -> dict[str, dict[str, float]]:
+        """Each module's statistics from the results themselves (world size 1), rounded to
+        float32 as the packed path carries them, so that both report the same numbers."""
+        table = self._stat_table(results).tolist() if results else []
+        return {m.name: self._stat_dict(vals) for m, vals in zip(mine, table)}
 
     def _pack(self, wave: Wave, mine: list[LoraModule], results) -> torch.Tensor:
         """This rank's chunk of a wave's output: its modules' new gradients and statistics
@@ -337,7 +353,7 @@ class EngineHook:
             return out
         base = wave.out_start + self.comm.rank * wave.out_chunk
         # statistics are host floats: one host-to-device copy for all of them
-        table = self._stat_table(results).to(self.device)
+        table = host_to_device(self._stat_table(results), self.device)
         for j, (m, u) in enumerate(zip(mine, results)):
             off = lay.out_offsets[m.index] - base
             nA, nB = m.rank * m.in_features, m.out_features * m.rank
@@ -346,29 +362,46 @@ class EngineHook:
             out[off + nA + nB: off + nA + nB + S] = table[j]
         return out
 
-    def _unpack(self, gathered: torch.Tensor):
-        """Every module's new (gA, gB), as views of the gathered output, and its statistics."""
-        lay, S = self.layout, len(self.stat_keys)
-        # one small device-to-host copy: the statistics, not the gradients
-        host = gathered[self._stat_index].view(len(self.modules), S).tolist()
-        updates, per_module = [], {}
-        for m, vals in zip(self.modules, host):
+    def _unpack(self, gathered: torch.Tensor) -> list:
+        """Every module's new (gA, gB), as views of the gathered output."""
+        lay, updates = self.layout, []
+        for m in self.modules:
             off = lay.out_offsets[m.index]
             nA, nB = m.rank * m.in_features, m.out_features * m.rank
             updates.append((gathered[off: off + nA].view(m.rank, m.in_features),
                             gathered[off + nA: off + nA + nB].view(m.out_features, m.rank)))
-            per_module[m.name] = self._stat_dict(vals)
-        return updates, per_module
+        return updates
 
-    def _now(self, this_stream_only: bool = False) -> float:
-        """Host time after the device has caught up, so that phases are timed, not launched;
-        ``this_stream_only``: after the current stream has, with collectives left in flight."""
-        if self.device.type == "cuda":
-            if this_stream_only:
-                torch.cuda.current_stream(self.device).synchronize()
-            else:
-                torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+    def _unpack_stats(self, gathered: torch.Tensor) -> dict[str, dict[str, float]]:
+        """Every module's statistics from the gathered output: one small device-to-host copy."""
+        host = gathered[self._stat_index].view(len(self.modules), len(self.stat_keys)).tolist()
+        return {m.name: self._stat_dict(vals) for m, vals in zip(self.modules, host)}
+
+    def _report(self, out: _Combined) -> dict:
+        """Statistics and phase times of the combination, read once the step is queued. The
+        phases are timed on the device's own clock where there is one (CUDA events: no wait
+        while the step is prepared): the communication not hidden behind the method, until the
+        first wave's sums had arrived and after the last wave's method had been run, and the
+        method's time."""
+        if out.gathered is not None:
+            per_module = self._unpack_stats(out.gathered)
+        elif self.method.scope == "global":
+            per_module = {m.name: dict(u.stats) for m, u in zip(self.modules, out.results)}
+        else:
+            per_module = self._results_stats(self.modules, out.results)
+        clock = out.clock
+        received = "received" if "received" in clock.marks else "start"
+        ended = "gathered" if "gathered" in clock.marks else "computed"
+        stats = {
+            "time/comm_s": clock.seconds("start", received) + clock.seconds("computed", ended),
+            "time/method_s": clock.seconds(received, "computed"),
+            "domain_counts": out.counts.tolist(),
+            "modules": per_module,
+        }
+        if self.method.scope == "global" and out.results:
+            stats.update({f"method/{k}": v for k, v in out.results[0].stats.items()})
+        stats.update(self._summarize(per_module))
+        return stats
 
     def _stat_table(self, results) -> torch.Tensor:
         """The results' declared statistics as one float32 host table (rows: modules; NaN where
@@ -406,13 +439,67 @@ class EngineHook:
         self.comm.destroy()
 
 
-def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    """One device-to-host sync and a few multi-tensor kernels for the whole list: the total
-    2-norm is finite exactly when every element is (short of float32 overflow of the sum of
-    squares, at gradients above about 1e19)."""
-    if not tensors:
-        return True
-    return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all())
+@dataclass
+class _Combined:
+    """What :meth:`EngineHook._combine` leaves for the rest of the boundary: the updates to
+    write, the non-finite flags (device tensors, read once with the loss's), and what
+    :meth:`EngineHook._report` reads once the optimizer step is queued."""
+
+    clock: "PhaseClock"
+    counts: torch.Tensor
+    results: list = field(default_factory=list)  # this rank's; the statistics at world size 1
+    updates: list | None = None
+    gathered: torch.Tensor | None = None  # several ranks: the statistics travel in it
+    finite: list[torch.Tensor] = field(default_factory=list)
+    failed: bool = False  # the method raised on sums that were not finite
+
+
+class PhaseClock:
+    """Marks in the boundary, timed as the device reaches them: CUDA events on the current
+    stream (recording one does not wait for the device), host time on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: dict[str, object] = {}
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks[name] = event
+        else:
+            self.marks[name] = time.perf_counter()
+
+    def seconds(self, first: str, last: str) -> float:
+        """Seconds from mark ``first`` to mark ``last`` (waiting for the device to reach it)."""
+        if first == last:
+            return 0.0
+        a, b = self.marks[first], self.marks[last]
+        if self.cuda:
+            b.synchronize()
+            return a.elapsed_time(b) / 1e3
+        return b - a
+
+
+def _finite_flag(tensors: list[torch.Tensor], device) -> torch.Tensor:
+    """A device flag, true when every element of every tensor is finite, without waiting for
+    the device. Tensors that are views tiling one base (a batched method's per-module results
+    are views of a few stacks) are checked through their base: a few kernels, not one per
+    tensor."""
+    groups: dict[int, list] = {}
+    for t in tensors:
+        base = t if t._base is None else t._base
+        entry = groups.setdefault(id(base), [base, 0, []])
+        entry[1] += t.numel()
+        entry[2].append(t)
+    checks = []
+    for base, covered, views in groups.values():
+        checks += [base] if covered == base.numel() else views
+    if not checks:
+        return torch.ones((), dtype=torch.bool, device=device)
+    # the total 2-norm is finite exactly when every element is (short of float32 overflow of
+    # the sum of squares, at values above about 1e19)
+    return torch.isfinite(torch.stack(torch._foreach_norm(checks))).all()
 
 
 def _as_shape(t: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:

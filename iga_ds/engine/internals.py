@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from iga_ds.errors import ConfigError
+from iga_ds.methods.base import stacked_view
 
 MIN_DEEPSPEED = (0, 15, 3)  # safe_set_full_grad for ZeRO-1/2
 
@@ -88,12 +89,9 @@ class FullGradWriter:
         fragments, pieces = [], []
         for (how, param, mapping, index, start, numel), value in zip(self._plan, values, strict=True):
             if how == "fragment":
-                fragment = mapping.get_lp_grad_fragment(index)
-                piece = value.reshape(-1)
-                if numel != piece.numel():  # a parameter cut by the partition boundary
-                    piece = piece.narrow(0, start, numel)
-                fragments.append(fragment)
-                pieces.append(piece if fragment.dim() == 1 else piece.view_as(fragment))
+                fragments.append(mapping.get_lp_grad_fragment(index))
+                # a parameter cut by the partition boundary: its part in this rank's partition
+                pieces.append(value if numel == value.numel() else value.reshape(-1).narrow(0, start, numel))
             elif how == "offload":
                 param.set_full_hp_grad(value)
             elif how == "grad":
@@ -102,7 +100,25 @@ class FullGradWriter:
                 else:
                     param.grad.copy_(value)
         if fragments:
-            torch._foreach_copy_(fragments, pieces)
+            copy_all(fragments, pieces)
+
+
+def copy_all(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """``targets[i].copy_(values[i])`` for every i (equal element counts, shapes may differ).
+
+    A batched method's results are views of a few stacks, and ZeRO's fragments of the LoRA
+    factors lie one after another in a partition: where both lists, whole or taken every other
+    one (each module's A, then its B), are equally spaced views of one storage each
+    (:func:`iga_ds.methods.base.stacked_view`), a strided copy per list does it all, without
+    an operator per tensor while the device waits for the host; otherwise one multi-tensor
+    copy."""
+    for parts in ((slice(None),), (slice(0, None, 2), slice(1, None, 2))):
+        pairs = [(stacked_view(targets[part]), stacked_view(values[part])) for part in parts]
+        if all(t is not None and v is not None and t.numel() == v.numel() for t, v in pairs):
+            for target, value in pairs:
+                target.copy_(value.reshape(target.shape))
+            return
+    torch._foreach_copy_(targets, [v.reshape(t.shape) for t, v in zip(targets, values)])
 
 
 def lora_gradients_can_be_left_out(engine) -> bool:

@@ -133,12 +133,16 @@ class DomainGradientCapture:
     the gradient of one sequence's loss is multiplied by in the loss given to backward
     (1 / (B * gradient_accumulation_steps) for a mean over the micro-batch that DeepSpeed
     divides by the accumulation steps), so the buffers end up holding plain sums.
+    ``storage``: one tensor that the buffers are views of, if there is one; :meth:`reset`
+    then zeroes it in one kernel.
     """
 
     def __init__(self, modules: Sequence[LoraModule], buffers: Sequence[tuple[torch.Tensor, torch.Tensor]], num_domains: int,
-                 owns_gradients: bool = False, before_backward: Callable[[], None] | None = None):
+                 owns_gradients: bool = False, before_backward: Callable[[], None] | None = None,
+                 storage: torch.Tensor | None = None):
         self.modules = list(modules)
         self.buffers = list(buffers)
+        self.storage = storage
         self.num_domains = num_domains
         self.owns_gradients = owns_gradients
         # owning capture: called at each micro-batch's first captured backward, where the plain
@@ -219,9 +223,10 @@ class DomainGradientCapture:
             self._micro = None
 
     def reset(self) -> None:
-        buffers = [buf for pair in self.buffers for buf in pair]
-        if buffers:  # one multi-tensor launch for all of them, not two per layer
-            torch._foreach_zero_(buffers)
+        if self.storage is not None:
+            self.storage.zero_()
+        elif self.buffers:  # one multi-tensor launch for all of them, not two per layer
+            torch._foreach_zero_([buf for pair in self.buffers for buf in pair])
         self.counts.zero_()
 
     def remove(self) -> None:

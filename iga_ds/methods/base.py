@@ -15,8 +15,9 @@ Three scopes, because methods differ in what they need to see at once:
 """
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, Sequence
+from typing import ClassVar, Iterator, Literal, Sequence
 
 import torch
 
@@ -78,13 +79,100 @@ def host_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tens
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def stacked_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The tensors stacked along a new first dimension, in the first one's shape, as a view of
+    the storage they share, without a copy, when they are contiguous, of one dtype and element
+    count, and equally spaced in it, in order; None otherwise (and for fewer than two). Each
+    item of the view holds its tensor's elements in order (the shapes themselves may differ)."""
+    if len(tensors) < 2:
+        return None
+    first, last = tensors[0], tensors[-1]
+    numel, dtype = first.numel(), first.dtype
+    if not all(t.is_contiguous() and t.numel() == numel and t.dtype is dtype for t in tensors):
+        return None
+    ptrs = [t.data_ptr() for t in tensors]
+    step = ptrs[1] - ptrs[0]
+    size = first.element_size()
+    storage = first.untyped_storage()
+    if (step >= numel * size and step % size == 0
+            and all(b - a == step for a, b in zip(ptrs, ptrs[1:]))
+            and last.untyped_storage().data_ptr() == storage.data_ptr()
+            and ptrs[-1] + last.numel() * size <= storage.data_ptr() + storage.nbytes()):
+        return first.as_strided((len(tensors), *first.shape), (step // size, *first.stride()))
+    return None
+
+
+class StatsTable:
+    """Statistics of many modules computed on the device (rows: statistics, columns: modules),
+    on their way to the host.
+
+    The copy is queued without waiting for the device (into pinned memory, on CUDA); the host
+    waits for it only when a value is first read. The engine hook reads them after the
+    optimizer step has been queued, so the device is never left idle for them."""
+
+    def __init__(self, keys: Sequence[str], table: torch.Tensor):
+        self.keys = list(keys)
+        self._ready = None
+        if table.device.type == "cuda":
+            self._host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
+            self._host.copy_(table, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = table
+        self._rows: list[list[float]] | None = None
+
+    def column(self, index: int) -> "PendingStats":
+        """One module's statistics, read when first used."""
+        return PendingStats(self, index)
+
+    def values(self, index: int) -> dict[str, float]:
+        if self._rows is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            self._rows = self._host.tolist()
+        return {key: row[index] for key, row in zip(self.keys, self._rows)}
+
+
+class PendingStats(MutableMapping):
+    """One module's statistics from a :class:`StatsTable`: a dict once first read."""
+
+    def __init__(self, table: StatsTable, index: int):
+        self._table, self._index = table, index
+        self._values: dict[str, float] | None = None
+
+    def _resolved(self) -> dict[str, float]:
+        if self._values is None:
+            self._values = self._table.values(self._index)
+        return self._values
+
+    def __getitem__(self, key: str) -> float:
+        return self._resolved()[key]
+
+    def __setitem__(self, key: str, value: float) -> None:
+        self._resolved()[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._resolved()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._resolved())
+
+    def __len__(self) -> int:
+        return len(self._resolved())
+
+    def __repr__(self) -> str:
+        return f"PendingStats({self._resolved()!r})"
+
+
 @dataclass
 class ModuleUpdate:
-    """The gradients the optimizer will see for one module, with per-module statistics."""
+    """The gradients the optimizer will see for one module, with per-module statistics (a
+    dict, or :class:`PendingStats` still on their way from the device)."""
 
     gA: torch.Tensor
     gB: torch.Tensor
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: MutableMapping[str, float] = field(default_factory=dict)
 
 
 class GradientMethod:

@@ -48,7 +48,7 @@ from typing import Sequence
 
 import torch
 
-from iga_ds.methods.base import ModuleGrads, host_to_device
+from iga_ds.methods.base import ModuleGrads, StatsTable, host_to_device, stacked_view
 from iga_ds.methods.iga import triton_kernels
 from iga_ds.methods.iga.common import (
     FACTOR_MAPS, NORMALIZATIONS, SNR_EPS, check_choice, check_module, check_tau,
@@ -111,22 +111,12 @@ def resolve_batch_bytes(batch_bytes, device: torch.device) -> int:
 
 
 def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.stack(tensors)``, as a view without a copy when the tensors are contiguous,
-    equally spaced pieces of one buffer: the hook's gradient buffer and its float32 copies of
-    the factors lay equal modules out one after another, and stacking 128 of them one by one
-    cost the host more than the device's copy took."""
-    first, last = tensors[0], tensors[-1]
-    if len(tensors) > 1 and all(t.is_contiguous() for t in tensors):
-        ptrs = [t.data_ptr() for t in tensors]
-        step = ptrs[1] - ptrs[0]
-        size = first.element_size()
-        storage = first.untyped_storage()
-        if (step >= first.numel() * size and step % size == 0
-                and all(b - a == step for a, b in zip(ptrs, ptrs[1:]))
-                and last.untyped_storage().data_ptr() == storage.data_ptr()
-                and ptrs[-1] + last.numel() * size <= storage.data_ptr() + storage.nbytes()):
-            return first.as_strided((len(tensors), *first.shape), (step // size, *first.stride()))
-    return torch.stack(tensors)
+    """``torch.stack(tensors)``, as a view without a copy where :func:`stacked_view` finds one:
+    the hook's gradient buffer and its float32 copies of the factors lay equal modules out one
+    after another, and stacking 128 of them one by one cost the host more than the device's
+    copy took."""
+    view = stacked_view(tensors)
+    return torch.stack(tensors) if view is None else view
 
 
 def stack_modules(modules: Sequence[ModuleGrads], generators, batch_bytes: int,
@@ -534,7 +524,8 @@ def batched_iga(
 
     Returns one ``(gA_new, gB_new, stats)`` per module, as
     :func:`iga_ds.methods.iga.reference.iga_update` with the same ``svd`` and the module's generator
-    would. Peak memory per module is one out x in matrix plus row-tile temporaries, not N
+    would; ``stats`` is a :class:`iga_ds.methods.base.PendingStats`, a dict once read (the
+    statistics' copy to the host is queued, not waited for). Peak memory per module is one out x in matrix plus row-tile temporaries, not N
     (``single_pass``: the temporaries only).
     ``batch_bytes`` caps the bytes of masked matrices stacked at once (modules of one shape);
     ``"auto"`` takes 1 GiB on the CPU and, on CUDA, up to 4 GiB of memory that the device's
@@ -567,14 +558,15 @@ def batched_iga(
             power_iters=int(power_iters), tile_elements=int(tile_elements), use_triton=triton_ok,
             triton_precision=triton_precision, svd=svd,
         ))
-    done, keys, table = _finish_stacks(stacks, projected, factors)
-    return _in_caller_order(modules, done, keys, table)
+    done, table = _finish_stacks(stacks, projected, factors)
+    return _in_caller_order(modules, done, table)
 
 
 def _finish_stacks(stacks: Sequence[Stack], projected: Sequence[Projected], factors: str):
-    """The small SVDs and the factor gradients of every stack, and all statistics in one table
-    on the host: ``(done, keys, table)``, ``done`` one ``(positions, gA_new, gB_new)`` per stack,
-    ``table[i][column]`` statistic ``keys[i]`` of the column-th module in stack order."""
+    """The small SVDs and the factor gradients of every stack, and all statistics in one
+    :class:`iga_ds.methods.base.StatsTable`: ``(done, table)``, ``done`` one
+    ``(positions, gA_new, gB_new)`` per stack, column j of ``table`` the j-th module's in stack
+    order."""
     # queued before the eigendecompositions, which wait for the device: less for the host to
     # issue afterwards, while the device idles
     smalls64 = [proj.small.double() for proj in projected]
@@ -588,23 +580,26 @@ def _finish_stacks(stacks: Sequence[Stack], projected: Sequence[Projected], fact
             gA_new, gB_new = chain_rule_factors(st.A, st.B, gA_new, gB_new, st.scaling.view(-1, 1, 1))
         tables.append(torch.cat([tile_table, energy_kept.double().unsqueeze(0)]))
         done.append((st.positions, gA_new, gB_new))
-    # one device-to-host copy for all statistics: a copy per stack would stall the device per stack
-    table = torch.cat(tables, dim=1).cpu().tolist() if tables else []
-    return done, keys, table
+    # one device-to-host copy for all statistics, queued: the caller's host work goes on while
+    # it runs, and the host waits for it only where a value is read
+    table = StatsTable(keys, torch.cat(tables, dim=1)) if tables else None
+    return done, table
 
 
-def _in_caller_order(modules: Sequence[ModuleGrads], done, keys: list[str], table) -> list:
-    """One ``(gA_new, gB_new, stats)`` per module in the caller's order, each in its module's dtype."""
+def _in_caller_order(modules: Sequence[ModuleGrads], done, table: StatsTable | None) -> list:
+    """One ``(gA_new, gB_new, stats)`` per module in the caller's order, each in its module's
+    dtype, ``stats`` a column of ``table`` (read when first used)."""
     results: list = [None] * len(modules)
     column = 0
-    # runs while the device waits for the host (after the statistics' copy): one unbind per
-    # stack, not one indexing operator per module, and no cast where the dtype is already right
+    # runs while the device may wait for the host (after the eigendecomposition's wait): one
+    # unbind per stack, not one indexing operator per module, and no cast where the dtype is
+    # already right
     for positions, gA_new, gB_new in done:
         dtype = modules[positions[0]].gA.dtype  # a stack holds modules of one dtype
         if gA_new.dtype != dtype:
             gA_new, gB_new = gA_new.to(dtype), gB_new.to(dtype)
         for pos, gA, gB in zip(positions, gA_new.unbind(0), gB_new.unbind(0)):
-            results[pos] = (gA, gB, {key: table[i][column] for i, key in enumerate(keys)})
+            results[pos] = (gA, gB, table.column(column))
             column += 1
     return results
 
