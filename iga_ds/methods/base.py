@@ -118,8 +118,8 @@ class StatsTable:
             self._host.copy_(table, non_blocking=True)
             self._ready = torch.cuda.Event()
             self._ready.record()
-        else:
-            self._host = table
+        else:  # on the CPU already, or a device without pinned copies: a plain copy
+            self._host = table.cpu()
         self._rows: list[list[float]] | None = None
 
     def column(self, index: int) -> "PendingStats":
