@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -519,14 +520,15 @@ def batched_iga(
     triton_precision: str = "ieee",
     factors: str = "split",
     svd: str = "randomized",
-) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, float]]]:
+) -> list[tuple[torch.Tensor, torch.Tensor, MutableMapping[str, float]]]:
     """IGA (continuous mask, randomized SVD) for every module, in the order given.
 
     Returns one ``(gA_new, gB_new, stats)`` per module, as
-    :func:`iga_ds.methods.iga.reference.iga_update` with the same ``svd`` and the module's generator
-    would; ``stats`` is a :class:`iga_ds.methods.base.PendingStats`, a dict once read (the
-    statistics' copy to the host is queued, not waited for). Peak memory per module is one out x in matrix plus row-tile temporaries, not N
-    (``single_pass``: the temporaries only).
+    :func:`iga_ds.methods.iga.reference.iga_update` with the same ``svd`` and the module's
+    generator would; ``stats`` is a :class:`iga_ds.methods.base.PendingStats`, a dict once
+    read (the statistics' copy to the host is queued, not waited for). Peak memory per module
+    is one out x in matrix plus row-tile temporaries, not N (``single_pass``: the temporaries
+    only).
     ``batch_bytes`` caps the bytes of masked matrices stacked at once (modules of one shape);
     ``"auto"`` takes 1 GiB on the CPU and, on CUDA, up to 4 GiB of memory that the device's
     peak so far leaves free (:func:`auto_batch_bytes`): the result does not depend on it.
