@@ -112,13 +112,27 @@ def copy_all(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
     (:func:`iga_ds.methods.base.stacked_view`), a strided copy per list does it all, without
     an operator per tensor while the device waits for the host; otherwise one multi-tensor
     copy."""
-    for parts in ((slice(None),), (slice(0, None, 2), slice(1, None, 2))):
-        pairs = [(stacked_view(targets[part]), stacked_view(values[part])) for part in parts]
-        if all(t is not None and v is not None and t.numel() == v.numel() for t, v in pairs):
+    # every other one first: the hook's results are two stacks, so the whole list never is one
+    for parts in ((slice(0, None, 2), slice(1, None, 2)), (slice(None),)):
+        pairs = _strided_pairs(targets, values, parts)
+        if pairs:
             for target, value in pairs:
                 target.copy_(value.reshape(target.shape))
             return
     torch._foreach_copy_(targets, [v.reshape(t.shape) for t, v in zip(targets, values)])
+
+
+def _strided_pairs(targets: list[torch.Tensor], values: list[torch.Tensor], parts) -> list | None:
+    """(target view, value view) per slice in ``parts``, or None as soon as one slice has none
+    (the values are looked at first: the targets' walk is spared where they fail)."""
+    pairs = []
+    for part in parts:
+        value = stacked_view(values[part])
+        target = None if value is None else stacked_view(targets[part])
+        if target is None or target.numel() != value.numel():
+            return None
+        pairs.append((target, value))
+    return pairs
 
 
 def lora_gradients_can_be_left_out(engine) -> bool:
