@@ -1,6 +1,7 @@
 """Where the IGA method's time goes: a torch.profiler table of the fused path on LLaMA-2-7B shapes.
 
     python bench/profile_method.py [--rows 30] [--precision ieee|tf32|bf16] [--batch-bytes 4294967296]
+        [--power-iters 2] [--oversample 10] [--factors chain_rule|split]
 
 Prints the CUDA kernels (or CPU ops without CUDA) sorted by total device time, for one
 `batched_iga` call over the 128 q/k/v/o modules after a warm-up call, then the call's wall
@@ -31,6 +32,10 @@ def main(argv=None) -> int:
     p.add_argument("--batch-bytes", type=batch_bytes_option, default="auto",
                    help="bytes of masked matrices per stack, or 'auto' (the training default)")
     p.add_argument("--reps", type=int, default=5, help="timed calls for the wall and busy times")
+    p.add_argument("--power-iters", type=int, default=2, help="power iterations (the method's default: 2)")
+    p.add_argument("--oversample", type=int, default=10, help="sketch columns beyond the rank (default 10)")
+    p.add_argument("--factors", choices=("chain_rule", "split"), default="chain_rule",
+                   help="how the rank-r direction becomes factor gradients (the method's default: chain_rule)")
     p.add_argument("--small", action="store_true")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -41,7 +46,8 @@ def main(argv=None) -> int:
 
     def run():
         gens = [sketch_key(0, 1, m.index) for m in modules]
-        return batched_iga(modules, generators=gens, batch_bytes=args.batch_bytes, triton_precision=precision)
+        return batched_iga(modules, generators=gens, batch_bytes=args.batch_bytes, triton_precision=precision,
+                           power_iters=args.power_iters, oversample=args.oversample, factors=args.factors)
 
     run()
     synchronize(device)
@@ -54,7 +60,8 @@ def main(argv=None) -> int:
     key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=args.rows, max_name_column_width=60))
     wall = statistics.median(time_ms(run, device, warmup=1, reps=args.reps, clock="wall"))
-    line = f"{len(modules)} modules, precision {precision}, batch_bytes {args.batch_bytes}: wall {wall:.2f} ms"
+    line = (f"{len(modules)} modules, precision {precision}, batch_bytes {args.batch_bytes}, power_iters "
+            f"{args.power_iters}, oversample {args.oversample}, factors {args.factors}: wall {wall:.2f} ms")
     if device.type == "cuda":
         busy = statistics.median(gpu_busy_ms(run) for _ in range(args.reps))
         line += f", device busy {busy:.2f} ms"

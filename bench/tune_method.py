@@ -6,6 +6,9 @@ On one stack of 16 modules of LLaMA-2-7B shape (4096 x 4096, r 16, N 4, sketch w
 
 - the ceilings: device-to-device copy bandwidth (bytes read + written) and float32 / TF32
   matrix-product rates, measured here rather than taken from a datasheet;
+- the bf16 tile kernel's variants on all 128 modules (:data:`KERNEL_VARIANTS`: the left
+  factors loaded once per strip or per tile, tiles per program, pipeline stages, block rows
+  and warps), each output checked against the first's;
 - the tile pass for several block shapes and warp counts, for each of ``--precisions``
   (default ieee and tf32x3), each checked against the default one, and the tile kernel alone
   with and without its statistics;
@@ -40,6 +43,7 @@ from common import (
 from iga_ds.files import atomic_write_json
 from iga_ds.methods import sketch_key
 from iga_ds.methods.iga import triton_kernels
+from iga_ds.methods.iga.common import SNR_EPS
 from iga_ds.methods.iga.fused import batched_iga, mask_scales, orthonormalize, stack_factors, stack_modules
 
 
@@ -96,12 +100,12 @@ def kernel_alone(factors, mean_var, precision: str = "ieee") -> list[dict]:
     programs = -(-d_out // 64) * triton_kernels.strip_count(d_in, 64, cols)
     parts = torch.empty(M, programs, triton_kernels.STAT_SLOTS, device="cuda")
     mins = torch.empty(M, programs, device="cuda")
-    scale = mean_var.float().contiguous()
+    coefficients = triton_kernels.mask_coefficients(mean_var, 0.5, N, "mean")
     eps = torch.ones(M, device="cuda")
     rows = []
     for stats in (True, False):
         kernel = functools.partial(triton_kernels.launch_tile_kernel, left_mean, right_mean, left_dev, right_dev,
-                                   scale, eps, out, parts, mins, tau=0.5, normalize="mean", block_m=64, block_n=64,
+                                   coefficients, eps, out, parts, mins, normalize="mean", block_m=64, block_n=64,
                                    precision=precision, num_warps=4, stats=stats, cols=cols)
         rows.append(dict(kernel_only=True, precision=precision, stats=stats, ms=do_bench_ms(kernel)))
         print(rows[-1], flush=True)
@@ -173,6 +177,49 @@ def cholesky_qr(sketch) -> dict:
             "cholesky_qr1_ms": do_bench_ms(lambda: orthonormalize(sketch, final=False))}
 
 
+# the bf16 tile kernel's variants swept by kernel_variants(): (hoist, tiles per program,
+# pipeline stages or None for Triton's default, block rows, warps)
+KERNEL_VARIANTS = [(False, 16, None, 64, 4), (True, 16, None, 64, 4), (True, 32, None, 64, 4), (True, 64, None, 64, 4),
+                   (True, 32, 1, 64, 4), (True, 32, None, 128, 8)]
+
+
+def kernel_variants(modules, normalize: str = "snr") -> list[dict]:
+    """The bf16 tile kernel alone on one stack of ``modules`` for each of :data:`KERNEL_VARIANTS`:
+    the strip's left factors loaded once (``hoist``) or per tile, tiles per program, pipeline
+    stages, block rows and warps; each output against the first variant's."""
+    M = len(modules)
+    st = stack_modules(modules, [None] * M, 1 << 40)[0]
+    left_mean, right_mean, left_dev, right_dev = stack_factors(st, torch.bfloat16)
+    mean_var, mean_sq = mask_scales(left_mean, right_mean, left_dev, right_dev, 4096 * 4096, exact_var=False)
+    factors = [t.to(torch.bfloat16).contiguous() for t in (left_mean, right_mean, left_dev, right_dev)]
+    coefficients = triton_kernels.mask_coefficients(mean_var, 0.5, left_dev.shape[1], normalize)
+    eps = (SNR_EPS * mean_sq + torch.finfo(torch.float32).tiny).float()
+    rows, first = [], None
+    for hoist, cols, stages, block_m, warps in KERNEL_VARIANTS:
+        out = torch.empty(M, 4096, 4096, device="cuda", dtype=torch.bfloat16)
+        programs = -(-4096 // block_m) * triton_kernels.strip_count(4096, 64, cols)
+        parts = torch.empty(M, programs, triton_kernels.STAT_SLOTS, device="cuda")
+        mins = torch.empty(M, programs, device="cuda")
+        run = functools.partial(triton_kernels.launch_tile_kernel, *factors, coefficients, eps, out, parts, mins,
+                                normalize=normalize, block_m=block_m, block_n=64, precision="bf16",
+                                num_warps=warps, cols=cols, hoist=hoist, num_stages=stages)
+        row = dict(hoist=hoist, cols=cols, stages=stages, block_m=block_m, warps=warps)
+        try:
+            run()
+            row["ms"] = do_bench_ms(run)
+            sums = parts.double().sum(dim=1)
+            if first is None:
+                first = (out.clone(), sums)
+            row["err_masked"] = rel(out, first[0])
+            row["err_stats"] = rel(sums, first[1])
+        except Exception as exc:  # a variant may not fit the card's registers or shared memory
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        del out
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def stack_parts(modules, skip: set[str], precisions=("ieee", "tf32x3")) -> dict:
     """The tile pass, the power iterations' products and CholeskyQR on one stack of
     ``modules`` (4096 x 4096, r 16, N 4: sketch width 26), each stage of the fused path alone."""
@@ -197,7 +244,7 @@ def stack_parts(modules, skip: set[str], precisions=("ieee", "tf32x3")) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="tune_method.json")
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: tile,products,qr,whole")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: variants,tile,products,qr,whole")
     p.add_argument("--precisions", default="ieee,tf32x3",
                    help=f"tile-pass precisions to sweep, from {', '.join(triton_kernels.PRECISIONS)}; the first "
                         "is also the whole method's")
@@ -214,12 +261,14 @@ def main(argv=None) -> int:
     unknown = [x for x in precisions if x not in triton_kernels.PRECISIONS]
     if unknown or not precisions:
         p.error(f"--precisions: expected names from {', '.join(triton_kernels.PRECISIONS)}, got {args.precisions!r}")
+    if "variants" not in skip:
+        result["kernel_variants"] = kernel_variants(modules)
     result.update(stack_parts(modules[:16], skip, precisions))
     if "whole" not in skip:
         result["whole"] = whole(modules, precisions[0])
     atomic_write_json(args.out, result, indent=1)
     print(json.dumps(result["ceilings"]))
-    for part in ("tile_pass", "products", "whole"):
+    for part in ("kernel_variants", "tile_pass", "products", "whole"):
         for row in sorted(result.get(part, []), key=lambda r: r.get("ms", 1e9))[:6]:
             print(part, row)
     return 0

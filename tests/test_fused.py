@@ -391,6 +391,11 @@ def _triton_tile_pass_matches_torch() -> None:
               ("snr", 0.5, "ieee", (4, 64, 64))]
     for cols in (2, 3):
         _tile_passes_agree(strips, close=1e-6, close_stored=1e-6, block=32, cols=cols)
+    # strips whose left factors are loaded once (the default up to 5 domains) against loading
+    # them per tile, with 2 and 5 domains, and 6, past what the kernel holds (loaded per tile)
+    _tile_passes_agree(strips[:1], close=1e-6, close_stored=1e-6, block=32, cols=2, hoist=False)
+    for domains in (2, 5, 6):
+        _tile_passes_agree(strips[::2], close=1e-6, close_stored=1e-6, block=32, cols=3, domains=domains)
     _skinny_products_agree("cpu", torch.float32, blocks=(16, 32, 4, 2))
     _gaussian_draws_agree("cpu")
 
@@ -427,16 +432,17 @@ def _skinny_products_agree(device: str, dtype, blocks=None) -> None:
 
 
 def _tile_passes_agree(cases, close: float, close_stored: float, block: int, device: str = "cpu",
-                       stats_rtol: float = 1e-5, cols: int | None = None) -> None:
+                       stats_rtol: float = 1e-5, cols: int | None = None, domains: int = 4, **variant) -> None:
     """The Triton tile passes (masked matrices and first sketch; the sketching kernel's two
     sketches) against the PyTorch tile pass of the same precision: ``close`` for the first
     sketch, ``close_stored`` for the masked matrices and the co-range sketch, ``stats_rtol``
     for the mask statistics and the masked matrices' squared norms; ``cols``, the tile kernel's
-    tiles per program (None: its default for the precision)."""
+    tiles per program (None: its default for the precision); ``domains``: N; ``variant``: the
+    tile kernel's ``hoist``."""
     from iga_ds.methods.iga import fused, triton_kernels
 
     for normalize, tau, precision, (r, d_in, d_out) in cases:
-        mods = [make_module(i, r=r, d_in=d_in, d_out=d_out, dtype=torch.float32) for i in range(2)]
+        mods = [make_module(i, N=domains, r=r, d_in=d_in, d_out=d_out, dtype=torch.float32) for i in range(2)]
         mods = [ModuleGrads(m.name, m.index, *(t.to(device) for t in (m.A, m.B, m.gA, m.gB)), m.scaling)
                 for m in mods]
         st = fused.stack_modules(mods, generators(mods), 1 << 30)[0]
@@ -446,7 +452,7 @@ def _tile_passes_agree(cases, close: float, close_stored: float, block: int, dev
         kw = dict(tau=tau, normalize=normalize, mean_var=mean_var, mean_sq=mean_sq)
         ref = fused.tile_pass_torch(*factors, omega, tile_elements=1 << 20, precision=precision, **kw)
         got = triton_kernels.tile_pass_triton(*factors, omega, block_m=block, block_n=block, precision=precision,
-                                              cols=cols, **kw)
+                                              cols=cols, **variant, **kw)
         assert got[0].dtype == ref[0].dtype == triton_kernels.masked_dtype(precision)
         assert rel(got[0].double(), ref[0].double()) < close_stored and rel(got[1], ref[1]) < close, (normalize, r)
         for key in ref[2]:
@@ -525,6 +531,8 @@ def test_cuda_bf16_method_is_float32_up_to_bfloat16_rounding():
         err_torch = rel(product(tA.double(), tB.double(), m.scaling), want)
         assert err_kernel < 1e-2 and err_kernel < 2 * err_torch, (m.name, err_kernel, err_torch)
         assert stats["mask_mean"] == pytest.approx(rstats["mask_mean"], rel=2e-3)
+        # the kernel's path takes V's sum from the Grams of the bf16-rounded deviation factors
+        assert stats["gir"] == pytest.approx(rstats["gir"], rel=1e-3)
 
 
 @pytest.mark.slow
@@ -627,9 +635,12 @@ def test_bench_method_precision_rule_on_a_saved_model(tmp_path):
 @pytest.mark.slow
 def test_profile_method_small_runs_on_cpu():
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "profile_method.py"), "--small", "--rows", "3",
-                           "--reps", "1", "--batch-bytes", "auto"], capture_output=True, text=True, timeout=120)
+                           "--reps", "1", "--batch-bytes", "auto", "--power-iters", "1", "--oversample", "16"],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "aten::" in proc.stdout and "8 modules, precision ieee, batch_bytes auto: wall" in proc.stdout
+    assert "aten::" in proc.stdout
+    assert ("8 modules, precision ieee, batch_bytes auto, power_iters 1, oversample 16, factors chain_rule: wall"
+            in proc.stdout)
 
 
 @pytest.mark.slow
@@ -734,6 +745,36 @@ def test_mask_scales_against_the_full_matrices_in_float64():
     assert 0 < (exact[0] - narrow[0]).abs().max() / exact[0].abs().max() < 1e-5
 
 
+def test_factors_against_their_concatenated_definition_and_bf16_rounding():
+    """The factors written half by half against cat([s dgB[n], s B]) and cat([A; dgA[n]]) formed
+    the obvious way; bfloat16 deviation factors are exactly those rounded once, and their Grams
+    (float32, not rounded to bfloat16) give the mean of V to bfloat16's rounding of the factors."""
+    from iga_ds.methods.iga import fused
+
+    mods = [make_module(i, r=4, d_in=48, d_out=40, dtype=torch.float32, scaling=0.5 + i) for i in range(3)]
+    st = fused.stack_modules(mods, generators(mods), 1 << 30)[0]
+    left_mean, right_mean, left_dev, right_dev = fused.stack_factors(st)
+    for i, m in enumerate(mods):
+        s, N = m.scaling, m.num_domains
+        gA_mean, gB_mean = m.gA.mean(0), m.gB.mean(0)
+        assert torch.equal(left_mean[i], torch.cat([gB_mean, m.B], dim=1) * s)
+        assert torch.equal(right_mean[i], torch.cat([m.A, gA_mean], dim=0))
+        for n in range(N):
+            assert torch.equal(left_dev[i, n], torch.cat([(m.gB[n] - gB_mean) * s, m.B * s], dim=1))
+            assert torch.equal(right_dev[i, n], torch.cat([m.A, m.gA[n] - gA_mean], dim=0))
+    low = fused.stack_factors(st, torch.bfloat16)
+    assert low[2].dtype == low[3].dtype == torch.bfloat16 and low[0].dtype == torch.float32
+    assert torch.equal(low[2], left_dev.bfloat16()) and torch.equal(low[3], right_dev.bfloat16())
+    assert torch.equal(low[0], left_mean) and torch.equal(low[1], right_mean)
+    narrow = fused.mask_scales(*low, 48 * 40, exact_var=False)
+    upcast = fused.mask_scales(low[0], low[1], low[2].float(), low[3].float(), 48 * 40)
+    exact = fused.mask_scales(left_mean, right_mean, left_dev, right_dev, 48 * 40)
+    assert narrow[0].dtype == torch.float64
+    torch.testing.assert_close(narrow[0], upcast[0], rtol=1e-6, atol=0)  # float32 Grams of the same factors
+    assert 0 < (narrow[0] - exact[0]).abs().max() / exact[0].abs().max() < 2 ** -8
+    assert torch.equal(narrow[1], exact[1])  # the mean's Grams: float64 of the float32 factors
+
+
 def test_equally_spaced_pieces_of_one_buffer_stack_without_a_copy():
     from iga_ds.methods.iga.fused import _stacked
 
@@ -764,3 +805,40 @@ def test_modules_that_are_views_of_one_buffer_give_the_same_result():
     got = batched_iga(in_buffer, generators=generators(in_buffer))
     for (gA, gB, stats), (wA, wB, wstats) in zip(got, want):
         assert torch.equal(gA, wA) and torch.equal(gB, wB) and stats == wstats
+
+
+def test_stable_modules_keep_their_stacks_and_follow_new_values(monkeypatch):
+    """Modules handed over again as :class:`StableModules` (the hook's views, written in place
+    between steps) are stacked once; each call still computes on the values they hold then,
+    exactly as a fresh list of the same modules would. Stacks that had to copy are not kept."""
+    from iga_ds.methods import StableModules
+    from iga_ds.methods.iga import fused
+
+    def laid_out(mods):
+        parts = [t for m in mods for t in (m.A, m.B, m.gA, m.gB)]
+        flat = torch.cat([t.flatten() for t in parts])
+        views = [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in parts]), parts)]
+        return flat, [ModuleGrads(m.name, m.index, *views[4 * i: 4 * i + 4], m.scaling) for i, m in enumerate(mods)]
+
+    calls = []
+    real = fused.stack_modules
+    monkeypatch.setattr(fused, "stack_modules", lambda *a, **k: calls.append(1) or real(*a, **k))
+    mods = [make_module(i, r=4, d_in=24, d_out=20, dtype=torch.float32) for i in range(3)]
+    flat, in_buffer = laid_out(mods)
+    stable = StableModules(in_buffer)
+    copied = StableModules(mods)  # separate tensors: stacking copies them
+    for step in range(3):
+        got = batched_iga(stable, generators=generators(stable), rank=3)
+        got_copied = batched_iga(copied, generators=generators(copied), rank=3)
+        fresh = batched_iga(list(stable), generators=generators(stable), rank=3)
+        for (gA, gB, stats), (fA, fB, fstats), (cA, cB, _) in zip(got, fresh, got_copied):
+            assert torch.equal(gA, fA) and torch.equal(gB, fB) and stats == fstats
+            assert torch.allclose(cA, fA, rtol=1e-5, atol=1e-12)
+        # new gradients and factors in place, as the next step's
+        flat.mul_(1.5).add_(torch.randn(flat.shape, generator=torch.Generator().manual_seed(step)) * 1e-5)
+        for m, v in zip(mods, in_buffer):
+            for t, values in ((m.A, v.A), (m.B, v.B), (m.gA, v.gA), (m.gB, v.gB)):
+                t.copy_(values)
+    # stable: once; copied: every call; fresh lists: every call
+    assert len(calls) == 1 + 3 + 3
+    assert len(stable.derived) == 1 and not copied.derived

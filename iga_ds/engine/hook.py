@@ -44,7 +44,7 @@ from iga_ds.engine.layout import Wave, build_layout, run_waves
 from iga_ds.errors import ConfigError
 from iga_ds.lora.capture import DomainGradientCapture
 from iga_ds.lora.modules import LoraModule, find_lora_modules
-from iga_ds.methods.base import ModuleGrads, host_to_device
+from iga_ds.methods.base import ModuleGrads, StableModules, host_to_device
 from iga_ds.metrics.mask import aggregate_module_stats
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,7 @@ class EngineHook:
         self.buffers = buffers
         # the method takes the factors in float32; A then B of each module, in module order
         self._weights = Float32Copies([w for m in self.modules for w in (m.lora_A.weight, m.lora_B.weight)])
+        self._stable_grads: StableModules | None = None  # the modules of every step, where stable (bf16)
         self._writer = FullGradWriter(self._weights.tensors)
         # the capture owns the factors' gradients where DeepSpeed copes with none from backward:
         # the method's result replaces them at the boundary, so computing and reducing them
@@ -315,6 +316,11 @@ class EngineHook:
         # the capture's own buffers are views of flat_in already (a module's index is its place
         # in self.modules): no slicing per module, while the device waits for the host
         views = self.buffers if summed is self.flat_in else None
+        # with the weights' float32 copies too (bf16 training), every tensor is written in place
+        # each step: the same modules serve every step, and the method may keep their stacking
+        stable = views is not None and equal and self._weights.copies is not None
+        if stable and self._stable_grads is not None:
+            return self._stable_grads
         grads = []
         for m in mine:
             if views is not None:
@@ -329,6 +335,9 @@ class EngineHook:
             # the weights' own dtype is the forward's and backward's (bf16 under DeepSpeed's bf16)
             grads.append(ModuleGrads(m.name, m.index, weights[2 * m.index], weights[2 * m.index + 1], gA, gB,
                                      m.scaling, self._weights.tensors[2 * m.index].dtype))
+        if stable:
+            self._stable_grads = StableModules(grads)
+            return self._stable_grads
         return grads
 
     def _results_direct(self, mine: list[LoraModule], results) -> list | None:

@@ -68,6 +68,21 @@ class ModuleGrads:
         return int(self.gA.shape[0])
 
 
+class StableModules(list):
+    """A list of :class:`ModuleGrads` that a caller hands to a method again and again, whose
+    tensors keep their storage and shapes from call to call while their values change (the
+    engine hook's views of the buffers it writes in place each step).
+
+    A method may keep, in :attr:`derived`, what it builds from the layout alone (stacked views
+    of the tensors, per-module constants on the device) and reuse it on the next call instead
+    of rebuilding it while the device waits; the keys are the method's own. The caller must
+    not replace the modules or their tensors: it hands over a new list instead."""
+
+    def __init__(self, modules=()):
+        super().__init__(modules)
+        self.derived: dict = {}
+
+
 def host_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A small host tensor on ``device``, without waiting for the device.
 

@@ -41,6 +41,7 @@ tests can check one against its reference. In order:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from collections.abc import MutableMapping
@@ -49,12 +50,11 @@ from typing import Sequence
 
 import torch
 
-from iga_ds.methods.base import ModuleGrads, StatsTable, host_to_device, stacked_view
+from iga_ds.methods.base import ModuleGrads, StableModules, StatsTable, host_to_device, stacked_view
 from iga_ds.methods.iga import triton_kernels
 from iga_ds.methods.iga.common import (
     FACTOR_MAPS, NORMALIZATIONS, SNR_EPS, check_choice, check_module, check_tau,
 )
-from iga_ds.methods.iga.reference import chain_rule_factors
 from iga_ds.methods.iga.rsvd import canonical_signs, single_pass_widths
 from iga_ds.methods.iga.sketch import SketchKey, gaussian, gaussian_stack
 
@@ -151,8 +151,8 @@ def stack_modules(modules: Sequence[ModuleGrads], generators, batch_bytes: int,
     return out
 
 
-def _check(modules: Sequence[ModuleGrads], generators, rank: int | None, normalize: str, tau: float,
-           factors: str, svd: str, precision: str) -> None:
+def _check(modules: Sequence[ModuleGrads], generators, normalize: str, tau: float, factors: str, svd: str,
+           precision: str) -> None:
     check_choice(normalize, NORMALIZATIONS, "normalize")
     check_choice(precision, triton_kernels.PRECISIONS, "triton_precision")
     check_tau(tau)
@@ -161,6 +161,9 @@ def _check(modules: Sequence[ModuleGrads], generators, rank: int | None, normali
         raise ValueError(f"svd must be 'randomized' or 'single_pass' (the fused forms), got {svd!r}")
     if len(generators) != len(modules):
         raise ValueError(f"one generator per module: got {len(generators)} for {len(modules)} modules")
+
+
+def _check_shapes(modules: Sequence[ModuleGrads], rank: int | None) -> None:
     # the checks depend on the shapes alone: once per distinct set, naming its first module
     checked = set()
     for m in modules:
@@ -170,29 +173,76 @@ def _check(modules: Sequence[ModuleGrads], generators, rank: int | None, normali
             checked.add(shapes)
 
 
+def _stacks(modules: Sequence[ModuleGrads], generators, rank: int | None, batch_bytes: int,
+            element_bytes: int | None) -> list[Stack]:
+    """Stage 1 with its shape checks: :func:`stack_modules`, or, for :class:`StableModules`
+    whose stacks are all views of their tensors, the stacks built on an earlier call with this
+    call's generators (checking and stacking 128 modules took 0.7 ms of host time a step while
+    the device waited)."""
+    key = ("iga.fused.stacks", rank, batch_bytes, element_bytes)
+    template = modules.derived.get(key) if isinstance(modules, StableModules) else None
+    if template is None:
+        _check_shapes(modules, rank)
+        template = stack_modules(modules, [None] * len(modules), batch_bytes, element_bytes)
+        if isinstance(modules, StableModules) and all(_views_of(st, modules) for st in template):
+            modules.derived[key] = template
+    return [dataclasses.replace(st, generators=[generators[i] for i in st.positions]) for st in template]
+
+
+def _views_of(st: Stack, modules: Sequence[ModuleGrads]) -> bool:
+    """Whether the stack's tensors are views of its modules' own (no copy that a later call
+    would find stale)."""
+    first = modules[st.positions[0]]
+    return all(stacked.untyped_storage().data_ptr() == own.untyped_storage().data_ptr()
+               for stacked, own in ((st.A, first.A), (st.B, first.B), (st.gA, first.gA), (st.gB, first.gB)))
+
+
 def _frobenius_sq(L: torch.Tensor, R: torch.Tensor, wide: bool = True) -> torch.Tensor:
     """||L @ R||_F^2 over the last two dims without forming L @ R: <L^T L, R R^T>, in float64;
-    ``wide=False``: the Grams in the factors' own dtype (no float64 copy of them), summed in
-    float64."""
+    ``wide=False``: the Grams in the factors' own dtype (no float64 copy of them; bfloat16
+    factors give float32 Grams), summed in float64."""
     if wide:
         L, R = L.double(), R.double()
     with _tf32_matmuls(False):
-        return ((L.mT @ L) * (R @ R.mT)).sum(dim=(-2, -1), dtype=torch.float64)
+        return (_gram_product(L.mT, L) * _gram_product(R, R.mT)).sum(dim=(-2, -1), dtype=torch.float64)
 
 
-def stack_factors(st: Stack):
+def _gram_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` over the last two dims, in float32 for bfloat16 or float16 operands (float32
+    accumulation, the result not rounded back to 16 bits), else in their dtype."""
+    if a.dtype not in _LOW_PRECISION:
+        return a @ b
+    batch = a.shape[:-2]
+    if a.is_cuda:  # cuBLAS writes the float32 result directly: no float32 copy of the operands
+        with contextlib.suppress(RuntimeError, NotImplementedError):
+            out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), out_dtype=torch.float32)
+            return out.view(*batch, a.shape[-2], b.shape[-1])
+    return a.float() @ b.float()
+
+
+def stack_factors(st: Stack, dev_dtype: torch.dtype | None = None):
     """Stage 2: left and right factors of Gbar and of the deviations D[n] (each a rank-2r
     product): ``(left_mean M x out x 2r, right_mean M x 2r x in, left_dev M x N x out x 2r,
-    right_dev M x N x 2r x in)``, the inputs of both tile passes."""
-    N = st.gA.shape[1]
+    right_dev M x N x 2r x in)``, the inputs of both tile passes.
+
+    The scaling s is applied to the left factors. ``dev_dtype`` (default the stack's): the
+    deviation factors' dtype; bfloat16 (the bf16 tile kernel's, which would round them anyway)
+    writes them as the stack's dtype rounded once, without a full-precision copy. The mean's
+    factors stay in the stack's dtype: the mask's floor comes from their Grams in float64."""
+    M, N, r, d_in = st.gA.shape
+    d_out = st.B.shape[1]
     s = st.scaling.view(-1, 1, 1)
     gA_mean, gB_mean = st.gA.mean(dim=1), st.gB.mean(dim=1)
     left_mean = torch.cat([gB_mean, st.B], dim=-1) * s  # M x out x 2r
     right_mean = torch.cat([st.A, gA_mean], dim=-2)  # M x 2r x in
-    B_n = st.B.unsqueeze(1).expand(-1, N, -1, -1)
-    A_n = st.A.unsqueeze(1).expand(-1, N, -1, -1)
-    left_dev = torch.cat([st.gB - gB_mean.unsqueeze(1), B_n], dim=-1) * s.unsqueeze(1)  # M x N x out x 2r
-    right_dev = torch.cat([A_n, st.gA - gA_mean.unsqueeze(1)], dim=-2)  # M x N x 2r x in
+    # each half written in place: no concatenation, and no second pass to scale it
+    dev_dtype = st.A.dtype if dev_dtype is None else dev_dtype
+    left_dev = st.B.new_empty((M, N, d_out, 2 * r), dtype=dev_dtype)
+    right_dev = st.A.new_empty((M, N, 2 * r, d_in), dtype=dev_dtype)
+    torch.mul(st.gB - gB_mean.unsqueeze(1), s.unsqueeze(1), out=left_dev[..., :r])
+    left_dev[..., r:].copy_((st.B * s).unsqueeze(1).expand(-1, N, -1, -1))
+    right_dev[:, :, :r].copy_(st.A.unsqueeze(1).expand(-1, N, -1, -1))
+    torch.sub(st.gA, gA_mean.unsqueeze(1), out=right_dev[:, :, r:])
     return left_mean, right_mean, left_dev, right_dev
 
 
@@ -463,7 +513,10 @@ def project_stack(st: Stack, *, tau, normalize, rank, oversample, power_iters, t
     if svd != "single_pass":
         co_width = 0
     dtype, device = st.A.dtype, st.A.device
-    left_mean, right_mean, left_dev, right_dev = stack_factors(st)
+    # the bf16 kernel reads bfloat16 factors; "mean" scales the mask by the mean of V, whose
+    # Grams want the factors in full precision
+    low = use_triton and triton_precision == "bf16" and normalize != "mean"
+    left_mean, right_mean, left_dev, right_dev = stack_factors(st, torch.bfloat16 if low else None)
     mean_var, mean_sq = mask_scales(left_mean, right_mean, left_dev, right_dev, d_out * d_in,
                                     exact_var=normalize == "mean")
     omega, psi = _draw_sketches(st.generators, d_in, width, dtype, device, d_out, co_width)
@@ -491,10 +544,7 @@ def _factor_gradients(st: Stack, proj: Projected, small64: torch.Tensor, eig):
     U, S, Vh = svd_from_projection(proj.Q, small64, proj.rank, eig)
     M, _, r, d_in = st.gA.shape
     d_out, k = st.B.shape[1], proj.rank
-    # the kept energy is the sum of the top k eigenvalues of small's Gram (S^2, in float64)
-    kept = eig[0][..., -k:].clamp_min(0).sum(dim=-1)
-    total = proj.energy_total
-    energy_kept = torch.where(total > 0, kept / total, 1.0)
+    energy_kept = _energy_kept(proj, eig[0])
     # gB = U S^1/2 / sqrt(s), gA = S^1/2 Vh / sqrt(s): s * gB @ gA = U S Vh (factors_from_svd)
     root = (S / st.scaling.view(-1, 1)).sqrt()
     gB_new = U * root.unsqueeze(-2)
@@ -503,6 +553,39 @@ def _factor_gradients(st: Stack, proj: Projected, small64: torch.Tensor, eig):
         gB_new = torch.cat([gB_new, gB_new.new_zeros(M, d_out, r - k)], dim=-1)
         gA_new = torch.cat([gA_new, gA_new.new_zeros(M, r - k, d_in)], dim=-2)
     return gA_new, gB_new, energy_kept
+
+
+def _chain_rule_operands(st: Stack, proj: Projected):
+    """``(s B^T Q, s small A^T, small)`` of a stack in the work dtype: the chain-rule products
+    that do not need the eigendecomposition, queued before it waits for the device."""
+    work = proj.Q.dtype
+    small = proj.small.to(work)  # the single pass solves for it in float64
+    s = st.scaling.view(-1, 1, 1).to(work)
+    return (st.B.mT @ proj.Q) * s, (small @ st.A.mT) * s, small
+
+
+def _chain_rule_gradients(proj: Projected, operands, eig):
+    """``(gA_new, gB_new, energy_kept)`` of a stack by the chain rule, from the projector onto
+    the top eigenvectors W of small's Gram: the rank-k truncation is
+    ``g~ = U S Vh = Q W W^T small``, so ``dA = s B^T g~ = (s B^T Q)(W W^T) small`` and
+    ``dB = s g~ A^T = Q (W W^T)(s small A^T)``. Same result as the SVD split mapped by
+    :func:`iga_ds.methods.iga.reference.chain_rule_factors`, in a third of the operators: after
+    the eigendecomposition the device waits for each launch."""
+    left, right, small = operands
+    evals, evecs = eig
+    top = evecs[..., -proj.rank:]  # ascending order: the last k; W W^T does not depend on order or signs
+    projector = (top @ top.mT).to(small.dtype)
+    gA_new = (left @ projector) @ small
+    gB_new = proj.Q @ (projector @ right)
+    return gA_new, gB_new, _energy_kept(proj, evals)
+
+
+def _energy_kept(proj: Projected, evals: torch.Tensor) -> torch.Tensor:
+    """The share of ||masked||_F^2 the rank-k truncation keeps: the top k eigenvalues of
+    small's Gram (S^2, float64) over the total."""
+    kept = evals[..., -proj.rank:].clamp_min(0).sum(dim=-1)
+    total = proj.energy_total
+    return torch.where(total > 0, kept / total, 1.0)
 
 
 def batched_iga(
@@ -540,17 +623,18 @@ def batched_iga(
     matrices stored and multiplied in bfloat16 with float32 accumulation; the precision rule
     in docs/PERFORMANCE.md says when that error is below the training's own). float16/bfloat16 inputs are computed in float32 and returned in
     their own dtype. ``factors``: ``split`` returns the SVD split as ``iga_update`` does;
-    ``chain_rule`` maps it through :func:`iga_ds.methods.iga.reference.chain_rule_factors` on the whole
-    stack (one batched product instead of one per module). ``svd``: ``randomized`` (power
+    ``chain_rule`` returns what :func:`iga_ds.methods.iga.reference.chain_rule_factors` makes of
+    that split, computed on the whole stack from the projector onto the kept singular vectors
+    (:func:`_chain_rule_gradients`). ``svd``: ``randomized`` (power
     iterations over the stored masked matrices) or ``single_pass`` (both sketches in the tile
     pass, nothing stored; as :func:`iga_ds.methods.iga.rsvd.single_pass_svd`).
     """
-    _check(modules, generators, rank, normalize, tau, factors, svd, triton_precision)
+    _check(modules, generators, normalize, tau, factors, svd, triton_precision)
     device = modules[0].gA.device if modules else torch.device("cpu")
     # bf16 masked matrices take half the bytes: twice the modules per stack, half the launches
     element_bytes = torch.empty((), dtype=triton_kernels.masked_dtype(triton_precision)).element_size()
-    stacks = stack_modules(modules, generators, resolve_batch_bytes(batch_bytes, device),
-                           element_bytes if triton_precision == "bf16" else None)
+    stacks = _stacks(modules, generators, rank, resolve_batch_bytes(batch_bytes, device),
+                     element_bytes if triton_precision == "bf16" else None)
     projected = []
     for st in stacks:  # the masked matrices of one stack are freed before the next is built
         # the kernel computes in float32; float64 stays on the PyTorch path
@@ -574,12 +658,15 @@ def _finish_stacks(stacks: Sequence[Stack], projected: Sequence[Projected], fact
     smalls64 = [proj.small.double() for proj in projected]
     tile_stats = [torch.stack([value.double() for value in proj.stats.values()]) for proj in projected]
     keys = [*projected[0].stats, "energy_kept"] if projected else []
+    chain_rule = factors == "chain_rule"
+    operands = [_chain_rule_operands(st, proj) if chain_rule else None for st, proj in zip(stacks, projected)]
     eigs = _gram_eigh(smalls64)
     done, tables = [], []
-    for st, proj, small64, eig, tile_table in zip(stacks, projected, smalls64, eigs, tile_stats):
-        gA_new, gB_new, energy_kept = _factor_gradients(st, proj, small64, eig)
-        if factors == "chain_rule":
-            gA_new, gB_new = chain_rule_factors(st.A, st.B, gA_new, gB_new, st.scaling.view(-1, 1, 1))
+    for st, proj, small64, eig, tile_table, ops in zip(stacks, projected, smalls64, eigs, tile_stats, operands):
+        if chain_rule:
+            gA_new, gB_new, energy_kept = _chain_rule_gradients(proj, ops, eig)
+        else:
+            gA_new, gB_new, energy_kept = _factor_gradients(st, proj, small64, eig)
         tables.append(torch.cat([tile_table, energy_kept.double().unsqueeze(0)]))
         done.append((st.positions, gA_new, gB_new))
     # one device-to-host copy for all statistics, queued: the caller's host work goes on while

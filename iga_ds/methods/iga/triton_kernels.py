@@ -19,6 +19,8 @@ matrix is stored in whatever dtype ``out`` has (bfloat16 on that path).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from iga_ds.methods.iga import sketch
@@ -42,10 +44,27 @@ FACTOR_DTYPES = {"ieee": torch.float32, "tf32x3": torch.float32, "tf32": torch.f
 # the "gir" statistic, comes from the factors' Grams: iga_ds.methods.iga.fused.mask_scales)
 STAT_SLOTS = 3
 
-# tiles per program of the tile kernel, by precision. bf16: a strip of 16 tiles along a row,
-# 6.82 -> 5.05 ms for 128 LLaMA-2-7B modules on one H100 (docs/results/h100-h200-2026-11-27-evening/);
-# float32 keeps one: its dot inside the loop compiled 27 to 40 times slower there
-STRIP_TILES = {"bf16": 16}
+# tiles per program of the tile kernel, by precision. bf16: a strip of 32 tiles along a row
+# (16: 6.82 -> 5.05 ms for 128 LLaMA-2-7B modules on one H100, docs/results/h100-h200-2026-11-27-evening/;
+# 32 with the left factors loaded once per strip: 3.30 ms, against 3.42 at 16,
+# docs/results/h100-2026-11-28-method/); float32 keeps one: its dot inside the loop compiled
+# 27 to 40 times slower there
+STRIP_TILES = {"bf16": 32}
+
+
+# domains whose left factors the tile kernel can hold for a whole strip (HOIST)
+MAX_HOISTED_DOMAINS = 5
+
+
+def mask_coefficients(mean_var: torch.Tensor, tau: float, num_domains: int, normalize: str) -> torch.Tensor:
+    """Each module's multiplier of N V in the exponent of the kernels' mask:
+    ``exp(-tau V') = exp2(c N V [/ (Gbar^2 + eps)])`` with ``c = -tau log2(e) / N``, divided by
+    the mean of V for ``normalize="mean"`` (0 where that mean is 0: V' is 0 there), float32."""
+    c = -float(tau) * math.log2(math.e) / num_domains
+    if normalize != "mean":
+        return torch.full(mean_var.shape, c, dtype=torch.float32, device=mean_var.device)
+    positive = mean_var > 0
+    return torch.where(positive, c / torch.where(positive, mean_var, 1.0), 0.0).float().contiguous()
 
 
 def strip_tiles(precision: str) -> int:
@@ -79,11 +98,43 @@ if triton is not None:
             return tl.dot(a, b, input_precision=PRECISION)
 
     @triton.jit
-    def _masked_tile(left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, mod, rows, cols,
-                     d_out, d_in, k2, tau, N: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr,
+    def _mask(gbar, var, total, coef_ptr, eps_ptr, mod, NORM: tl.constexpr):
+        """exp(-tau V') of a tile from Gbar and the deviations' sum of squares ``var`` and sum
+        ``total``: N V = var + total^2 (the last deviation is minus the sum of the others).
+        ``coef_ptr`` holds each module's multiplier of N V in base 2 (:func:`mask_coefficients`):
+        one multiply and an exp2 per element, the division only for "snr"."""
+        v = (var + total * total) * tl.load(coef_ptr + mod)
+        if NORM == 2:
+            v = v / (gbar * gbar + tl.load(eps_ptr + mod))
+        return tl.exp2(v)
+
+    @triton.jit
+    def _add_deviation(var, total, lhs, right_dev, mod, n, ks, cols, d_in, k2, N: tl.constexpr,
+                       PRECISION: tl.constexpr):
+        """Deviation n's tile from its left factor (loaded) and its right factor: squared into
+        ``var``, summed into ``total``."""
+        rhs = _load_factor(right_dev + (mod * N + n) * k2 * d_in, ks, cols, k2, d_in, d_in)
+        dev = _dot(lhs, rhs, PRECISION)
+        return var + dev * dev, total + dev
+
+    @triton.jit
+    def _apply_mask(gbar, var, total, coef_ptr, eps_ptr, mod, rows, cols, d_out, d_in, NORM: tl.constexpr,
+                    EVEN: tl.constexpr):
+        """``(Gbar * mask, mask, valid)`` of a tile; ``EVEN``: the tile lies inside the matrix
+        (no element to mask out, no select per element: the kernel's arithmetic is per element)."""
+        mask = _mask(gbar, var, total, coef_ptr, eps_ptr, mod, NORM)
+        valid = (rows[:, None] < d_out) & (cols[None, :] < d_in)
+        if EVEN:
+            masked = gbar * mask
+        else:
+            masked = tl.where(valid, gbar * mask, 0.0)
+        return masked, mask, valid
+
+    @triton.jit
+    def _masked_tile(left_mean, right_mean, left_dev, right_dev, coef_ptr, eps_ptr, mod, rows, cols,
+                     d_out, d_in, k2, N: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr = False):
-        """One BM x BN tile of Gbar * exp(-tau V') and its mask, from the rank-2r factors.
-        ``EVEN``: the tile lies inside the matrix (no element to mask out)."""
+        """One BM x BN tile of Gbar * exp(-tau V') and its mask, from the rank-2r factors."""
         ks = tl.arange(0, KP)  # 2r padded to a power of two >= 16 (tl.dot's minimum); pads load as 0
         lhs = _load_factor(left_mean + mod * d_out * k2, rows, ks, d_out, k2, k2)
         rhs = _load_factor(right_mean + mod * k2 * d_in, ks, cols, k2, d_in, d_in)
@@ -94,28 +145,39 @@ if triton is not None:
         # one product of N + 1 fewer (the products are the kernel's arithmetic)
         for n in tl.static_range(N - 1):
             lhs = _load_factor(left_dev + (mod * N + n) * d_out * k2, rows, ks, d_out, k2, k2)
-            rhs = _load_factor(right_dev + (mod * N + n) * k2 * d_in, ks, cols, k2, d_in, d_in)
-            dev = _dot(lhs, rhs, PRECISION)
-            var += dev * dev
-            total += dev
-        var = (var + total * total) / N
-        if NORM == 0:
-            vn = var
-        elif NORM == 1:
-            scale = tl.load(scale_ptr + mod)
-            vn = tl.where(scale > 0, var / tl.where(scale > 0, scale, 1.0), 0.0)
-        else:
-            vn = var / (gbar * gbar + tl.load(eps_ptr + mod))
-        mask = tl.exp(-tau * vn)
-        valid = (rows[:, None] < d_out) & (cols[None, :] < d_in)
-        if EVEN:  # every element valid: no select per element (the kernel's arithmetic is per element)
-            masked = gbar * mask
-        else:
-            masked = tl.where(valid, gbar * mask, 0.0)
-        return masked, mask, valid
+            var, total = _add_deviation(var, total, lhs, right_dev, mod, n, ks, cols, d_in, k2, N, PRECISION)
+        return _apply_mask(gbar, var, total, coef_ptr, eps_ptr, mod, rows, cols, d_out, d_in, NORM, EVEN)
 
     @triton.jit
-    def _program_tile(left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, d_out, d_in, k2, tau,
+    def _left_deviation(left_dev, mod, n: tl.constexpr, rows, ks, d_out, k2, N: tl.constexpr,
+                        BM: tl.constexpr, KP: tl.constexpr):
+        """Deviation n's left factor on these rows, or zeros past the N - 1 the kernel multiplies
+        (never used, so never computed)."""
+        if n < N - 1:
+            return _load_factor(left_dev + (mod * N + n) * d_out * k2, rows, ks, d_out, k2, k2)
+        else:
+            return tl.zeros((BM, KP), dtype=left_dev.dtype.element_ty)
+
+    @triton.jit
+    def _hoisted_tile(lhs_mean, lhs0, lhs1, lhs2, lhs3, right_mean, right_dev, coef_ptr, eps_ptr, mod, rows, cols,
+                      ks, d_out, d_in, k2, N: tl.constexpr, NORM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      PRECISION: tl.constexpr, EVEN: tl.constexpr):
+        """:func:`_masked_tile` from left factors loaded once per strip (N <= 5)."""
+        gbar = _dot(lhs_mean, _load_factor(right_mean + mod * k2 * d_in, ks, cols, k2, d_in, d_in), PRECISION)
+        var = tl.zeros((BM, BN), dtype=tl.float32)
+        total = tl.zeros((BM, BN), dtype=tl.float32)
+        if N > 1:
+            var, total = _add_deviation(var, total, lhs0, right_dev, mod, 0, ks, cols, d_in, k2, N, PRECISION)
+        if N > 2:
+            var, total = _add_deviation(var, total, lhs1, right_dev, mod, 1, ks, cols, d_in, k2, N, PRECISION)
+        if N > 3:
+            var, total = _add_deviation(var, total, lhs2, right_dev, mod, 2, ks, cols, d_in, k2, N, PRECISION)
+        if N > 4:
+            var, total = _add_deviation(var, total, lhs3, right_dev, mod, 3, ks, cols, d_in, k2, N, PRECISION)
+        return _apply_mask(gbar, var, total, coef_ptr, eps_ptr, mod, rows, cols, d_out, d_in, NORM, EVEN)
+
+    @triton.jit
+    def _program_tile(left_mean, right_mean, left_dev, right_dev, coef_ptr, eps_ptr, d_out, d_in, k2,
                       N: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                       PRECISION: tl.constexpr):
         """This program's tile: grid (row tiles, column tiles, modules)."""
@@ -125,7 +187,7 @@ if triton is not None:
         rows = pid_r * BM + tl.arange(0, BM)
         cols = pid_c * BN + tl.arange(0, BN)
         masked, mask, valid = _masked_tile(
-            left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, mod, rows, cols, d_out, d_in, k2, tau,
+            left_mean, right_mean, left_dev, right_dev, coef_ptr, eps_ptr, mod, rows, cols, d_out, d_in, k2,
             N, NORM, KP, BM, BN, PRECISION)
         return pid_r, pid_c, mod, rows, cols, masked, mask, valid
 
@@ -141,46 +203,67 @@ if triton is not None:
         tl.store(min_ptr + mod * n_tiles + tile, tl.min(tl.min(tl.where(valid, mask, float("inf")), axis=1), axis=0))
 
     @triton.jit
+    def _accumulate_stats(acc_mask, acc_low, acc_min, acc_sq, masked, mask, valid, EVEN: tl.constexpr):
+        """A tile's statistics summed along its rows into the strip's accumulators."""
+        if EVEN:
+            acc_mask += tl.sum(mask, axis=1)
+            acc_low += tl.sum((mask < 0.5).to(tl.float32), axis=1)
+            acc_min = tl.minimum(acc_min, tl.min(mask, axis=1))
+        else:
+            acc_mask += tl.sum(tl.where(valid, mask, 0.0), axis=1)
+            acc_low += tl.sum(tl.where(valid & (mask < 0.5), 1.0, 0.0), axis=1)
+            acc_min = tl.minimum(acc_min, tl.min(tl.where(valid, mask, float("inf")), axis=1))
+        acc_sq += tl.sum(masked * masked, axis=1)
+        return acc_mask, acc_low, acc_min, acc_sq
+
+    @triton.jit
     def _iga_tile_kernel(
-        left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, out_ptr, part_ptr, min_ptr,
-        d_out, d_in, k2, tau,
+        left_mean, right_mean, left_dev, right_dev, coef_ptr, eps_ptr, out_ptr, part_ptr, min_ptr,
+        d_out, d_in, k2,
         N: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
         PRECISION: tl.constexpr, STATS: tl.constexpr = True, COLS: tl.constexpr = 1, EVEN: tl.constexpr = False,
+        HOIST: tl.constexpr = False,
     ):
         """Writes Gbar * mask for a strip of ``COLS`` tiles along a row (the randomized SVD reads
         it afterwards). The statistics are summed along each row of the strip as it goes and
         reduced to one partial sum per program at the end: a reduction across the whole tile
         per tile cost more than the tile's arithmetic. ``STATS`` False skips them
-        (bench/tune_method.py times their cost). ``EVEN``: the strips tile the matrix exactly,
-        so no element is masked out (no compare or select per element)."""
+        (bench/tune_method.py times their cost). ``EVEN``: the strips tile the matrix exactly.
+        ``HOIST`` (N <= 5): the strip's left factors are loaded once, not once per tile (3.78 ->
+        3.30 ms with the folded mask, bf16, 128 LLaMA-2-7B modules on an H100)."""
         pid_r = tl.program_id(0)
         pid_g = tl.program_id(1)
         mod = tl.program_id(2).to(tl.int64)
         rows = pid_r * BM + tl.arange(0, BM)
+        ks = tl.arange(0, KP)
         acc_mask = tl.zeros((BM,), dtype=tl.float32)
         acc_low = tl.zeros((BM,), dtype=tl.float32)
         acc_sq = tl.zeros((BM,), dtype=tl.float32)
         acc_min = tl.full((BM,), float("inf"), dtype=tl.float32)
+        if HOIST:
+            lhs_mean = _load_factor(left_mean + mod * d_out * k2, rows, ks, d_out, k2, k2)
+            lhs0 = _left_deviation(left_dev, mod, 0, rows, ks, d_out, k2, N, BM, KP)
+            lhs1 = _left_deviation(left_dev, mod, 1, rows, ks, d_out, k2, N, BM, KP)
+            lhs2 = _left_deviation(left_dev, mod, 2, rows, ks, d_out, k2, N, BM, KP)
+            lhs3 = _left_deviation(left_dev, mod, 3, rows, ks, d_out, k2, N, BM, KP)
         for c in range(COLS):
             cols = (pid_g * COLS + c) * BN + tl.arange(0, BN)
-            masked, mask, valid = _masked_tile(
-                left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, mod, rows, cols, d_out, d_in, k2,
-                tau, N, NORM, KP, BM, BN, PRECISION, EVEN)
+            if HOIST:
+                masked, mask, valid = _hoisted_tile(
+                    lhs_mean, lhs0, lhs1, lhs2, lhs3, right_mean, right_dev, coef_ptr, eps_ptr, mod, rows, cols, ks,
+                    d_out, d_in, k2, N, NORM, BM, BN, PRECISION, EVEN)
+            else:
+                masked, mask, valid = _masked_tile(
+                    left_mean, right_mean, left_dev, right_dev, coef_ptr, eps_ptr, mod, rows, cols, d_out, d_in,
+                    k2, N, NORM, KP, BM, BN, PRECISION, EVEN)
             target = out_ptr + mod * d_out * d_in + rows[:, None] * d_in + cols[None, :]
             if EVEN:
                 tl.store(target, masked)
             else:
                 tl.store(target, masked, mask=valid)
             if STATS:
-                if EVEN:
-                    acc_mask += tl.sum(mask, axis=1)
-                    acc_low += tl.sum((mask < 0.5).to(tl.float32), axis=1)
-                    acc_min = tl.minimum(acc_min, tl.min(mask, axis=1))
-                else:
-                    acc_mask += tl.sum(tl.where(valid, mask, 0.0), axis=1)
-                    acc_low += tl.sum(tl.where(valid & (mask < 0.5), 1.0, 0.0), axis=1)
-                    acc_min = tl.minimum(acc_min, tl.min(tl.where(valid, mask, float("inf")), axis=1))
-                acc_sq += tl.sum(masked * masked, axis=1)
+                acc_mask, acc_low, acc_min, acc_sq = _accumulate_stats(acc_mask, acc_low, acc_min, acc_sq, masked,
+                                                                       mask, valid, EVEN)
         if STATS:
             program = pid_r * tl.num_programs(1) + pid_g
             n_programs = tl.num_programs(0) * tl.num_programs(1)
@@ -192,8 +275,8 @@ if triton is not None:
 
     @triton.jit
     def _iga_sketch_kernel(
-        left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, omega_ptr, psi_ptr, y_part, w_part,
-        part_ptr, min_ptr, d_out, d_in, k2, width, co_width, tau,
+        left_mean, right_mean, left_dev, right_dev, coef_ptr, eps_ptr, omega_ptr, psi_ptr, y_part, w_part,
+        part_ptr, min_ptr, d_out, d_in, k2, width, co_width,
         N: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
         WP: tl.constexpr, LP: tl.constexpr, PRECISION: tl.constexpr,
     ):
@@ -205,7 +288,7 @@ if triton is not None:
         does not depend on the order programs run in (no atomics).
         """
         pid_r, pid_c, mod, rows, cols, masked, mask, valid = _program_tile(
-            left_mean, right_mean, left_dev, right_dev, scale_ptr, eps_ptr, d_out, d_in, k2, tau,
+            left_mean, right_mean, left_dev, right_dev, coef_ptr, eps_ptr, d_out, d_in, k2,
             N, NORM, KP, BM, BN, PRECISION)
         ws = tl.arange(0, WP)  # width padded to a power of two >= 16; pads load as 0
         omega = _load_factor(omega_ptr + mod * d_in * width, cols, ws, d_in, width, width)
@@ -269,19 +352,20 @@ if triton is not None:
         tl.store(out_ptr + mod * n + e, g, mask=e < n)
 
 
-def launch_tile_kernel(left_mean, right_mean, left_dev, right_dev, scale, eps, out, parts, mins, *, tau,
+def launch_tile_kernel(left_mean, right_mean, left_dev, right_dev, coefficients, eps, out, parts, mins, *,
                        normalize, block_m: int = 64, block_n: int = 64, precision: str = "ieee", num_warps: int = 4,
-                       stats: bool = True, cols: int = 1) -> None:
+                       stats: bool = True, cols: int = 1, hoist: bool = True, num_stages: int | None = None) -> None:
     """The tile kernel alone: writes ``Gbar * exp(-tau V')`` into ``out`` (M x out x in) and, with
     ``stats``, each program's partial sums (mask, mask below 0.5, masked^2) into ``parts``
     (M x programs x :data:`STAT_SLOTS`) and its smallest mask into ``mins`` (M x programs), programs numbered
     row-major; a program covers ``cols`` tiles along a row (:func:`strip_count` per row).
 
-    Inputs as :func:`tile_pass_triton` prepares them: contiguous float32 factors, ``scale`` the
-    mean of V per module (``normalize="mean"``), ``eps`` the floor of the ``"snr"``
-    denominator per module. :func:`tile_pass_triton` is the stage to call; this launch is public
-    so that benchmarks can time the kernel without the allocations, the sketch and the
-    reduction around it, with and without its statistics (``bench/tune_method.py``)."""
+    Inputs as :func:`tile_pass_triton` prepares them: contiguous factors in the precision's
+    dtype, ``coefficients`` from :func:`mask_coefficients`, ``eps`` the floor of the ``"snr"``
+    denominator per module. ``hoist``: a strip of several tiles loads its left factors once
+    (with at most :data:`MAX_HOISTED_DOMAINS` domains). :func:`tile_pass_triton` is the stage
+    to call; this launch is public so that benchmarks can time the kernel without the
+    allocations, the sketch and the reduction around it (``bench/tune_method.py``)."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     M, N, d_out, k2 = left_dev.shape
@@ -289,10 +373,11 @@ def launch_tile_kernel(left_mean, right_mean, left_dev, right_dev, scale, eps, o
     kp = max(16, triton.next_power_of_2(k2))
     grid = (triton.cdiv(d_out, block_m), strip_count(d_in, block_n, cols), M)
     even = d_out % block_m == 0 and d_in % (block_n * cols) == 0
+    extra = {} if num_stages is None else {"num_stages": num_stages}
     _iga_tile_kernel[grid](
-        left_mean, right_mean, left_dev, right_dev, scale, eps, out, parts, mins, d_out, d_in, k2, float(tau),
+        left_mean, right_mean, left_dev, right_dev, coefficients, eps, out, parts, mins, d_out, d_in, k2,
         N=N, NORM=_NORM_CODE[normalize], KP=kp, BM=block_m, BN=block_n, PRECISION=precision, STATS=stats,
-        COLS=cols, EVEN=even, num_warps=num_warps)
+        COLS=cols, EVEN=even, HOIST=hoist and cols > 1 and N <= MAX_HOISTED_DOMAINS, num_warps=num_warps, **extra)
 
 
 def strip_count(d_in: int, block_n: int, cols: int) -> int:
@@ -302,64 +387,75 @@ def strip_count(d_in: int, block_n: int, cols: int) -> int:
 
 def tile_pass_triton(left_mean, right_mean, left_dev, right_dev, omega, *, tau, normalize, mean_var, mean_sq,
                      psi=None, block_m: int = 64, block_n: int = 64, precision: str = "ieee", num_warps: int = 4,
-                     partial_bytes: int = 1 << 30, cols: int | None = None):
+                     partial_bytes: int = 1 << 30, cols: int | None = None, hoist: bool = True):
     """Stage 4 of :mod:`iga_ds.methods.iga.fused` on CUDA, same contract as its PyTorch
     reference :func:`iga_ds.methods.iga.fused.tile_pass_torch`: (masked, or with ``psi`` the
     co-range sketch psi @ masked), first sketch, stats, sum of masked^2. With ``psi`` the
     modules go through the sketching kernel in chunks whose per-tile partial sketches stay
     under ``partial_bytes``. With ``precision="bf16"`` the masked matrices come back in
-    bfloat16 (:func:`masked_dtype`); inputs are float32 whatever the precision. ``cols``: tiles
-    along a row per program of the tile kernel (default :func:`strip_tiles`)."""
+    bfloat16 (:func:`masked_dtype`); the mean's factors come in float32, the deviations' in
+    float32 or already in the precision's dtype. ``cols``: tiles along a row per program of
+    the tile kernel (default :func:`strip_tiles`); ``hoist``: as :func:`launch_tile_kernel`'s."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if left_mean.dtype != torch.float32:
         raise ValueError(f"the Triton tile pass runs in float32, got {left_mean.dtype}")
-    M, N, d_out, k2 = left_dev.shape
+    M, N, d_out, _ = left_dev.shape
     d_in = right_mean.shape[-1]
-    kp = max(16, triton.next_power_of_2(k2))
     cols = strip_tiles(precision) if cols is None else cols
     wanted = FACTOR_DTYPES[precision]
-    left_mean, right_mean, left_dev, right_dev = (
-        t.to(wanted).contiguous() for t in (left_mean, right_mean, left_dev, right_dev))
-    scale = mean_var.float().contiguous()
+    factors = [t.to(wanted).contiguous() for t in (left_mean, right_mean, left_dev, right_dev)]
+    coefficients = mask_coefficients(mean_var, tau, N, normalize)
     eps = (SNR_EPS * mean_sq + torch.finfo(torch.float32).tiny).float().contiguous()
     device = left_mean.device
-    rows_t, cols_t = triton.cdiv(d_out, block_m), triton.cdiv(d_in, block_n)
     # one partial sum per program: per tile for the sketching kernel, per strip for the tile kernel
-    n_tiles = rows_t * (cols_t if psi is not None else strip_count(d_in, block_n, cols))
+    n_tiles = triton.cdiv(d_out, block_m) * (
+        triton.cdiv(d_in, block_n) if psi is not None else strip_count(d_in, block_n, cols))
     parts = torch.empty(M, n_tiles, STAT_SLOTS, dtype=torch.float32, device=device)
     mins = torch.empty(M, n_tiles, dtype=torch.float32, device=device)
-    consts = dict(N=N, NORM=_NORM_CODE[normalize], KP=kp, BM=block_m, BN=block_n, PRECISION=precision,
-                  num_warps=num_warps)
+    blocks = dict(block_m=block_m, block_n=block_n, precision=precision, num_warps=num_warps)
     if psi is None:
         masked = torch.empty(M, d_out, d_in, dtype=masked_dtype(precision), device=device)
-        launch_tile_kernel(left_mean, right_mean, left_dev, right_dev, scale, eps, masked, parts, mins, tau=tau,
-                           normalize=normalize, block_m=block_m, block_n=block_n, precision=precision,
-                           num_warps=num_warps, cols=cols)
+        launch_tile_kernel(*factors, coefficients, eps, masked, parts, mins, normalize=normalize, cols=cols,
+                           hoist=hoist, **blocks)
         first, omega = masked, omega.to(masked.dtype)
         sketch = skinny_product(masked, omega) if masked.dtype in SKINNY_DTYPES else torch.bmm(masked, omega).float()
     else:
-        width, co_width = omega.shape[-1], psi.shape[1]
-        omega, psi = omega.float().contiguous(), psi.float().contiguous()
-        sketch = torch.empty(M, d_out, width, dtype=torch.float32, device=device)
-        first = torch.empty(M, co_width, d_in, dtype=torch.float32, device=device)
-        per_module = 4 * (cols_t * d_out * width + rows_t * co_width * d_in)
-        chunk = max(1, partial_bytes // per_module)
-        for lo in range(0, M, chunk):
-            hi = min(M, lo + chunk)
-            y_part = torch.empty(hi - lo, cols_t, d_out, width, dtype=torch.float32, device=device)
-            w_part = torch.empty(hi - lo, rows_t, co_width, d_in, dtype=torch.float32, device=device)
-            _iga_sketch_kernel[(rows_t, cols_t, hi - lo)](
-                left_mean[lo:hi], right_mean[lo:hi], left_dev[lo:hi], right_dev[lo:hi], scale[lo:hi], eps[lo:hi],
-                omega[lo:hi], psi[lo:hi], y_part, w_part, parts[lo:hi], mins[lo:hi],
-                d_out, d_in, k2, width, co_width, float(tau),
-                WP=max(16, triton.next_power_of_2(width)), LP=max(16, triton.next_power_of_2(co_width)), **consts)
-            torch.sum(y_part, dim=1, out=sketch[lo:hi])
-            torch.sum(w_part, dim=1, out=first[lo:hi])
+        first, sketch = _sketch_pass(factors, coefficients, eps, omega, psi, parts, mins, normalize=normalize,
+                                     partial_bytes=partial_bytes, **blocks)
     stats, energy = _reduce_tile_stats(parts, mins, d_out * d_in)
     return first, sketch, stats, energy
+
+
+def _sketch_pass(factors, coefficients, eps, omega, psi, parts, mins, *, normalize, partial_bytes, block_m, block_n,
+                 precision, num_warps):
+    """The sketching kernel (single pass) over the modules in chunks: ``(psi @ masked, masked @ omega)``."""
+    left_mean, right_mean, left_dev, right_dev = factors
+    M, N, d_out, k2 = left_dev.shape
+    d_in = right_mean.shape[-1]
+    rows_t, cols_t = triton.cdiv(d_out, block_m), triton.cdiv(d_in, block_n)
+    width, co_width = omega.shape[-1], psi.shape[1]
+    omega, psi = omega.float().contiguous(), psi.float().contiguous()
+    device = left_mean.device
+    sketch = torch.empty(M, d_out, width, dtype=torch.float32, device=device)
+    co_sketch = torch.empty(M, co_width, d_in, dtype=torch.float32, device=device)
+    per_module = 4 * (cols_t * d_out * width + rows_t * co_width * d_in)
+    chunk = max(1, partial_bytes // per_module)
+    for lo in range(0, M, chunk):
+        hi = min(M, lo + chunk)
+        y_part = torch.empty(hi - lo, cols_t, d_out, width, dtype=torch.float32, device=device)
+        w_part = torch.empty(hi - lo, rows_t, co_width, d_in, dtype=torch.float32, device=device)
+        _iga_sketch_kernel[(rows_t, cols_t, hi - lo)](
+            left_mean[lo:hi], right_mean[lo:hi], left_dev[lo:hi], right_dev[lo:hi], coefficients[lo:hi], eps[lo:hi],
+            omega[lo:hi], psi[lo:hi], y_part, w_part, parts[lo:hi], mins[lo:hi], d_out, d_in, k2, width, co_width,
+            N=N, NORM=_NORM_CODE[normalize], KP=max(16, triton.next_power_of_2(k2)), BM=block_m, BN=block_n,
+            WP=max(16, triton.next_power_of_2(width)), LP=max(16, triton.next_power_of_2(co_width)),
+            PRECISION=precision, num_warps=num_warps)
+        torch.sum(y_part, dim=1, out=sketch[lo:hi])
+        torch.sum(w_part, dim=1, out=co_sketch[lo:hi])
+    return co_sketch, sketch
 
 
 # the masked matrices' dtypes whose products with skinny factors go through skinny_product
