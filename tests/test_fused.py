@@ -398,6 +398,34 @@ def _triton_tile_pass_matches_torch() -> None:
         _tile_passes_agree(strips[::2], close=1e-6, close_stored=1e-6, block=32, cols=3, domains=domains)
     _skinny_products_agree("cpu", torch.float32, blocks=(16, 32, 4, 2))
     _gaussian_draws_agree("cpu")
+    _factor_kernels_agree("cpu", torch.float32)
+
+
+def _factor_kernels_agree(device: str, dev_dtype) -> None:
+    """The factor kernels against :func:`stack_factors` (the obvious form, itself held to the
+    concatenated definition): modules laid out one after another in one buffer as the hook
+    lays them (stacks with a module stride larger than a module), ranks that are not powers of
+    two, rows and columns that leave part of a block over, 2 to 5 domains. The deviations
+    exactly as stack_factors rounds them, up to the last bit of the mean (summation order)."""
+    from iga_ds.methods.iga import fused, triton_kernels
+
+    for N, r, d_in, d_out in ((4, 4, 70, 90), (2, 3, 64, 64), (5, 16, 130, 33)):
+        mods = [make_module(i, N=N, r=r, d_in=d_in, d_out=d_out, dtype=torch.float32, scaling=0.5 + i)
+                for i in range(3)]
+        parts = [t for m in mods for t in (m.A, m.B, m.gA, m.gB)]
+        flat = torch.cat([t.flatten() for t in parts]).to(device)
+        views = [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in parts]), parts)]
+        laid = [ModuleGrads(m.name, m.index, *views[4 * i: 4 * i + 4], m.scaling) for i, m in enumerate(mods)]
+        st = fused.stack_modules(laid, generators(laid), 1 << 30)[0]
+        assert st.gA.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()  # views, not copies
+        want = fused.stack_factors(st, dev_dtype)
+        got = triton_kernels.stack_factors_triton(st.A, st.B, st.gA, st.gB, st.scaling, dev_dtype, block=32)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            # a last-bit difference of the mean is relative to the gradients, not to their
+            # deviation (which cancels); bf16 may then round the other way
+            tol = 2 ** -7 if w.dtype == torch.bfloat16 else 1e-6
+            torch.testing.assert_close(g.double(), w.double(), rtol=tol, atol=tol * float(w.abs().max()))
 
 
 def _gaussian_draws_agree(device: str) -> None:
@@ -487,6 +515,13 @@ def test_bf16_kernel_matches_torch_bf16_tile_pass():
              ("none", 1e8, "bf16", (16, 256, 256)), ("mean", 0.5, "bf16", (8, 1100, 72)),
              ("snr", 0.5, "bf16", (16, 1024, 128))]
     _tile_passes_agree(cases, close=1e-2, close_stored=5e-3, block=64, device="cuda", stats_rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dev_dtype", [torch.float32, torch.bfloat16])
+def test_factor_kernels_match_stack_factors(dev_dtype):
+    _factor_kernels_agree("cuda", dev_dtype)
 
 
 @pytest.mark.gpu
@@ -773,6 +808,9 @@ def test_factors_against_their_concatenated_definition_and_bf16_rounding():
     torch.testing.assert_close(narrow[0], upcast[0], rtol=1e-6, atol=0)  # float32 Grams of the same factors
     assert 0 < (narrow[0] - exact[0]).abs().max() / exact[0].abs().max() < 2 ** -8
     assert torch.equal(narrow[1], exact[1])  # the mean's Grams: float64 of the float32 factors
+    loose = fused.mask_scales(*low, 48 * 40, exact_var=False, exact_mean=False)  # float32 Grams of them
+    torch.testing.assert_close(loose[1], exact[1], rtol=1e-5, atol=0)
+    assert torch.equal(loose[0], narrow[0])
 
 
 def test_equally_spaced_pieces_of_one_buffer_stack_without_a_copy():

@@ -492,20 +492,18 @@ class PhaseClock:
 
 def _finite_flag(tensors: list[torch.Tensor], device) -> torch.Tensor:
     """A device flag, true when every element of every tensor is finite, without waiting for
-    the device. Tensors that are views tiling one base (a batched method's per-module results
-    are views of a few stacks) are checked through their base: a few kernels, not one per
-    tensor."""
-    groups: dict[int, list] = {}
-    for t in tensors:
-        base = t if t._base is None else t._base
-        entry = groups.setdefault(id(base), [base, 0, []])
-        entry[1] += t.numel()
-        entry[2].append(t)
-    checks = []
-    for base, covered, views in groups.values():
-        checks += [base] if covered == base.numel() else views
-    if not checks:
+    the device. Tensors that are views tiling their bases (a batched method's per-module
+    results are views of a few stacks) are checked through those bases: a few kernels, not one
+    per tensor; and few host operations per tensor, as this runs while the device waits."""
+    if not tensors:
         return torch.ones((), dtype=torch.bool, device=device)
+    bases = [t._base for t in tensors]
+    unique = {id(b): b for b in bases}
+    checks = list(tensors)
+    if id(None) not in unique:  # every tensor a view
+        covered = sum(t.numel() for t in tensors)
+        if covered == sum(b.numel() for b in unique.values()):
+            checks = list(unique.values())
     # the total 2-norm is finite exactly when every element is (short of float32 overflow of
     # the sum of squares, at values above about 1e19)
     return torch.isfinite(torch.stack(torch._foreach_norm(checks))).all()

@@ -123,11 +123,22 @@ class StatsTable:
 
     The copy is queued without waiting for the device (into pinned memory, on CUDA); the host
     waits for it only when a value is first read. The engine hook reads them after the
-    optimizer step has been queued, so the device is never left idle for them."""
+    optimizer step has been queued, so the device is never left idle for them.
+    ``send=False``: the table's values are still being written (its columns can be handed out
+    already); :meth:`send` queues the copy once they are."""
 
-    def __init__(self, keys: Sequence[str], table: torch.Tensor):
+    def __init__(self, keys: Sequence[str], table: torch.Tensor, send: bool = True):
         self.keys = list(keys)
+        self._table = table
         self._ready = None
+        self._host: torch.Tensor | None = None
+        self._rows: list[list[float]] | None = None
+        if send:
+            self.send()
+
+    def send(self) -> None:
+        """Queue the copy of the table to the host (once its values are all written)."""
+        table = self._table
         if table.device.type == "cuda":
             self._host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
             self._host.copy_(table, non_blocking=True)
@@ -135,13 +146,15 @@ class StatsTable:
             self._ready.record()
         else:  # on the CPU already, or a device without pinned copies: a plain copy
             self._host = table.cpu()
-        self._rows: list[list[float]] | None = None
+        self._table = None
 
     def column(self, index: int) -> "PendingStats":
         """One module's statistics, read when first used."""
         return PendingStats(self, index)
 
     def values(self, index: int) -> dict[str, float]:
+        if self._host is None:
+            raise RuntimeError("statistics read before their table was sent to the host")
         if self._rows is None:
             if self._ready is not None:
                 self._ready.synchronize()

@@ -246,17 +246,20 @@ def stack_factors(st: Stack, dev_dtype: torch.dtype | None = None):
     return left_mean, right_mean, left_dev, right_dev
 
 
-def mask_scales(left_mean, right_mean, left_dev, right_dev, numel: int, exact_var: bool = True):
+def mask_scales(left_mean, right_mean, left_dev, right_dev, numel: int, exact_var: bool = True,
+                exact_mean: bool = True):
     """Stage 3: per-module scalars the mask needs before the tile pass, float64, from r x r
     Grams of the factors of :func:`stack_factors`: ``(mean of V, mean of Gbar^2)`` over the
     ``numel`` (out x in) elements. ``exact_var=False`` takes the deviations' Grams in their own
     dtype: enough where the mean of V scales no mask (normalize "snr" or "none") and only gives
     the ``gir`` statistic, and it spares float64 copies of the N deviation factors (about 0.7
-    ms of device time for 128 LLaMA-2-7B modules on an H100). The mean's Grams stay float64: "snr"
-    takes its floor from them."""
+    ms of device time for 128 LLaMA-2-7B modules on an H100). ``exact_mean=False`` likewise for
+    the mean's Grams, whose mean of Gbar^2 sets the "snr" floor: the float32 path keeps them in
+    float64 (where the mask is tiny the exponent amplifies the floor's rounding, 44 times at a
+    mask of 6e-20), bf16's rounding of the factors is a thousand times coarser than float32's."""
     N = left_dev.shape[1]
     mean_var = _frobenius_sq(left_dev, right_dev, wide=exact_var).sum(dim=1) / (N * numel)
-    mean_sq = _frobenius_sq(left_mean, right_mean) / numel
+    mean_sq = _frobenius_sq(left_mean, right_mean, wide=exact_mean) / numel
     return mean_var, mean_sq
 
 
@@ -516,9 +519,14 @@ def project_stack(st: Stack, *, tau, normalize, rank, oversample, power_iters, t
     # the bf16 kernel reads bfloat16 factors; "mean" scales the mask by the mean of V, whose
     # Grams want the factors in full precision
     low = use_triton and triton_precision == "bf16" and normalize != "mean"
-    left_mean, right_mean, left_dev, right_dev = stack_factors(st, torch.bfloat16 if low else None)
+    dev_dtype = torch.bfloat16 if low else None
+    if use_triton and triton_kernels.factors_fit(st.A, st.B, st.gA, st.gB):
+        factors = triton_kernels.stack_factors_triton(st.A, st.B, st.gA, st.gB, st.scaling, dev_dtype or dtype)
+    else:
+        factors = stack_factors(st, dev_dtype)
+    left_mean, right_mean, left_dev, right_dev = factors
     mean_var, mean_sq = mask_scales(left_mean, right_mean, left_dev, right_dev, d_out * d_in,
-                                    exact_var=normalize == "mean")
+                                    exact_var=normalize == "mean", exact_mean=not low)
     omega, psi = _draw_sketches(st.generators, d_in, width, dtype, device, d_out, co_width)
     kwargs = dict(tau=tau, normalize=normalize, mean_var=mean_var, mean_sq=mean_sq, psi=psi,
                   precision=triton_precision)
@@ -564,20 +572,28 @@ def _chain_rule_operands(st: Stack, proj: Projected):
     return (st.B.mT @ proj.Q) * s, (small @ st.A.mT) * s, small
 
 
-def _chain_rule_gradients(proj: Projected, operands, eig):
-    """``(gA_new, gB_new, energy_kept)`` of a stack by the chain rule, from the projector onto
-    the top eigenvectors W of small's Gram: the rank-k truncation is
+def _chain_rule_gradients(proj: Projected, operands, eig, gA_out: torch.Tensor, gB_out: torch.Tensor):
+    """A stack's factor gradients by the chain rule, written into ``gA_out`` and ``gB_out``, from
+    the projector onto the top eigenvectors W of small's Gram: the rank-k truncation is
     ``g~ = U S Vh = Q W W^T small``, so ``dA = s B^T g~ = (s B^T Q)(W W^T) small`` and
     ``dB = s g~ A^T = Q (W W^T)(s small A^T)``. Same result as the SVD split mapped by
     :func:`iga_ds.methods.iga.reference.chain_rule_factors`, in a third of the operators: after
-    the eigendecomposition the device waits for each launch."""
+    the eigendecomposition the device waits for each launch. Returns the kept energy."""
     left, right, small = operands
     evals, evecs = eig
     top = evecs[..., -proj.rank:]  # ascending order: the last k; W W^T does not depend on order or signs
     projector = (top @ top.mT).to(small.dtype)
-    gA_new = (left @ projector) @ small
-    gB_new = proj.Q @ (projector @ right)
-    return gA_new, gB_new, _energy_kept(proj, evals)
+    _product_into(left @ projector, small, gA_out)
+    _product_into(proj.Q, projector @ right, gB_out)
+    return _energy_kept(proj, evals)
+
+
+def _product_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = a @ b``, written in place (cast where ``out`` has another dtype)."""
+    if out.dtype == a.dtype:
+        torch.matmul(a, b, out=out)
+    else:
+        out.copy_(a @ b)
 
 
 def _energy_kept(proj: Projected, evals: torch.Tensor) -> torch.Tensor:
@@ -644,52 +660,58 @@ def batched_iga(
             power_iters=int(power_iters), tile_elements=int(tile_elements), use_triton=triton_ok,
             triton_precision=triton_precision, svd=svd,
         ))
-    done, table = _finish_stacks(stacks, projected, factors)
-    return _in_caller_order(modules, done, table)
+    return _finish_stacks(modules, stacks, projected, factors)
 
 
-def _finish_stacks(stacks: Sequence[Stack], projected: Sequence[Projected], factors: str):
-    """The small SVDs and the factor gradients of every stack, and all statistics in one
-    :class:`iga_ds.methods.base.StatsTable`: ``(done, table)``, ``done`` one
-    ``(positions, gA_new, gB_new)`` per stack, column j of ``table`` the j-th module's in stack
-    order."""
-    # queued before the eigendecompositions, which wait for the device: less for the host to
-    # issue afterwards, while the device idles
+def _finish_stacks(modules: Sequence[ModuleGrads], stacks: Sequence[Stack], projected: Sequence[Projected],
+                   factors: str) -> list:
+    """The small SVDs and the factor gradients of every stack: one ``(gA_new, gB_new, stats)``
+    per module in the caller's order, each in its module's dtype, ``stats`` a column of one
+    :class:`iga_ds.methods.base.StatsTable` for all modules (read when first used).
+
+    The eigendecomposition waits for the device, which then waits for each launch the host
+    issues: so everything that does not need its result (the small matrices in float64, the
+    chain rule's products, the results' storage and per-module views, the statistics' table)
+    is issued or built before it."""
     smalls64 = [proj.small.double() for proj in projected]
-    tile_stats = [torch.stack([value.double() for value in proj.stats.values()]) for proj in projected]
-    keys = [*projected[0].stats, "energy_kept"] if projected else []
     chain_rule = factors == "chain_rule"
     operands = [_chain_rule_operands(st, proj) if chain_rule else None for st, proj in zip(stacks, projected)]
+    device = modules[0].gA.device if modules else torch.device("cpu")
+    keys = [*projected[0].stats, "energy_kept"] if projected else []
+    values = torch.empty(len(keys), len(modules), dtype=torch.float64, device=device)
+    outputs, start = [], 0
+    for st, proj in zip(stacks, projected):
+        M, _, r, d_in = st.gA.shape
+        dtype = modules[st.positions[0]].gA.dtype  # a stack holds modules of one dtype
+        outputs.append((start, st.A.new_empty((M, r, d_in), dtype=dtype),
+                        st.B.new_empty((M, st.B.shape[1], r), dtype=dtype)))
+        values[:-1, start: start + M].copy_(torch.stack([v.double() for v in proj.stats.values()]))
+        start += M
+    table = StatsTable(keys, values, send=False)
+    results = _in_caller_order(modules, stacks, outputs, table)
     eigs = _gram_eigh(smalls64)
-    done, tables = [], []
-    for st, proj, small64, eig, tile_table, ops in zip(stacks, projected, smalls64, eigs, tile_stats, operands):
+    for st, proj, small64, eig, ops, (start, gA_out, gB_out) in zip(stacks, projected, smalls64, eigs, operands,
+                                                                    outputs):
         if chain_rule:
-            gA_new, gB_new, energy_kept = _chain_rule_gradients(proj, ops, eig)
+            energy_kept = _chain_rule_gradients(proj, ops, eig, gA_out, gB_out)
         else:
             gA_new, gB_new, energy_kept = _factor_gradients(st, proj, small64, eig)
-        tables.append(torch.cat([tile_table, energy_kept.double().unsqueeze(0)]))
-        done.append((st.positions, gA_new, gB_new))
-    # one device-to-host copy for all statistics, queued: the caller's host work goes on while
-    # it runs, and the host waits for it only where a value is read
-    table = StatsTable(keys, torch.cat(tables, dim=1)) if tables else None
-    return done, table
+            gA_out.copy_(gA_new)
+            gB_out.copy_(gB_new)
+        values[-1, start: start + len(st.positions)].copy_(energy_kept)
+    if modules:
+        table.send()
+    return results
 
 
-def _in_caller_order(modules: Sequence[ModuleGrads], done, table: StatsTable | None) -> list:
-    """One ``(gA_new, gB_new, stats)`` per module in the caller's order, each in its module's
-    dtype, ``stats`` a column of ``table`` (read when first used)."""
+def _in_caller_order(modules: Sequence[ModuleGrads], stacks: Sequence[Stack], outputs, table: StatsTable) -> list:
+    """One ``(gA_new, gB_new, stats)`` per module in the caller's order: views of the stacks'
+    result buffers ``outputs`` (``(first column, gA, gB)`` per stack) and columns of ``table``."""
     results: list = [None] * len(modules)
-    column = 0
-    # runs while the device may wait for the host (after the eigendecomposition's wait): one
-    # unbind per stack, not one indexing operator per module, and no cast where the dtype is
-    # already right
-    for positions, gA_new, gB_new in done:
-        dtype = modules[positions[0]].gA.dtype  # a stack holds modules of one dtype
-        if gA_new.dtype != dtype:
-            gA_new, gB_new = gA_new.to(dtype), gB_new.to(dtype)
-        for pos, gA, gB in zip(positions, gA_new.unbind(0), gB_new.unbind(0)):
+    # one unbind per stack, not one indexing operator per module
+    for st, (start, gA_out, gB_out) in zip(stacks, outputs):
+        for column, (pos, gA, gB) in enumerate(zip(st.positions, gA_out.unbind(0), gB_out.unbind(0)), start):
             results[pos] = (gA, gB, table.column(column))
-            column += 1
     return results
 
 

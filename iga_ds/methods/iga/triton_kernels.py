@@ -308,6 +308,59 @@ if triton is not None:
 
 
     @triton.jit
+    def _left_factors_kernel(gB, B, scaling, left_mean, left_dev, d_out, r, stride_gB, stride_B,
+                             N: tl.constexpr, RP: tl.constexpr, BR: tl.constexpr):
+        """BR rows of one module's left factors, as :func:`iga_ds.methods.iga.fused.stack_factors`
+        forms them: ``left_mean = [mean_n gB[n], B] s`` (float32) and ``left_dev[n] =
+        [(gB[n] - mean) s, B s]`` (in ``left_dev``'s dtype), gB read once more from cache."""
+        mod = tl.program_id(1).to(tl.int64)
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        cs = tl.arange(0, RP)
+        inside = (rows[:, None] < d_out) & (cs[None, :] < r)
+        at = rows[:, None] * r + cs[None, :]
+        s = tl.load(scaling + mod)
+        total = tl.zeros((BR, RP), dtype=tl.float32)
+        for n in tl.static_range(N):
+            total += tl.load(gB + mod * stride_gB + n * d_out * r + at, mask=inside, other=0.0)
+        mean = total / N
+        b = tl.load(B + mod * stride_B + at, mask=inside, other=0.0) * s
+        k2 = 2 * r
+        out = rows[:, None] * k2 + cs[None, :]
+        tl.store(left_mean + mod * d_out * k2 + out, mean * s, mask=inside)
+        tl.store(left_mean + mod * d_out * k2 + out + r, b, mask=inside)
+        dev_type = left_dev.dtype.element_ty
+        for n in tl.static_range(N):
+            g = tl.load(gB + mod * stride_gB + n * d_out * r + at, mask=inside, other=0.0)
+            base = left_dev + (mod * N + n) * d_out * k2 + out
+            tl.store(base, ((g - mean) * s).to(dev_type), mask=inside)
+            tl.store(base + r, b.to(dev_type), mask=inside)
+
+    @triton.jit
+    def _right_factors_kernel(gA, A, right_mean, right_dev, d_in, r, stride_gA, stride_A,
+                              N: tl.constexpr, RP: tl.constexpr, BC: tl.constexpr):
+        """BC columns of one module's right factors: ``right_mean = [A; mean_n gA[n]]`` (float32)
+        and ``right_dev[n] = [A; gA[n] - mean]`` (in ``right_dev``'s dtype)."""
+        mod = tl.program_id(1).to(tl.int64)
+        cols = tl.program_id(0) * BC + tl.arange(0, BC)
+        ks = tl.arange(0, RP)
+        inside = (ks[:, None] < r) & (cols[None, :] < d_in)
+        at = ks[:, None] * d_in + cols[None, :]
+        total = tl.zeros((RP, BC), dtype=tl.float32)
+        for n in tl.static_range(N):
+            total += tl.load(gA + mod * stride_gA + n * r * d_in + at, mask=inside, other=0.0)
+        mean = total / N
+        a = tl.load(A + mod * stride_A + at, mask=inside, other=0.0)
+        k2 = 2 * r
+        tl.store(right_mean + mod * k2 * d_in + at, a, mask=inside)
+        tl.store(right_mean + mod * k2 * d_in + r * d_in + at, mean, mask=inside)
+        dev_type = right_dev.dtype.element_ty
+        for n in tl.static_range(N):
+            g = tl.load(gA + mod * stride_gA + n * r * d_in + at, mask=inside, other=0.0)
+            base = right_dev + (mod * N + n) * k2 * d_in + at
+            tl.store(base, a.to(dev_type), mask=inside)
+            tl.store(base + r * d_in, (g - mean).to(dev_type), mask=inside)
+
+    @triton.jit
     def _skinny_kernel(m_ptr, x_ptr, y_ptr, n_rows, n_cols, k, TRANSPOSE: tl.constexpr, BR: tl.constexpr,
                        BK: tl.constexpr, KP: tl.constexpr, PRECISION: tl.constexpr):
         """BR rows of Y = M @ X (M n_rows x n_cols, X n_cols x k) or, with TRANSPOSE, of
@@ -456,6 +509,35 @@ def _sketch_pass(factors, coefficients, eps, omega, psi, parts, mins, *, normali
         torch.sum(y_part, dim=1, out=sketch[lo:hi])
         torch.sum(w_part, dim=1, out=co_sketch[lo:hi])
     return co_sketch, sketch
+
+
+def factors_fit(A: torch.Tensor, B: torch.Tensor, gA: torch.Tensor, gB: torch.Tensor) -> bool:
+    """Whether :func:`stack_factors_triton` takes these stacks: float32 on CUDA, each module's
+    tensors contiguous (the stacks may be spaced views of one buffer)."""
+    return (triton is not None and all(t.is_cuda and t.dtype == torch.float32 for t in (A, B, gA, gB))
+            and all(t[0].is_contiguous() for t in (A, B, gA, gB)))
+
+
+def stack_factors_triton(A, B, gA, gB, scaling, dev_dtype: torch.dtype = torch.float32, *, block: int = 64):
+    """:func:`iga_ds.methods.iga.fused.stack_factors` in two kernels (the left factors, the
+    right ones) that read the gradients once and write each factor once, in ``dev_dtype`` for
+    the deviations: same values (the mean may differ in its last bit by summation order).
+    Stacks as :class:`iga_ds.methods.iga.fused.Stack` holds them (:func:`factors_fit`)."""
+    M, N, r, d_in = gA.shape
+    d_out = B.shape[1]
+    device = A.device
+    left_mean = torch.empty(M, d_out, 2 * r, dtype=torch.float32, device=device)
+    right_mean = torch.empty(M, 2 * r, d_in, dtype=torch.float32, device=device)
+    left_dev = torch.empty(M, N, d_out, 2 * r, dtype=dev_dtype, device=device)
+    right_dev = torch.empty(M, N, 2 * r, d_in, dtype=dev_dtype, device=device)
+    if M:
+        rp = triton.next_power_of_2(r)
+        _left_factors_kernel[(triton.cdiv(d_out, block), M)](
+            gB, B, scaling.float().contiguous(), left_mean, left_dev, d_out, r, gB.stride(0), B.stride(0),
+            N=N, RP=rp, BR=block)
+        _right_factors_kernel[(triton.cdiv(d_in, block), M)](
+            gA, A, right_mean, right_dev, d_in, r, gA.stride(0), A.stride(0), N=N, RP=rp, BC=block)
+    return left_mean, right_mean, left_dev, right_dev
 
 
 # the masked matrices' dtypes whose products with skinny factors go through skinny_product
