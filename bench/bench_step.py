@@ -192,6 +192,7 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
     for step in tqdm(range(args.warmup + args.steps), desc=method, disable=rank != 0):
         if step == args.warmup and cuda:
             torch.cuda.reset_peak_memory_stats(device)
+            allocs_before = allocator_calls(device)
         synchronize(device)
         t0 = time.perf_counter()
         clock = PhaseClock(device)
@@ -207,6 +208,9 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
             stats = hook.pop_stats()
             hook_stats.append({k: stats.get(k, 0.0) for k in ("time/comm_s", "time/method_s", "time/boundary_s")})
     steady_peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+    # memory the caching allocator had to take from the driver (or free and retry for) during
+    # the timed steps: each such call waits for the device
+    allocs = [after - before for after, before in zip(allocator_calls(device), allocs_before)] if cuda else None
     # the whole run's peak (model build included) is not resettable back; report steady-state peak
     peak = torch.tensor([float(steady_peak)], device=device)
     if world > 1:
@@ -228,6 +232,8 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
         "comm_ms": 1e3 * statistics.median(s["time/comm_s"] for s in hook_stats),
         "trainable_params": sum(p.numel() for p in params),
         "fused_gradient_checks": hook.fused_checks,
+        "device_allocs_per_step": allocs[0] / args.steps if cuda else None,
+        "alloc_retries": allocs[1] if cuda else None,
     }
     if args.profile:  # after the timed steps and the peak-memory reading: neither sees the profiler
         summary = profile_steps(one_step, args.warmup + args.steps, args, method, rank, device)
@@ -239,6 +245,13 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
     if cuda:
         torch.cuda.empty_cache()
     return result
+
+
+def allocator_calls(device) -> tuple[int, int]:
+    """The caching allocator's calls to the driver for memory so far, and its retries after
+    freeing its cache (torch.cuda.memory_stats)."""
+    stats = torch.cuda.memory_stats(device)
+    return int(stats.get("num_device_alloc", 0)), int(stats.get("num_alloc_retries", 0))
 
 
 def profile_steps(one_step, first_step: int, args, method: str, rank: int, device) -> dict:
@@ -410,6 +423,10 @@ def print_table(report: dict) -> None:
     print("capture: IGA's forward+backward phase - ERM's; other: IGA's boundary - ERM's - method - communication. "
           "Targets on one H100: step x <= 1.03, peak x <= 1.03, method <= 15 ms, other <= 3 ms.")
     for r in report["results"]:
+        if r.get("device_allocs_per_step") is not None:
+            print(f"{r['method']}: {r['device_allocs_per_step']:g} device allocations per timed step (most of "
+                  f"any round), {r['alloc_retries']} allocator retries")
+    for r in report["results"]:
         if "rounds" in r:
             print(f"{r['method']}: median step per round {', '.join(f'{t:.1f}' for t in r['rounds'])} ms "
                   "(rounds alternate the order of the methods)")
@@ -481,6 +498,9 @@ def pool_rounds(rounds: list[list[dict]], methods: list[str]) -> list[dict]:
             comm_ms=statistics.median(r["comm_ms"] for r in runs),
             rounds=[r["step_ms"] for r in runs], **phases,
         )
+        if all(r.get("device_allocs_per_step") is not None for r in runs):
+            merged.update(device_allocs_per_step=max(r["device_allocs_per_step"] for r in runs),
+                          alloc_retries=sum(r["alloc_retries"] for r in runs))
         pooled.append(merged)
     return pooled
 
