@@ -250,17 +250,24 @@ def mask_scales(left_mean, right_mean, left_dev, right_dev, numel: int, exact_va
                 exact_mean: bool = True):
     """Stage 3: per-module scalars the mask needs before the tile pass, float64, from r x r
     Grams of the factors of :func:`stack_factors`: ``(mean of V, mean of Gbar^2)`` over the
-    ``numel`` (out x in) elements. ``exact_var=False`` takes the deviations' Grams in their own
+    ``numel`` (out x in) elements (:func:`mean_variance`, :func:`mean_square`)."""
+    return mean_variance(left_dev, right_dev, numel, exact_var), mean_square(left_mean, right_mean, numel, exact_mean)
+
+
+def mean_variance(left_dev, right_dev, numel: int, exact: bool = True) -> torch.Tensor:
+    """The mean of V per module, float64. ``exact=False`` takes the deviations' Grams in their own
     dtype: enough where the mean of V scales no mask (normalize "snr" or "none") and only gives
     the ``gir`` statistic, and it spares float64 copies of the N deviation factors (about 0.7
-    ms of device time for 128 LLaMA-2-7B modules on an H100). ``exact_mean=False`` likewise for
-    the mean's Grams, whose mean of Gbar^2 sets the "snr" floor: the float32 path keeps them in
-    float64 (where the mask is tiny the exponent amplifies the floor's rounding, 44 times at a
-    mask of 6e-20), bf16's rounding of the factors is a thousand times coarser than float32's."""
-    N = left_dev.shape[1]
-    mean_var = _frobenius_sq(left_dev, right_dev, wide=exact_var).sum(dim=1) / (N * numel)
-    mean_sq = _frobenius_sq(left_mean, right_mean, wide=exact_mean) / numel
-    return mean_var, mean_sq
+    ms of device time for 128 LLaMA-2-7B modules on an H100)."""
+    return _frobenius_sq(left_dev, right_dev, wide=exact).sum(dim=1) / (left_dev.shape[1] * numel)
+
+
+def mean_square(left_mean, right_mean, numel: int, exact: bool = True) -> torch.Tensor:
+    """The mean of Gbar^2 per module, float64: it sets the "snr" floor. ``exact=False`` takes
+    the Grams in float32: the float32 path keeps them in float64 (where the mask is tiny the
+    exponent amplifies the floor's rounding, 44 times at a mask of 6e-20), bf16's rounding of
+    the factors is a thousand times coarser than float32's."""
+    return _frobenius_sq(left_mean, right_mean, wide=exact) / numel
 
 
 def _masked_tile(G, var, normalize, tau, mean_var, mean_sq, dtype):
@@ -510,7 +517,7 @@ def project_stack(st: Stack, *, tau, normalize, rank, oversample, power_iters, t
     ``use_triton``), projection; what a stack costs up to the small SVD, which waits for
     nothing on the host. Keywords as :func:`batched_iga`'s."""
     M, N, r, d_in = st.gA.shape
-    d_out = st.B.shape[1]
+    d_out, numel = st.B.shape[1], st.B.shape[1] * d_in
     k = r if rank is None else int(rank)
     width, co_width = single_pass_widths(k, oversample, d_out, d_in)
     if svd != "single_pass":
@@ -519,15 +526,14 @@ def project_stack(st: Stack, *, tau, normalize, rank, oversample, power_iters, t
     # the bf16 kernel reads bfloat16 factors; "mean" scales the mask by the mean of V, whose
     # Grams want the factors in full precision
     low = use_triton and triton_precision == "bf16" and normalize != "mean"
-    dev_dtype = torch.bfloat16 if low else None
-    if use_triton and triton_kernels.factors_fit(st.A, st.B, st.gA, st.gB):
-        factors = triton_kernels.stack_factors_triton(st.A, st.B, st.gA, st.gB, st.scaling, dev_dtype or dtype)
-    else:
-        factors = stack_factors(st, dev_dtype)
-    left_mean, right_mean, left_dev, right_dev = factors
-    mean_var, mean_sq = mask_scales(left_mean, right_mean, left_dev, right_dev, d_out * d_in,
-                                    exact_var=normalize == "mean", exact_mean=not low)
-    omega, psi = _draw_sketches(st.generators, d_in, width, dtype, device, d_out, co_width)
+    left_mean, right_mean, left_dev, right_dev = _factors(st, use_triton, torch.bfloat16 if low else None)
+    mean_sq = mean_square(left_mean, right_mean, numel, exact=not low)
+    # elsewhere than "mean" the mean of V only gives the gir statistic: taken while the kernel runs
+    mean_var = mean_variance(left_dev, right_dev, numel) if normalize == "mean" else None
+    # the Triton tile kernel does not take the first sketch: its test matrices are drawn, like
+    # the Grams above, while the kernel runs, and the host issues less before the kernel starts
+    after = use_triton and co_width == 0
+    omega, psi = (None, None) if after else _draw_sketches(st.generators, d_in, width, dtype, device, d_out, co_width)
     kwargs = dict(tau=tau, normalize=normalize, mean_var=mean_var, mean_sq=mean_sq, psi=psi,
                   precision=triton_precision)
     if use_triton:
@@ -536,14 +542,26 @@ def project_stack(st: Stack, *, tau, normalize, rank, oversample, power_iters, t
     else:
         masked, sketch, stats, energy_total = tile_pass_torch(
             left_mean, right_mean, left_dev, right_dev, omega, tile_elements=tile_elements, **kwargs)
-    # gir, the sum of V over the elements, is numel times the mean of V the mask scales hold
-    stats["gir"] = mean_var * (d_out * d_in)
+    if mean_var is None:
+        mean_var = mean_variance(left_dev, right_dev, numel, exact=False)
+    if after:
+        omega, _ = _draw_sketches(st.generators, d_in, width, dtype, device)
+        sketch = triton_kernels.first_sketch(masked, omega)
+    # gir, the sum of V over the elements, is numel times the mean of V
+    stats["gir"] = mean_var * numel
     if psi is None:
         Q, small = project(masked, sketch, power_iters, tf32=use_triton and triton_precision == "tf32",
                            use_triton=use_triton)
     else:  # `masked` holds the co-range sketch here
         Q, small = _project_single_pass(sketch, masked, psi)
     return Projected(Q, small, k, stats, energy_total)
+
+
+def _factors(st: Stack, use_triton: bool, dev_dtype: torch.dtype | None):
+    """Stage 2 by the factor kernels where they take the stack, else :func:`stack_factors`."""
+    if use_triton and triton_kernels.factors_fit(st.A, st.B, st.gA, st.gB):
+        return triton_kernels.stack_factors_triton(st.A, st.B, st.gA, st.gB, st.scaling, dev_dtype or st.A.dtype)
+    return stack_factors(st, dev_dtype)
 
 
 def _factor_gradients(st: Stack, proj: Projected, small64: torch.Tensor, eig):

@@ -47,7 +47,7 @@ STAT_SLOTS = 3
 # tiles per program of the tile kernel, by precision. bf16: a strip of 32 tiles along a row
 # (16: 6.82 -> 5.05 ms for 128 LLaMA-2-7B modules on one H100, docs/results/h100-h200-2026-11-27-evening/;
 # 32 with the left factors loaded once per strip: 3.30 ms, against 3.42 at 16,
-# docs/results/h100-2026-11-28-method/); float32 keeps one: its dot inside the loop compiled
+# docs/results/h100-h200-2026-11-28-method/); float32 keeps one: its dot inside the loop compiled
 # 27 to 40 times slower there
 STRIP_TILES = {"bf16": 32}
 
@@ -57,7 +57,8 @@ MAX_HOISTED_DOMAINS = 5
 
 
 def mask_coefficients(mean_var: torch.Tensor, tau: float, num_domains: int, normalize: str) -> torch.Tensor:
-    """Each module's multiplier of N V in the exponent of the kernels' mask:
+    """Each module's multiplier of N V in the exponent of the kernels' mask (``mean_var`` gives
+    the modules' count and device where ``normalize`` is not "mean"):
     ``exp(-tau V') = exp2(c N V [/ (Gbar^2 + eps)])`` with ``c = -tau log2(e) / N``, divided by
     the mean of V for ``normalize="mean"`` (0 where that mean is 0: V' is 0 there), float32."""
     c = -float(tau) * math.log2(math.e) / num_domains
@@ -448,7 +449,10 @@ def tile_pass_triton(left_mean, right_mean, left_dev, right_dev, omega, *, tau, 
     under ``partial_bytes``. With ``precision="bf16"`` the masked matrices come back in
     bfloat16 (:func:`masked_dtype`); the mean's factors come in float32, the deviations' in
     float32 or already in the precision's dtype. ``cols``: tiles along a row per program of
-    the tile kernel (default :func:`strip_tiles`); ``hoist``: as :func:`launch_tile_kernel`'s."""
+    the tile kernel (default :func:`strip_tiles`); ``hoist``: as :func:`launch_tile_kernel`'s.
+    ``mean_var`` may be None where ``normalize`` is not "mean" (it scales no mask there);
+    ``omega`` None (without ``psi``): no first sketch (None in its place), the caller takes it
+    with :func:`first_sketch`."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     if precision not in PRECISIONS:
@@ -460,7 +464,7 @@ def tile_pass_triton(left_mean, right_mean, left_dev, right_dev, omega, *, tau, 
     cols = strip_tiles(precision) if cols is None else cols
     wanted = FACTOR_DTYPES[precision]
     factors = [t.to(wanted).contiguous() for t in (left_mean, right_mean, left_dev, right_dev)]
-    coefficients = mask_coefficients(mean_var, tau, N, normalize)
+    coefficients = mask_coefficients(mean_sq if mean_var is None else mean_var, tau, N, normalize)
     eps = (SNR_EPS * mean_sq + torch.finfo(torch.float32).tiny).float().contiguous()
     device = left_mean.device
     # one partial sum per program: per tile for the sketching kernel, per strip for the tile kernel
@@ -473,13 +477,19 @@ def tile_pass_triton(left_mean, right_mean, left_dev, right_dev, omega, *, tau, 
         masked = torch.empty(M, d_out, d_in, dtype=masked_dtype(precision), device=device)
         launch_tile_kernel(*factors, coefficients, eps, masked, parts, mins, normalize=normalize, cols=cols,
                            hoist=hoist, **blocks)
-        first, omega = masked, omega.to(masked.dtype)
-        sketch = skinny_product(masked, omega) if masked.dtype in SKINNY_DTYPES else torch.bmm(masked, omega).float()
+        first, sketch = masked, (None if omega is None else first_sketch(masked, omega))
     else:
         first, sketch = _sketch_pass(factors, coefficients, eps, omega, psi, parts, mins, normalize=normalize,
                                      partial_bytes=partial_bytes, **blocks)
     stats, energy = _reduce_tile_stats(parts, mins, d_out * d_in)
     return first, sketch, stats, energy
+
+
+def first_sketch(masked: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
+    """``masked @ omega`` in float32, omega rounded to the masked matrices' dtype: the skinny
+    product for bfloat16, else cuBLAS."""
+    omega = omega.to(masked.dtype)
+    return skinny_product(masked, omega) if masked.dtype in SKINNY_DTYPES else torch.bmm(masked, omega).float()
 
 
 def _sketch_pass(factors, coefficients, eps, omega, psi, parts, mins, *, normalize, partial_bytes, block_m, block_n,
