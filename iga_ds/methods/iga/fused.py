@@ -30,13 +30,17 @@ tests can check one against its reference. In order:
 
 1. :func:`stack_modules`: modules of one shape stacked into :class:`Stack` batches that fit
    ``batch_bytes`` (:func:`resolve_batch_bytes` checks and resolves that argument);
-2. :func:`stack_factors`: the rank-2r factors of the mean and the deviations;
-3. :func:`mask_scales`: the module-wide scalars the mask needs up front;
+2. :func:`stack_factors`: the rank-2r factors of the mean and the deviations (on CUDA one
+   kernel pair, :func:`iga_ds.methods.iga.triton_kernels.stack_factors_triton`);
+3. :func:`mask_scales` (:func:`mean_square`, :func:`mean_variance`): the module-wide scalars
+   the mask needs up front;
 4. the tile pass: :func:`tile_pass_torch` or :func:`iga_ds.methods.iga.triton_kernels.tile_pass_triton`
    (masked matrices or co-range sketch, first sketch, mask statistics);
 5. :func:`project`: CholeskyQR (:func:`orthonormalize`), power iterations, ``Q^T M``;
    :func:`project_stack` runs stages 2 to 5 on one stack;
-6. :func:`svd_from_projection`: the small SVD that finishes the truncated SVD.
+6. the eigendecomposition of each small matrix's Gram, then the factor gradients: by the
+   chain rule from the projector onto the kept vectors (:func:`_chain_rule_gradients`), or
+   the SVD split (:func:`svd_from_projection`).
 """
 from __future__ import annotations
 
@@ -228,7 +232,7 @@ def stack_factors(st: Stack, dev_dtype: torch.dtype | None = None):
     The scaling s is applied to the left factors. ``dev_dtype`` (default the stack's): the
     deviation factors' dtype; bfloat16 (the bf16 tile kernel's, which would round them anyway)
     writes them as the stack's dtype rounded once, without a full-precision copy. The mean's
-    factors stay in the stack's dtype: the mask's floor comes from their Grams in float64."""
+    factors stay in the stack's dtype: the mask's floor comes from their Grams."""
     M, N, r, d_in = st.gA.shape
     d_out = st.B.shape[1]
     s = st.scaling.view(-1, 1, 1)

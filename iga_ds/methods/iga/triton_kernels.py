@@ -4,13 +4,14 @@ Each program owns a BM x BN tile of one module's out x in matrix. From the rank-
 forms the tile of Gbar and, for every domain n, the tile of the deviation D[n] (the last as
 minus the sum of the others: they sum to zero); it squares and sums them into V, applies
 exp(-tau V'), writes only ``Gbar * mask`` and per-tile partial sums for the mask statistics.
-The N full-rank gradients never exist in device memory. The sketching kernel
+The N full-rank gradients never exist in device memory. A second pair of kernels builds
+those factors from the per-domain gradients (:func:`stack_factors_triton`). The sketching kernel
 (``svd="single_pass"``) writes not even that: only each tile's share of the two sketches of
 the single-pass SVD. The PyTorch tile pass in :mod:`iga_ds.methods.iga.fused` is the reference this
 kernel is tested against.
 
 Import-guarded: without Triton, :func:`available` is False and nothing here is compiled.
-Only float32 runs here (float64 stays on the PyTorch path). ``precision`` is Triton's
+Only float32 inputs run here (float64 stays on the PyTorch path). ``precision`` is Triton's
 ``input_precision`` of ``tl.dot``: ``"ieee"`` (default, true float32), ``"tf32x3"`` (three
 TF32 products, close to float32 and faster on tensor cores) or ``"tf32"``; or ``"bf16"``:
 the factors arrive rounded to bfloat16 (half the bytes to load), the products run on bf16
