@@ -88,6 +88,15 @@ def tile_pass(stack_args, omega, precisions) -> list[dict]:
     return rows
 
 
+def kernel_outputs(M: int, d_out: int, d_in: int, dtype, block_m: int, cols: int):
+    """What :func:`triton_kernels.launch_tile_kernel` writes into, for blocks of ``block_m`` rows
+    and 64 columns, ``cols`` tiles per program: masked matrices, partial sums, minima."""
+    programs = -(-d_out // block_m) * triton_kernels.strip_count(d_in, 64, cols)
+    return (torch.empty(M, d_out, d_in, device="cuda", dtype=dtype),
+            torch.empty(M, programs, triton_kernels.STAT_SLOTS, device="cuda"),
+            torch.empty(M, programs, device="cuda"))
+
+
 def kernel_alone(factors, mean_var, precision: str = "ieee") -> list[dict]:
     """The statistics' cost: the tile kernel alone (default blocks and tiles per program,
     normalize="mean"), with and without them, on buffers allocated once."""
@@ -95,11 +104,8 @@ def kernel_alone(factors, mean_var, precision: str = "ieee") -> list[dict]:
     left_mean, right_mean, left_dev, right_dev = (t.to(wanted).contiguous() for t in factors)
     M, N, d_out, k2 = left_dev.shape
     d_in = right_mean.shape[-1]
-    out = torch.empty(M, d_out, d_in, device="cuda", dtype=triton_kernels.masked_dtype(precision))
     cols = triton_kernels.strip_tiles(precision)
-    programs = -(-d_out // 64) * triton_kernels.strip_count(d_in, 64, cols)
-    parts = torch.empty(M, programs, triton_kernels.STAT_SLOTS, device="cuda")
-    mins = torch.empty(M, programs, device="cuda")
+    out, parts, mins = kernel_outputs(M, d_out, d_in, triton_kernels.masked_dtype(precision), 64, cols)
     coefficients = triton_kernels.mask_coefficients(mean_var, 0.5, N, "mean")
     eps = torch.ones(M, device="cuda")
     rows = []
@@ -196,10 +202,7 @@ def kernel_variants(modules, normalize: str = "snr") -> list[dict]:
     eps = (SNR_EPS * mean_sq + torch.finfo(torch.float32).tiny).float()
     rows, first = [], None
     for hoist, cols, stages, block_m, warps in KERNEL_VARIANTS:
-        out = torch.empty(M, 4096, 4096, device="cuda", dtype=torch.bfloat16)
-        programs = -(-4096 // block_m) * triton_kernels.strip_count(4096, 64, cols)
-        parts = torch.empty(M, programs, triton_kernels.STAT_SLOTS, device="cuda")
-        mins = torch.empty(M, programs, device="cuda")
+        out, parts, mins = kernel_outputs(M, 4096, 4096, torch.bfloat16, block_m, cols)
         run = functools.partial(triton_kernels.launch_tile_kernel, *factors, coefficients, eps, out, parts, mins,
                                 normalize=normalize, block_m=block_m, block_n=64, precision="bf16",
                                 num_warps=warps, cols=cols, hoist=hoist, num_stages=stages)

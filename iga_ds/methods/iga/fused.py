@@ -183,13 +183,16 @@ def _stacks(modules: Sequence[ModuleGrads], generators, rank: int | None, batch_
     whose stacks are all views of their tensors, the stacks built on an earlier call with this
     call's generators (checking and stacking 128 modules took 0.7 ms of host time a step while
     the device waited)."""
-    key = ("iga.fused.stacks", rank, batch_bytes, element_bytes)
-    template = modules.derived.get(key) if isinstance(modules, StableModules) else None
+    # one entry, replaced when the settings change ("auto" stack sizes follow the memory
+    # headroom): stacks of other settings are not kept
+    settings = (rank, batch_bytes, element_bytes)
+    kept = modules.derived.get("iga.fused.stacks") if isinstance(modules, StableModules) else None
+    template = kept[1] if kept is not None and kept[0] == settings else None
     if template is None:
         _check_shapes(modules, rank)
         template = stack_modules(modules, [None] * len(modules), batch_bytes, element_bytes)
         if isinstance(modules, StableModules) and all(_views_of(st, modules) for st in template):
-            modules.derived[key] = template
+            modules.derived["iga.fused.stacks"] = (settings, template)
     return [dataclasses.replace(st, generators=[generators[i] for i in st.positions]) for st in template]
 
 
