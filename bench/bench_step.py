@@ -42,7 +42,8 @@ per method and rank, ``DIR/<method>_rank<r>_ops.txt`` (the 40 ops of most self C
 self CPU time without CUDA) and ``DIR/<method>_rank<r>_summary.json`` (wall time of the profiled
 steps, total self CPU and CUDA time, the top 25 ops, and the script's ranges ``forward``,
 ``loss``, ``backward`` and ``optimizer_step``); ``--profile-trace`` adds a Chrome trace
-``DIR/<method>_rank<r>_trace.json`` (large). Total self CUDA time well below the wall time
+``DIR/<method>_rank<r>_trace.json`` (large; ``--profile-stack`` records Python stacks in it,
+which slows the host, and ``bench/trace_gaps.py`` reads it). Total self CUDA time well below the wall time
 means the GPU waits for the host; the ranges say in which phase:
 
     python bench/bench_step.py --gpus 1 --steps 5 --profile prof --out step.json
@@ -261,7 +262,7 @@ def profile_steps(one_step, first_step: int, args, method: str, rank: int, devic
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     synchronize(device)
-    with profile(activities=activities, record_shapes=False) as prof:
+    with profile(activities=activities, record_shapes=False, with_stack=args.profile_stack) as prof:
         t0 = time.perf_counter()
         for step in range(first_step, first_step + PROFILE_STEPS):
             one_step(step, record_function)
@@ -527,7 +528,7 @@ def strip_driver_args(argv: list[str]) -> list[str]:
 
 
 def strip_profile_args(argv: list[str]) -> list[str]:
-    return strip_options(argv, ("--profile",), ("--profile-trace",))
+    return strip_options(argv, ("--profile",), ("--profile-trace", "--profile-stack"))
 
 
 def parse_args(argv=None):
@@ -562,6 +563,8 @@ def parse_args(argv=None):
     p.add_argument("--profile", metavar="DIR",
                    help=f"after the timed steps, profile {PROFILE_STEPS} more per method; tables, summaries to DIR")
     p.add_argument("--profile-trace", action="store_true", help="with --profile: also a Chrome trace (large)")
+    p.add_argument("--profile-stack", action="store_true",
+                   help="with --profile: record Python stacks too (names the host's functions; slows the host)")
     p.add_argument("--as-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -575,6 +578,8 @@ def parse_args(argv=None):
         p.error("--rounds must be at least 1")
     if args.profile_trace and not args.profile:
         p.error("--profile-trace needs --profile DIR")
+    if args.profile_stack and not args.profile:
+        p.error("--profile-stack needs --profile DIR")
     if args.micro % len(DOMAINS):
         p.error(f"--micro must be a multiple of {len(DOMAINS)}: a micro-batch holds whole isomer groups")
     return args

@@ -1,12 +1,16 @@
 """Where the IGA method's time goes: a torch.profiler table of the fused path on LLaMA-2-7B shapes.
 
     python bench/profile_method.py [--rows 30] [--precision ieee|tf32|bf16] [--batch-bytes 4294967296]
-        [--power-iters 2] [--oversample 10] [--factors chain_rule|split]
+        [--power-iters 2] [--oversample 10] [--factors chain_rule|split] [--trace FILE]
 
 Prints the CUDA kernels (or CPU ops without CUDA) sorted by total device time, for one
 `batched_iga` call over the 128 q/k/v/o modules after a warm-up call, then the call's wall
 time against the device's busy time (median of ``--reps`` calls): when the wall time is the
-larger, the host issues launches slower than the device runs them.
+larger, the host issues launches slower than the device runs them. ``--trace FILE`` also writes
+the profiled call's Chrome trace, its call inside the range ``method``, for ``trace_gaps.py``:
+
+    python bench/profile_method.py --precision bf16 --trace method_trace.json
+    python bench/trace_gaps.py method_trace.json --range method
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ def main(argv=None) -> int:
     p.add_argument("--factors", choices=("chain_rule", "split"), default="chain_rule",
                    help="how the rank-r direction becomes factor gradients (the method's default: chain_rule)")
     p.add_argument("--small", action="store_true")
+    p.add_argument("--trace", metavar="FILE", help="also write the profiled call's Chrome trace (range 'method')")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = model_config(layers=SMALL["layers"], hidden=SMALL["hidden"]) if args.small else model_config()
@@ -55,8 +60,11 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
-        run()
+        with torch.profiler.record_function("method"):
+            run()
         synchronize(device)
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
     key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=args.rows, max_name_column_width=60))
     wall = statistics.median(time_ms(run, device, warmup=1, reps=args.reps, clock="wall"))

@@ -287,6 +287,41 @@ def test_batched_finiteness_and_float32_copies_match_the_per_tensor_versions():
     assert torch.equal(again[0], low[0].detach().float()) and again[0].data_ptr() == first[0].data_ptr()
 
 
+def test_float32_copies_of_parameters_back_to_back_in_one_buffer_follow_them():
+    # ZeRO lays the trainable bf16 parameters back to back in one flat buffer: one copy of the
+    # whole span refreshes them, and it must see every later change, including a parameter
+    # moved to other storage (then the copy goes tensor by tensor)
+    from iga_ds.engine.hook import Float32Copies
+
+    g = torch.Generator().manual_seed(1)
+    shapes = [(4, 6), (6, 4), (3,), (2, 5)]
+    flat = torch.randn(sum(math.prod(s) for s in shapes) + 7, generator=g).to(torch.bfloat16)
+    params, at = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        params.append(torch.nn.Parameter(flat[at: at + n].view(shape)))
+        at += n
+
+    def check(copies):
+        got = copies.refresh()
+        assert len(got) == len(copies.tensors)
+        assert all(torch.equal(c, p.detach().float()) for c, p in zip(got, copies.tensors))
+        return got
+
+    copies = Float32Copies(params)
+    first = check(copies)
+    assert copies._source_span() is not None  # the one-copy path is the one under test
+    with torch.no_grad():
+        flat.mul_(2.0)  # an optimizer step writing the flat buffer
+    check(copies)
+    params[2].data = torch.randn(3, generator=g).to(torch.bfloat16)  # moved elsewhere
+    again = check(copies)
+    assert copies._source_span() is None and again[0].data_ptr() == first[0].data_ptr()
+    # out of order, or with a gap between two of them: tensor by tensor
+    check(Float32Copies(params[1::-1]))
+    assert Float32Copies([params[0], params[3]])._source_span() is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_device_statistics_and_phase_clock_on_cuda():

@@ -526,6 +526,18 @@ def test_factor_kernels_match_stack_factors(dev_dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_auto_batch_bytes_reads_the_room_below_the_peak():
+    from iga_ds.methods.iga.fused import auto_batch_bytes, resolve_batch_bytes
+
+    spare = torch.empty(3 << 28, dtype=torch.uint8, device="cuda")  # 768 MiB, freed below
+    del spare
+    room = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+    assert room >= 3 << 28
+    assert resolve_batch_bytes("auto", torch.device("cuda")) == auto_batch_bytes(room)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_keyed_sketches_are_drawn_as_the_reference_draws_them():
     from iga_ds.methods import sketch_key
 

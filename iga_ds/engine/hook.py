@@ -257,8 +257,11 @@ class EngineHook:
         ``summed``; their finiteness and that of the results go into ``out`` as device flags."""
         if not mine:
             return []
-        # the summed buffer holds exactly these modules: one check for all, read with the rest
-        out.finite.append(torch.isfinite(summed).all())
+        # the summed buffer holds exactly these modules: one check for all, read with the rest.
+        # Their sum is finite exactly when every element is (short of float32 overflow of the
+        # sum, at sums above about 1e38): one reduction, where isfinite(summed).all() made four
+        # passes over the buffer (0.5 ms of device time a step for LLaMA-2-7B's 128 modules)
+        out.finite.append(torch.isfinite(summed.sum()))
         try:
             with record_function("boundary/method"):
                 results = self.method.combine(self._module_grads(summed, mine, base, counts), step)
@@ -528,17 +531,44 @@ class Float32Copies:
     def __init__(self, tensors: list[torch.Tensor]):
         self.tensors = list(tensors)
         self.copies = None
+        self._flat: torch.Tensor | None = None
+        self._span: tuple[list[int], torch.Tensor] | None = None
         if any(t.dtype != torch.float32 for t in self.tensors):
             sizes = [t.numel() for t in self.tensors]
-            flat = torch.empty(sum(sizes), dtype=torch.float32, device=self.tensors[0].device)
-            self.copies = [piece.view(t.shape) for piece, t in zip(flat.split(sizes), self.tensors)]
+            self._flat = torch.empty(sum(sizes), dtype=torch.float32, device=self.tensors[0].device)
+            self.copies = [piece.view(t.shape) for piece, t in zip(self._flat.split(sizes), self.tensors)]
 
     def refresh(self) -> list[torch.Tensor]:
         if self.copies is None:
             return [t.detach() for t in self.tensors]
         with torch.no_grad():
-            torch._foreach_copy_(self.copies, self.tensors)
+            span = self._source_span()
+            if span is not None:
+                self._flat.copy_(span)
+            else:
+                torch._foreach_copy_(self.copies, self.tensors)
         return self.copies
+
+    def _source_span(self) -> torch.Tensor | None:
+        """One flat view of all the tensors when they lie back to back, in order, in one
+        storage (DeepSpeed's ZeRO keeps the trainable parameters so): then one copy refreshes
+        them all. Passing 256 tensors to one multi-tensor copy took 0.2 to 0.4 ms of host time
+        while the device waited. Their addresses are checked on every call: a tensor moved to
+        other storage (a checkpoint load may do it) falls back to the per-tensor copy."""
+        ptrs = [t.data_ptr() for t in self.tensors]
+        if self._span is not None and self._span[0] == ptrs:
+            return self._span[1]
+        self._span = None
+        first = self.tensors[0].detach()
+        size = first.element_size()
+        back_to_back = all(
+            t.is_contiguous() and t.dtype == first.dtype and a + prev.numel() * size == b
+            and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            for prev, t, a, b in zip(self.tensors, self.tensors[1:], ptrs, ptrs[1:]))
+        if back_to_back and first.is_contiguous():
+            self._span = (ptrs, first.as_strided((self._flat.numel(),), (1,)))
+            return self._span[1]
+        return None
 
 
 def attach(engine, config: HookConfig) -> EngineHook:
