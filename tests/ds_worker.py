@@ -76,24 +76,14 @@ def compare_gradient_checks(optimizer) -> list[dict]:
     return records
 
 
-def main() -> int:
+def run_scenario(s: dict, out_path: str, rank: int, world: int, timeout: float) -> None:
+    """One scenario: a fresh model, engine and hook, ``s["steps"]`` optimizer steps, rank 0
+    writes the results to ``out_path``; the hook is detached at the end."""
     import deepspeed
 
     from iga_ds.engine import HookConfig, attach
-    from iga_ds.engine.internals import disable_cpu_shm_comm_op
 
-    scenario_path, out_path = sys.argv[1], sys.argv[2]
-    s = json.load(open(scenario_path))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    import datetime
-
-    timeout = float(os.environ.get("IGA_DS_TEST_TIMEOUT", "300"))
     cuda = s.get("cuda", False)
-    if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    else:  # as the trainer does: no C++ build of DeepSpeed's shared-memory op (nor a lock left by a killed one)
-        disable_cpu_shm_comm_op()
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout))
     model = tiny_peft_llama(seed=0, dropout=0.0)
     if cuda:
         model.to(torch.device("cuda", int(os.environ["LOCAL_RANK"])))
@@ -145,6 +135,43 @@ def main() -> int:
                     "checks": checks, "fused_checks": hook.fused_checks,
                     "reused_zeros": owns and hook.reused_zeros}, out_path)
     hook.detach()
+
+
+def main() -> int:
+    """``ds_worker.py SCENARIO.json OUT.pt``: one scenario (a JSON object), rank 0 writes OUT.pt.
+
+    ``ds_worker.py SCENARIOS.json OUT_DIR``: a JSON list of scenarios run one after the other in
+    this one process group (DeepSpeed imported and the group started once), each with its own
+    model, engine and hook as in a launch of its own. Rank 0 writes OUT_DIR/<i>.pt; every rank
+    writes OUT_DIR/<i>.rank<r>.done once scenario i has finished and its hook is detached. A
+    scenario that raises ends the process (the others fail at their next collective), leaving
+    the later scenarios unrun."""
+    import gc
+
+    import deepspeed
+
+    from iga_ds.engine.internals import disable_cpu_shm_comm_op
+
+    scenario_path, out_path = sys.argv[1], sys.argv[2]
+    loaded = json.load(open(scenario_path))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    import datetime
+
+    timeout = float(os.environ.get("IGA_DS_TEST_TIMEOUT", "300"))
+    scenarios = loaded if isinstance(loaded, list) else [loaded]
+    cuda = any(s.get("cuda", False) for s in scenarios)
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    else:  # as the trainer does: no C++ build of DeepSpeed's shared-memory op (nor a lock left by a killed one)
+        disable_cpu_shm_comm_op()
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout))
+    if isinstance(loaded, list):
+        for i, s in enumerate(scenarios):
+            run_scenario(s, os.path.join(out_path, f"{i}.pt"), rank, world, timeout)
+            gc.collect()  # the last scenario's engine and hooks gone before the next is built
+            open(os.path.join(out_path, f"{i}.rank{rank}.done"), "w").close()
+    else:
+        run_scenario(loaded, out_path, rank, world, timeout)
     torch.distributed.destroy_process_group()  # a clean exit: no group threads alive at teardown
     return 0
 

@@ -99,7 +99,11 @@ SlurmdParameters=config_overrides
 SlurmdTimeout=30
 InactiveLimit=0
 KillWait=10
-MinJobAge=600
+# How long a finished job's record stays (the tests read its fields after it ends). It also sets
+# how often `sbatch --wait` asks for the job's state: every 2 s where it is at most 5, else every
+# 2, then 8, then 32 s (Slurm's _job_wait), so that a job of 12 s returns after 42. 600 unless
+# LocalSlurm(min_job_age=...) says otherwise.
+MinJobAge={min_job_age}
 NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory} State=UNKNOWN
 PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
 """
@@ -110,9 +114,10 @@ class LocalSlurm:
 
     stop_grace_s = 15.0  # how long stop() waits for a daemon after SIGTERM before SIGKILL
 
-    def __init__(self, root: str | os.PathLike, cpus: int | None = None):
+    def __init__(self, root: str | os.PathLike, cpus: int | None = None, min_job_age: int = 600):
         self.root = Path(root)
         self.cpus = max(cpus or os.cpu_count() or 2, 4)
+        self.min_job_age = min_job_age  # seconds a finished job stays queryable (MinJobAge)
         self.host = socket.gethostname().split(".")[0]
         self.conf = self.root / "slurm.conf"
         self.munge_socket = self.root / "munge" / "munge.socket"
@@ -146,6 +151,7 @@ class LocalSlurm:
                 root=self.root,
                 cpus=self.cpus,
                 memory=max(_total_memory_mb() - 1024, 1024),
+                min_job_age=self.min_job_age,
             )
         )
         self._spawn([_which("slurmctld"), "-D", "-i", "-f", str(self.conf)], "slurmctld.out")
@@ -470,7 +476,7 @@ class NamespacedSlurm(LocalSlurm):
         return "\n".join(parts)
 
 
-def local_slurm_fixture(tmp_path_factory):
+def local_slurm_fixture(tmp_path_factory, min_job_age: int = 600):
     """Body of the module-scoped ``local_slurm`` fixture: skip cleanly where Slurm is absent."""
     import pytest
 
@@ -479,7 +485,7 @@ def local_slurm_fixture(tmp_path_factory):
         pytest.skip(f"Slurm not installed (missing {', '.join(missing)}); "
                     "Debian slurm-wlm and munge, installed on CI by .ci/system-deps")
     root = tmp_path_factory.mktemp("slurm")
-    with LocalSlurm(root) as cluster:
+    with LocalSlurm(root, min_job_age=min_job_age) as cluster:
         yield cluster
 
 

@@ -3,10 +3,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +13,6 @@ import bench_step  # bench/ is on the path: pytest's pythonpath option (pyprojec
 from iga_ds.methods import get_method
 from tiny_models import batch, sequence_losses, tiny_peft_llama
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 RANGES = ("forward", "loss", "backward", "optimizer_step")
 
 
@@ -99,20 +95,21 @@ def test_profile_summary_of_a_cpu_profile():
 
 
 @pytest.mark.slow
-def test_bench_step_profile_writes_tables_and_summaries_on_cpu(tmp_path):
-    prof, out = tmp_path / "prof", tmp_path / "step.json"
-    env = dict(os.environ, DS_ACCELERATOR="cpu")
-    cmd = [sys.executable, os.path.join(BENCH, "bench_step.py"), "--dtype", "fp32", "--layers", "1", "--hidden", "64",
-           "--seq", "16", "--steps", "2", "--warmup", "1", "--methods", "erm,iga_fused", "--profile", str(prof),
-           "--out", str(out), "--deepspeed-checks"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+def test_bench_step_profile_writes_tables_and_summaries_on_cpu(bench_step_smoke):
+    # --profile and --deepspeed-checks on erm and iga_fused, 2 steps after 1 warm-up: the
+    # session's one bench_step run on the CPU (tests/bench_step_run.py, 2 rounds, the profiled
+    # steps in the first), which tests/test_fused.py reads too
+    from bench_step_run import ROUNDS, STEPS
+
+    proc, out, prof = bench_step_smoke
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert [r["method"] for r in report["results"]] == ["erm", "iga_fused"]
     # --deepspeed-checks reached the hook: DeepSpeed's own per-tensor loops ran
     assert report["settings"]["deepspeed_checks"] is True
     for r in report["results"]:
-        assert r["profile_wall_ms"] > 0 and len(r["step_ms_all"]) == 2  # the profiled steps are not timed ones
+        # the profiled steps are not timed ones: 2 timed steps a round, pooled over the rounds
+        assert r["profile_wall_ms"] > 0 and len(r["step_ms_all"]) == STEPS * ROUNDS == 4
         assert r["fused_gradient_checks"] is False
     assert sorted(p.name for p in prof.iterdir()) == [  # no Chrome trace without --profile-trace
         "erm_rank0_ops.txt", "erm_rank0_summary.json", "iga_fused_rank0_ops.txt", "iga_fused_rank0_summary.json"]

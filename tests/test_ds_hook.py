@@ -1,4 +1,7 @@
-"""The ZeRO hook in real processes (gloo) against a single-process reference without DeepSpeed."""
+"""The ZeRO hook in real processes (gloo) against a single-process reference without DeepSpeed.
+
+The scenarios share one launch of two ranks (SharedRun), each with its own engine and hook;
+the dead rank's test, which kills a process, has a launch of its own."""
 from __future__ import annotations
 
 import json
@@ -84,6 +87,40 @@ def assert_params_close(got, ref, atol=1e-5):
     assert worst < atol, f"max parameter difference {worst:.3e}"
 
 
+class SharedRun:
+    """Several scenarios run one after the other in one launch of ``world`` processes
+    (ds_worker.py given a list): DeepSpeed's import and the process group's start-up, most of
+    a scenario's time on a CPU, are paid once. Each scenario still builds its own model, ZeRO
+    engine and hook and detaches the hook (ds_worker.run_scenario), as a launch of its own does.
+
+    ``result(name)`` holds a scenario to what ``run`` holds one launch to: every rank finished
+    it (its hook detached) and the launch exited 0, unless the launch stopped at a later
+    scenario, which then fails with the ranks' output."""
+
+    def __init__(self, tmp_path: Path, scenarios: dict[str, dict], world: int = 2, timeout: float = 540):
+        self.names = list(scenarios)
+        self.out = tmp_path / "out"
+        self.out.mkdir(parents=True)
+        batch = tmp_path / "scenarios.json"
+        batch.write_text(json.dumps([scenarios[n] for n in self.names]))
+        self.world = world
+        self.results = launch(WORKER, world, [str(batch), str(self.out)], timeout=timeout)
+
+    def finished(self, index: int) -> bool:
+        return all((self.out / f"{index}.rank{r}.done").exists() for r in range(self.world))
+
+    def result(self, name: str) -> dict:
+        index = self.names.index(name)
+        failed = [(rank, rc, text) for rank, (rc, text) in enumerate(self.results) if rc != 0]
+        log = "".join(f"--- rank {rank} exit {rc}:\n{text[-4000:]}" for rank, rc, text in failed)
+        assert self.finished(index), f"scenario {name!r} did not finish on every rank\n{log}"
+        # a launch that failed after its last scenario (at teardown) fails every scenario, as it would
+        # fail a launch of each; one that stopped at a later scenario leaves this one's result whole
+        stopped_later = not all(self.finished(i) for i in range(len(self.names)))
+        assert not failed or stopped_later, log
+        return torch.load(self.out / f"{index}.pt", weights_only=True)
+
+
 CASES = [
     ("iga", {"tau": 0.5, "normalize": "mean"}, 1, EVEN_2x1, {}),
     ("iga", {"tau": 0.5, "normalize": "snr"}, 2, UNEVEN_2x2, {"overlap_comm": True}),
@@ -103,12 +140,40 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("method,params,gas,layout,extra", CASES,
-                         ids=[f"{c[0]}-gas{c[2]}-{'-'.join(f'{k}{v}' if k in ('stage', 'waves') else k for k, v in c[4].items()) or 'plain'}"
-                              for c in CASES])
-def test_two_processes_match_single_process_reference(tmp_path, method, params, gas, layout, extra):
-    s = {"method": method, "params": params, "gas": gas, "layout": layout, "steps": 3, **extra}
-    got = run(tmp_path, s)
+CASE_IDS = [f"{c[0]}-gas{c[2]}-{'-'.join(f'{k}{v}' if k in ('stage', 'waves') else k for k, v in c[4].items()) or 'plain'}"
+            for c in CASES]
+
+
+def case_scenario(method, params, gas, layout, extra) -> dict:
+    return {"method": method, "params": params, "gas": gas, "layout": layout, "steps": 3, **extra}
+
+
+def every_method_scenario(name: str) -> dict:
+    return {"method": name, "gas": 1, "layout": EVEN_2x1, "steps": 2, "compare_checks": True}
+
+
+CAPTURED_ERM = {"method": "erm_captured", "params": {}, "gas": 2, "layout": UNEVEN_2x2, "steps": 3}
+NON_FINITE = {"method": "iga", "params": {"svd": "exact"}, "gas": 1, "layout": EVEN_2x1, "steps": 2, "nan_step": 0}
+# the scenarios of the tests below that need no launch of their own (all but the dead rank's)
+SHARED = {
+    **{f"case/{i}": case_scenario(*c) for i, c in zip(CASE_IDS, CASES)},
+    **{f"method/{name}": every_method_scenario(name) for name in available_methods()},
+    "captured_erm": CAPTURED_ERM,
+    "non_finite": NON_FINITE,
+}
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> SharedRun:
+    """One launch of two ranks for every scenario in SHARED, each test then checks its own."""
+    return SharedRun(tmp_path_factory.mktemp("ds-hook-shared"), SHARED)
+
+
+@pytest.mark.parametrize("case_id,method,params,gas,layout,extra", [(i, *c) for i, c in zip(CASE_IDS, CASES)],
+                         ids=CASE_IDS)
+def test_two_processes_match_single_process_reference(shared, case_id, method, params, gas, layout, extra):
+    s = case_scenario(method, params, gas, layout, extra)
+    got = shared.result(f"case/{case_id}")
     if extra.get("stage", 2) > 0:  # ZeRO-0 partitions nothing
         assert got["straddles"], "the test model should have a LoRA tensor cut by the ZeRO partition boundary"
     assert_params_close(got["params"], reference(s))
@@ -124,8 +189,8 @@ def test_two_processes_match_single_process_reference(tmp_path, method, params, 
 
 
 @pytest.mark.parametrize("name", available_methods())
-def test_every_method_runs_two_steps_under_zero2(tmp_path, name):
-    got = run(tmp_path, {"method": name, "gas": 1, "layout": EVEN_2x1, "steps": 2, "compare_checks": True})
+def test_every_method_runs_two_steps_under_zero2(shared, name):
+    got = shared.result(f"method/{name}")
     assert all(torch.isfinite(v).all() for v in got["params"].values()), name
     assert_checks_agree(got, steps=2)
 
@@ -141,18 +206,18 @@ def assert_checks_agree(got: dict, steps: int) -> None:
         assert fused == pytest.approx(own, rel=1e-6) and own > 0
 
 
-def test_captured_erm_trains_like_deepspeeds_erm(tmp_path):
+def test_captured_erm_trains_like_deepspeeds_erm(shared):
     # the reduction once per step must not change the update: DeepSpeed's ERM (the loss-level
     # reference, every micro-batch reduced) and the captured one train the same adapter
-    s = {"method": "erm_captured", "params": {}, "gas": 2, "layout": UNEVEN_2x2, "steps": 3}
-    got = run(tmp_path, s)
+    s = CAPTURED_ERM
+    got = shared.result("captured_erm")
     assert got["owns_gradients"]
     assert_params_close(got["params"], reference(dict(s, method="erm")))
 
 
-def test_non_finite_loss_skips_the_step_on_every_rank(tmp_path):
-    s = {"method": "iga", "params": {"svd": "exact"}, "gas": 1, "layout": EVEN_2x1, "steps": 2, "nan_step": 0}
-    got = run(tmp_path, s)
+def test_non_finite_loss_skips_the_step_on_every_rank(shared):
+    s = NON_FINITE
+    got = shared.result("non_finite")
     assert got["skipped"] == 1 and got["stats"][0]["skipped"] and not got["stats"][1]["skipped"]
     # the skipped step left no trace: weights and AdamW state are those of a run of step 1 alone
     assert_params_close(got["params"], reference(s, steps=[1]))

@@ -691,13 +691,10 @@ def test_profile_method_small_runs_on_cpu():
 
 
 @pytest.mark.slow
-def test_bench_step_smoke_runs_on_cpu(tmp_path):
-    out = tmp_path / "step.json"
-    env = dict(os.environ, DS_ACCELERATOR="cpu")
-    cmd = [sys.executable, os.path.join(BENCH, "bench_step.py"), "--methods", "erm,iga_fused", "--dtype", "fp32",
-           "--layers", "1", "--hidden", "64", "--vocab", "128", "--seq", "16", "--steps", "2", "--warmup", "1",
-           "--rounds", "2", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+def test_bench_step_smoke_runs_on_cpu(bench_step_smoke):
+    # erm and iga_fused, 2 steps after 1 warm-up, 2 rounds: the session's one bench_step run on
+    # the CPU (tests/bench_step_run.py), which tests/test_bench_profile.py reads too
+    proc, out, _ = bench_step_smoke
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     erm, iga = report["results"]

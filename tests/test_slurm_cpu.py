@@ -19,7 +19,13 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "slurm" / "cpu.sbatch"
 
-local_slurm = pytest.fixture(scope="module")(local_slurm_fixture)
+
+@pytest.fixture(scope="module")
+def local_slurm(tmp_path_factory):
+    """The one-node cluster, keeping a finished job's record 5 s (MinJobAge), which these tests
+    read at once: `sbatch --wait` then asks for the job's state every 2 s instead of backing off
+    to 32 s (tests/slurm_helpers.py)."""
+    yield from local_slurm_fixture(tmp_path_factory, min_job_age=5)
 
 
 def submit_wait(cluster, tmp_path: Path, *trainer_args: str, timeout: float = 480, sbatch_wait: bool = False,
