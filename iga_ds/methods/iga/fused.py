@@ -110,7 +110,7 @@ def resolve_batch_bytes(batch_bytes, device: torch.device) -> int:
         if device.type != "cuda":
             return DEFAULT_BATCH_BYTES
         # one read of the allocator's counters: memory_allocated() and max_memory_allocated()
-        # each flatten all of them in Python (0.2 ms of host time while the device waited)
+        # each flatten all of them in Python, every step, while the device waits
         allocated = torch.cuda.memory_stats_as_nested_dict(device).get("allocated_bytes", {}).get("all", {})
         return auto_batch_bytes(allocated.get("peak", 0) - allocated.get("current", 0))
     if isinstance(batch_bytes, bool) or not isinstance(batch_bytes, int) or batch_bytes < 1:
