@@ -44,7 +44,7 @@ from iga_ds.engine.layout import Wave, build_layout, run_waves
 from iga_ds.errors import ConfigError
 from iga_ds.lora.capture import DomainGradientCapture
 from iga_ds.lora.modules import LoraModule, find_lora_modules
-from iga_ds.methods.base import ModuleGrads, StableModules, host_to_device
+from iga_ds.methods.base import ModuleGrads, StableModules, flat_span, host_to_device
 from iga_ds.metrics.mask import aggregate_module_stats
 
 log = logging.getLogger(__name__)
@@ -532,7 +532,7 @@ class Float32Copies:
         self.tensors = list(tensors)
         self.copies = None
         self._flat: torch.Tensor | None = None
-        self._span: tuple[list[int], torch.Tensor] | None = None
+        self._span: tuple[list[int], torch.Tensor | None] | None = None  # (addresses, flat_span)
         if any(t.dtype != torch.float32 for t in self.tensors):
             sizes = [t.numel() for t in self.tensors]
             self._flat = torch.empty(sum(sizes), dtype=torch.float32, device=self.tensors[0].device)
@@ -550,26 +550,16 @@ class Float32Copies:
         return self.copies
 
     def _source_span(self) -> torch.Tensor | None:
-        """One flat view of all the tensors when they lie back to back, in order, in one
-        storage (DeepSpeed's ZeRO keeps the trainable parameters so): then one copy refreshes
-        them all (for LLaMA-2-7B's 256 factors on an H100, one 54 us kernel where the
-        multi-tensor copy ran four of 20 us, and no list of 256 tensors for the host to pass).
-        Their addresses are checked on every call: a tensor moved to other storage (a
-        checkpoint load may do it) falls back to the per-tensor copy."""
+        """:func:`iga_ds.methods.base.flat_span` of the tensors (DeepSpeed's ZeRO keeps the
+        trainable parameters back to back in one flat buffer): then one copy refreshes them all
+        (for LLaMA-2-7B's 256 factors on an H100, one 54 us kernel where the multi-tensor copy
+        ran four of 20 us, and no list of 256 tensors for the host to pass). Kept while the
+        tensors' addresses, checked on every call, stay the same: a tensor moved to other
+        storage (a checkpoint load may do it) falls back to the per-tensor copy."""
         ptrs = [t.data_ptr() for t in self.tensors]
-        if self._span is not None and self._span[0] == ptrs:
-            return self._span[1]
-        self._span = None
-        first = self.tensors[0].detach()
-        size = first.element_size()
-        back_to_back = all(
-            t.is_contiguous() and t.dtype == first.dtype and a + prev.numel() * size == b
-            and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-            for prev, t, a, b in zip(self.tensors, self.tensors[1:], ptrs, ptrs[1:]))
-        if back_to_back and first.is_contiguous():
-            self._span = (ptrs, first.as_strided((self._flat.numel(),), (1,)))
-            return self._span[1]
-        return None
+        if self._span is None or self._span[0] != ptrs:
+            self._span = (ptrs, flat_span(self.tensors))
+        return self._span[1]
 
 
 def attach(engine, config: HookConfig) -> EngineHook:

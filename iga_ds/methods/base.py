@@ -117,6 +117,24 @@ def stacked_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return None
 
 
+def flat_span(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One flat view of all the tensors, in order, when they lie back to back in one storage
+    (contiguous, of one dtype, each starting where the one before ends; their sizes may
+    differ), as ZeRO lays out a group's parameters; None otherwise. Where
+    :func:`stacked_view` needs equal sizes equally spaced, this needs no gaps."""
+    if not tensors:
+        return None
+    first = tensors[0].detach()
+    size, storage = first.element_size(), first.untyped_storage().data_ptr()
+    ptrs = [t.data_ptr() for t in tensors]
+    if not all(t.is_contiguous() and t.dtype == first.dtype and t.untyped_storage().data_ptr() == storage
+               for t in tensors):
+        return None
+    if not all(a + t.numel() * size == b for t, a, b in zip(tensors, ptrs, ptrs[1:])):
+        return None
+    return first.as_strided((sum(t.numel() for t in tensors),), (1,))
+
+
 class StatsTable:
     """Statistics of many modules computed on the device (rows: statistics, columns: modules),
     on their way to the host.
