@@ -247,6 +247,30 @@ def _finite_one_by_one(tensors) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
+def test_the_hook_checks_tiled_results_through_their_bases():
+    # a method's TiledResults are checked through their bases: a non-finite element written
+    # through a module's view is seen, and what the bases hold decides (here a base the stub's
+    # results do not even view, so the per-module tensors alone would pass)
+    from iga_ds.engine.hook import EngineHook, PhaseClock, _Combined
+    from iga_ds.methods import ModuleUpdate, TiledResults
+
+    gA, gB = torch.zeros(3, 2, 5), torch.zeros(3, 4, 2)
+    tiled = TiledResults([ModuleUpdate(a, b) for a, b in zip(gA.unbind(0), gB.unbind(0))], [gA, gB])
+    detached = TiledResults([ModuleUpdate(torch.zeros(2, 5), torch.zeros(4, 2))], [torch.full((3,), math.nan)])
+
+    def verdicts(results):
+        hook = SimpleNamespace(method=SimpleNamespace(combine=lambda modules, step: results),
+                               _module_grads=lambda *args: [], device=torch.device("cpu"))
+        out = _Combined(PhaseClock(torch.device("cpu")), torch.ones(2))
+        assert EngineHook._run_method(hook, torch.zeros(4), [object()], 0, torch.ones(2), 0, out) is results
+        return [bool(flag) for flag in out.finite]  # the sums', then the results'
+
+    assert verdicts(tiled) == [True, True]
+    tiled[1].gB[3, 1] = math.inf
+    assert verdicts(tiled) == [True, False]
+    assert verdicts(detached) == [True, False]
+
+
 def test_batched_finiteness_and_float32_copies_match_the_per_tensor_versions():
     from iga_ds.engine.hook import Float32Copies, _finite_flag
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -188,6 +189,35 @@ def test_one_pass_bases_lose_nothing_on_an_ill_conditioned_float32_matrix():
     assert float((Q[0].double().T @ Q[0].double() - torch.eye(width, dtype=torch.float64)).abs().max()) < 1e-5
     # as close to the best rank-8 approximation as float32 rounding of the matrix allows
     assert rel(approx, best) < 1e-5
+
+
+def test_float32_bases_are_orthonormal_to_float32_rounding_with_float32_products(monkeypatch):
+    # float32 data are multiplied by the inverse factor in float32 (no float64 copy of the
+    # m x k basis, no float64 product): the two-pass basis of a sketch with condition number
+    # 1e5 is still orthonormal and spans the sketch to float32 rounding
+    from iga_ds.methods.iga.fused import orthonormalize
+
+    Y = _conditioned_sketch(torch.Generator().manual_seed(4), 500, 20, 1e-5)
+    products = []  # (rows of the left operand, its dtype) of each matrix product
+    real = torch.Tensor.__matmul__
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: products.append((a.shape[-2], a.dtype)) or real(a, b))
+    Q = orthonormalize(Y)
+    assert (500, torch.float64) not in products and products.count((500, torch.float32)) == 2
+    assert Q.dtype == torch.float32
+    _assert_orthonormal_basis_of(Q, Y, 1e-5)
+
+
+def _conditioned_sketch(g: torch.Generator, m: int, k: int, smallest: float) -> torch.Tensor:
+    """A float32 1 x m x k matrix with singular values from 1 down to ``smallest``."""
+    U, _ = torch.linalg.qr(torch.randn(m, k, generator=g, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(k, k, generator=g, dtype=torch.float64))
+    return ((U * torch.logspace(0, math.log10(smallest), k, dtype=torch.float64)) @ V.T).float()[None]
+
+
+def _assert_orthonormal_basis_of(Q: torch.Tensor, Y: torch.Tensor, tol: float) -> None:
+    Q64, Y64 = Q[0].double().cpu(), Y[0].double().cpu()
+    assert float((Q64.T @ Q64 - torch.eye(Q64.shape[1], dtype=torch.float64)).abs().max()) < tol
+    assert rel(Q64 @ (Q64.T @ Y64), Y64) < tol
 
 
 def test_cholesky_qr_solves_only_against_its_small_factor(monkeypatch):
@@ -560,6 +590,29 @@ def test_skinny_product_is_the_float64_product_of_its_operands(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bases_by_the_skinny_product_match_the_float32_product():
+    # on the Triton path the product by CholeskyQR's inverse factor is Triton's skinny product,
+    # written in the basis's dtype: the same basis as cuBLAS's true float32 product, to float32
+    # rounding (bfloat16 rounding for a bfloat16 basis), and as orthonormal
+    from iga_ds.methods.iga import triton_kernels
+    from iga_ds.methods.iga.fused import orthonormalize
+
+    if not triton_kernels.available():
+        pytest.skip("Triton is not installed")
+    # condition number 100: two float32 products of the same operands differ by up to ~1e-5
+    Y = _conditioned_sketch(torch.Generator().manual_seed(6), 3000, 40, 1e-2).cuda()
+    for final, out_dtype, tol in ((True, torch.float32, 1e-4), (False, torch.float32, 1e-4),
+                                  (False, torch.bfloat16, 1e-2)):
+        got = orthonormalize(Y, final=final, out_dtype=out_dtype, use_triton=True)
+        want = orthonormalize(Y, final=final, out_dtype=torch.float32)
+        assert got.dtype == out_dtype
+        assert rel(got.double(), want.double()) < tol, (final, out_dtype)
+        if final:
+            _assert_orthonormal_basis_of(got, Y, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_bf16_method_is_float32_up_to_bfloat16_rounding():
     # the bf16 path on CUDA (the tile kernel with its in-strip first sketch, the skinny products
     # of the power iterations) against the float32 one, which test_cuda_paths_match_reference
@@ -840,6 +893,28 @@ def test_equally_spaced_pieces_of_one_buffer_stack_without_a_copy():
         got = _stacked(case)
         assert torch.equal(got, torch.stack(case))
         assert got.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+
+
+def test_results_tile_the_stacks_buffers_they_name():
+    # the hook checks the results through TiledResults.bases: every result tensor a view of a
+    # base, and the results together cover the bases exactly (a base element outside every
+    # result could not be checked without a false verdict; a result outside them not at all)
+    from iga_ds.methods import TiledResults
+
+    shapes = [(4, 24, 20), (4, 24, 20), (3, 16, 18), (4, 24, 20)]
+    mods = [make_module(i, r=r, d_in=a, d_out=b, dtype=torch.float32) for i, (r, a, b) in enumerate(shapes)]
+    out = batched_iga(mods, generators=generators(mods), batch_bytes=2 * 24 * 20 * 4)  # stacks of at most 2
+    assert isinstance(out, TiledResults) and len(out.bases) == 2 * 3
+    base_of = {b.untyped_storage().data_ptr(): b for b in out.bases}
+    assert len(base_of) == len(out.bases)
+    for gA, gB, _ in out:
+        for t in (gA, gB):
+            assert t._base is not None and t.untyped_storage().data_ptr() in base_of
+    assert sum(t.numel() for gA, gB, _ in out for t in (gA, gB)) == sum(b.numel() for b in out.bases)
+    method = get_method("iga", implementation="fused", rank=3)
+    updates = method.combine(mods, 1)
+    assert isinstance(updates, TiledResults) and len(updates.bases) == 2 * 2  # one stack per shape
+    assert sum(u.gA.numel() + u.gB.numel() for u in updates) == sum(b.numel() for b in updates.bases)
 
 
 def test_modules_that_are_views_of_one_buffer_give_the_same_result():

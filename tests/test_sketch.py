@@ -7,7 +7,7 @@ import torch
 from iga_ds.methods import ModuleGrads, get_method, sketch_key
 from iga_ds.methods.iga.fused import batched_iga
 from iga_ds.methods.iga.reference import iga_update
-from iga_ds.methods.iga.sketch import SketchKey, gaussian, gaussian_stack
+from iga_ds.methods.iga.sketch import SketchKey, SketchKeys, gaussian, gaussian_stack, mixed_keys, sketch_keys
 
 MASK = (1 << 64) - 1
 
@@ -71,6 +71,25 @@ def test_keys_are_fixed_by_seed_step_and_module():
     for bad in (-1, 2**64, 1.5, True):
         with pytest.raises(ValueError, match="sketch key"):
             SketchKey(bad)
+
+
+def test_keys_of_a_step_are_each_modules_key():
+    # the integers behind SketchKeys are sketch_key's, item by item, taken or sliced
+    indices = [5, 0, 2**20, 3]
+    keys = sketch_keys(11, 2**40, indices)
+    assert isinstance(keys, SketchKeys) and len(keys) == 4
+    assert list(keys) == [sketch_key(11, 2**40, i) for i in indices]
+    assert list(keys.take([3, 0])) == [sketch_key(11, 2**40, 3), sketch_key(11, 2**40, 5)]
+    assert list(keys[1:3]) == [sketch_key(11, 2**40, 0), sketch_key(11, 2**40, 2**20)]
+    assert mixed_keys(keys) == mixed_keys(list(keys))
+
+
+def test_the_fused_method_draws_the_same_sketches_from_keys_of_a_step():
+    mods = [_module(i, dtype=torch.float32) for i in range(3)]
+    listed = batched_iga(mods, generators=[sketch_key(7, 2, m.index) for m in mods], rank=3, batch_bytes=1)
+    keyed = batched_iga(mods, generators=sketch_keys(7, 2, [m.index for m in mods]), rank=3, batch_bytes=1)
+    for (gA, gB, _), (kA, kB, _) in zip(listed, keyed):
+        assert torch.equal(gA, kA) and torch.equal(gB, kB)
 
 
 def _module(index, r=4, d_in=40, d_out=36, N=3, dtype=torch.float64):

@@ -44,7 +44,7 @@ from iga_ds.engine.layout import Wave, build_layout, run_waves
 from iga_ds.errors import ConfigError
 from iga_ds.lora.capture import DomainGradientCapture
 from iga_ds.lora.modules import LoraModule, find_lora_modules
-from iga_ds.methods.base import ModuleGrads, StableModules, flat_span, host_to_device
+from iga_ds.methods.base import ModuleGrads, StableModules, TiledResults, flat_span, host_to_device
 from iga_ds.metrics.mask import aggregate_module_stats
 
 log = logging.getLogger(__name__)
@@ -272,7 +272,9 @@ class EngineHook:
                 raise
             out.failed = True
             return []
-        out.finite.append(_finite_flag([t for u in results for t in (u.gA, u.gB)], self.device))
+        # results that tile a few buffers are checked through them, without a look at each module
+        tensors = results.bases if isinstance(results, TiledResults) else [t for u in results for t in (u.gA, u.gB)]
+        out.finite.append(_finite_flag(tensors, self.device))
         return results
 
     def _combine_in_waves(self, step: int, counts: torch.Tensor, out: "_Combined") -> torch.Tensor:

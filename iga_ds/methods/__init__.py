@@ -10,7 +10,7 @@ from typing import Any
 
 from iga_ds.errors import ConfigError
 from iga_ds.methods.and_mask import ANDMask
-from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, StableModules, Statistic
+from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, StableModules, Statistic, TiledResults
 from iga_ds.methods.erm import ERM, CapturedERM
 from iga_ds.methods.iga import IGA, IGABinaryMask, IGALoRASpace, IGANoProjection, MeanNoMask
 from iga_ds.methods.iga.sketch import sketch_key
@@ -76,6 +76,7 @@ __all__ = [
     "ModuleGrads",
     "ModuleUpdate",
     "StableModules",
+    "TiledResults",
     "Statistic",
     "available_methods",
     "get_method",

@@ -83,6 +83,18 @@ class StableModules(list):
         self.derived: dict = {}
 
 
+class TiledResults(list):
+    """A method's results, one per module, whose gradient tensors are views that cover
+    ``bases`` exactly, element for element (a batched method's per-module results are views
+    of a few stacked buffers). A caller may check the bases in place of every module's
+    tensors: the engine hook's finiteness check then costs a reduction per base and no
+    per-module work on the host, while the device waits for it."""
+
+    def __init__(self, results=(), bases: Sequence[torch.Tensor] = ()):
+        super().__init__(results)
+        self.bases = list(bases)
+
+
 def host_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A small host tensor on ``device``, without waiting for the device.
 

@@ -54,13 +54,13 @@ from typing import Sequence
 
 import torch
 
-from iga_ds.methods.base import ModuleGrads, StableModules, StatsTable, host_to_device, stacked_view
+from iga_ds.methods.base import ModuleGrads, StableModules, StatsTable, TiledResults, host_to_device, stacked_view
 from iga_ds.methods.iga import triton_kernels
 from iga_ds.methods.iga.common import (
     FACTOR_MAPS, NORMALIZATIONS, SNR_EPS, check_choice, check_module, check_tau,
 )
 from iga_ds.methods.iga.rsvd import canonical_signs, single_pass_widths
-from iga_ds.methods.iga.sketch import SketchKey, gaussian, gaussian_stack
+from iga_ds.methods.iga.sketch import SketchKey, SketchKeys, gaussian, gaussian_stack
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # the stacked masked matrices of one batch of equal-shape modules stay under this many bytes
@@ -84,7 +84,7 @@ class Stack:
     gA: torch.Tensor  # M x N x r x in
     gB: torch.Tensor  # M x N x out x r
     scaling: torch.Tensor  # M
-    generators: list[SketchKey | torch.Generator | None]
+    generators: Sequence[SketchKey | torch.Generator | None]  # a SketchKeys for keyed modules
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -153,7 +153,7 @@ def stack_modules(modules: Sequence[ModuleGrads], generators, batch_bytes: int,
                 gB=_stacked([modules[i].gB for i in part]).to(wd),
                 scaling=host_to_device(torch.tensor([float(modules[i].scaling) for i in part], dtype=wd),
                                        modules[part[0]].gA.device),
-                generators=[generators[i] for i in part],
+                generators=_select(generators, part),
             ))
     return out
 
@@ -196,7 +196,14 @@ def _stacks(modules: Sequence[ModuleGrads], generators, rank: int | None, batch_
         template = stack_modules(modules, [None] * len(modules), batch_bytes, element_bytes)
         if isinstance(modules, StableModules) and all(_views_of(st, modules) for st in template):
             modules.derived["iga.fused.stacks"] = (settings, template)
-    return [dataclasses.replace(st, generators=[generators[i] for i in st.positions]) for st in template]
+    return [dataclasses.replace(st, generators=_select(generators, st.positions)) for st in template]
+
+
+def _select(generators, positions: Sequence[int]):
+    """The generators (or keys) at ``positions``: a :class:`SketchKeys` stays one."""
+    if isinstance(generators, SketchKeys):
+        return generators.take(positions)
+    return [generators[i] for i in positions]
 
 
 def _views_of(st: Stack, modules: Sequence[ModuleGrads]) -> bool:
@@ -349,15 +356,16 @@ def tile_pass_torch(left_mean, right_mean, left_dev, right_dev, omega, *, tau, n
     return (masked if psi is None else co_sketch), sketch, stats, acc[2]
 
 
-def orthonormalize(Y: torch.Tensor, final: bool = True, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def orthonormalize(Y: torch.Tensor, final: bool = True, out_dtype: torch.dtype | None = None,
+                   use_triton: bool = False) -> torch.Tensor:
     """Orthonormal basis of the columns of each Y (M x m x k, k small) by CholeskyQR in float64
     (part of stage 5; benchmarks time it with one pass and with two).
 
     Householder QR of tall-skinny matrices is a chain of small kernels on GPUs (it dominated
     the method's time); CholeskyQR needs one k x k Gram matrix, a batched Cholesky and a
     product with the inverse factor. Run twice (CholeskyQR2), with the Gram in float64 and a
-    tiny shift for rank-deficient sketches, it is orthonormal to float64 rounding for the
-    condition numbers a few power iterations produce. The k x k factor is inverted on its own
+    tiny shift for rank-deficient sketches, it is orthonormal to the rounding of the data's
+    dtype for the condition numbers a few power iterations produce. The k x k factor is inverted on its own
     and applied as one batched product: a triangular solve against the m x k matrix was a
     slow kernel on GPUs (0.37 ms per call for 128 LLaMA-2-7B modules on an H100). The
     factor's condition number is the square root of the Gram's, at most 1e8 where CholeskyQR
@@ -369,19 +377,37 @@ def orthonormalize(Y: torch.Tensor, final: bool = True, out_dtype: torch.dtype |
     rounding up to a condition number of 1e4 (and the next pass repairs what a worse one
     leaves). float64 data have no such headroom and keep two passes. ``out_dtype`` (default
     Y's) is the result's dtype.
+
+    Data in float32 or bfloat16 are multiplied by the inverse factor in true float32 (the
+    factor rounded to float32): that product adds an error of float32 rounding times the
+    factor's condition number, which the second pass of a final basis brings back to float32
+    rounding, and which a basis rounded to bfloat16 for the next product would not show; it
+    moves half the bytes of a float64 product and spares the float64 copy of its result.
+    ``use_triton`` (CUDA): that product by Triton's skinny product, which writes ``out_dtype``
+    directly (for 128 LLaMA-2-7B modules on an H200: 55 us a call, where cuBLAS took 62 us in
+    float32 and 76 us in float64, and no conversion pass after it).
     """
     out_dtype = Y.dtype if out_dtype is None else out_dtype
-    Q = Y.double()
+    wide = Y.dtype == torch.float64
+    Q = Y if wide or Y.dtype == torch.float32 else Y.float()
     k = Q.shape[-1]
-    eye = torch.eye(k, dtype=Q.dtype, device=Q.device)
-    passes = 1 if not final and Y.dtype != torch.float64 else 2
-    for _ in range(passes):
-        gram = Q.mT @ Q
-        trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(torch.finfo(Q.dtype).tiny)
+    eye = torch.eye(k, dtype=torch.float64, device=Q.device)
+    passes = 1 if not final and not wide else 2
+    for i in range(passes):
+        Q64 = Q.double()
+        gram = Q64.mT @ Q64
+        trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(torch.finfo(torch.float64).tiny)
         shift = (1e-13 * trace / k).view(-1, 1, 1)
         L, _ = torch.linalg.cholesky_ex(gram + shift * eye)
         inv_LT = torch.linalg.solve_triangular(L, eye.expand_as(L), upper=False).mT  # L^-T, k x k
-        Q = Q @ inv_LT
+        if wide:
+            Q = Q64 @ inv_LT
+        elif use_triton and Q.is_cuda:
+            dtype = out_dtype if i == passes - 1 else torch.float32
+            Q = triton_kernels.skinny_product(Q, inv_LT.float(), precision="ieee", out_dtype=dtype)
+        else:
+            with _tf32_matmuls(False):
+                Q = Q @ inv_LT.float()
     return Q.to(out_dtype)
 
 
@@ -455,12 +481,14 @@ def project(masked, sketch, power_iters: int, tf32: bool = False, use_triton: bo
     skinny = use_triton and store in triton_kernels.SKINNY_DTYPES
     # each basis comes out in the dtype of the product it feeds (no extra copy); the
     # products' results go to orthonormalize as they are (it reads them in float64)
-    Q = orthonormalize(sketch, final=power_iters == 0, out_dtype=store if power_iters else work)
+    Q = orthonormalize(sketch, final=power_iters == 0, out_dtype=store if power_iters else work, use_triton=use_triton)
     with _tf32_matmuls(True if tf32 else None):
         for i in range(power_iters):
             last = i == power_iters - 1
-            Z = orthonormalize(_times(masked, Q, True, skinny, tf32), final=False, out_dtype=store)
-            Q = orthonormalize(_times(masked, Z, False, skinny, tf32), final=last, out_dtype=work if last else store)
+            Z = orthonormalize(_times(masked, Q, True, skinny, tf32), final=False, out_dtype=store,
+                               use_triton=use_triton)
+            Q = orthonormalize(_times(masked, Z, False, skinny, tf32), final=last, out_dtype=work if last else store,
+                               use_triton=use_triton)
     if skinny:  # the final projection in float32, as Q^T M is below
         return Q, _times(masked, Q.to(store), True, skinny, False).mT.to(work)  # M x width x in
     return Q, (Q.to(store).mT @ masked).to(work)
@@ -496,7 +524,7 @@ def _draw_sketches(generators, d_in: int, width: int, dtype, device, d_out: int 
     :class:`iga_ds.methods.iga.sketch.SketchKey` (the IGA method's) are drawn all at once, by
     one Triton launch per matrix on CUDA in float32; ``torch.Generator`` ones one at a time,
     in order."""
-    if generators and all(isinstance(g, SketchKey) for g in generators):
+    if isinstance(generators, SketchKeys) or (generators and all(isinstance(g, SketchKey) for g in generators)):
         on_gpu = device.type == "cuda" and dtype == torch.float32 and triton_kernels.available()
         draw = triton_kernels.gaussian_stack_triton if on_gpu else functools.partial(gaussian_stack, dtype=dtype)
         omega = draw(generators, d_in, width, device=device)
@@ -676,7 +704,7 @@ def batched_iga(
     _check(modules, generators, normalize, tau, factors, svd, triton_precision)
     device = modules[0].gA.device if modules else torch.device("cpu")
     # bf16 masked matrices take half the bytes: twice the modules per stack, half the launches
-    element_bytes = torch.empty((), dtype=triton_kernels.masked_dtype(triton_precision)).element_size()
+    element_bytes = triton_kernels.masked_dtype(triton_precision).itemsize
     stacks = _stacks(modules, generators, rank, resolve_batch_bytes(batch_bytes, device),
                      element_bytes if triton_precision == "bf16" else None)
     projected = []
@@ -695,7 +723,8 @@ def _finish_stacks(modules: Sequence[ModuleGrads], stacks: Sequence[Stack], proj
                    factors: str) -> list:
     """The small SVDs and the factor gradients of every stack: one ``(gA_new, gB_new, stats)``
     per module in the caller's order, each in its module's dtype, ``stats`` a column of one
-    :class:`iga_ds.methods.base.StatsTable` for all modules (read when first used).
+    :class:`iga_ds.methods.base.StatsTable` for all modules (read when first used); a
+    :class:`iga_ds.methods.base.TiledResults` whose bases are the stacks' result buffers.
 
     The eigendecomposition waits for the device, which then waits for each launch the host
     issues: so what does not need its result and costs the host time (the small matrices in
@@ -731,7 +760,7 @@ def _finish_stacks(modules: Sequence[ModuleGrads], stacks: Sequence[Stack], proj
         values[-1, start: start + len(st.positions)].copy_(energy_kept)
     if modules:
         table.send()
-    return results
+    return TiledResults(results, [t for _, gA_out, gB_out in outputs for t in (gA_out, gB_out)])
 
 
 def _in_caller_order(modules: Sequence[ModuleGrads], stacks: Sequence[Stack], outputs, table: StatsTable) -> list:

@@ -9,12 +9,12 @@ from typing import ClassVar, Sequence
 
 import torch
 
-from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, Statistic
+from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, Statistic, TiledResults
 from iga_ds.methods.iga.common import FACTOR_MAPS, NORMALIZATIONS, check_choice, check_tau
 from iga_ds.methods.iga.fused import batched_iga
 from iga_ds.methods.iga.reference import Normalize, masked_projection
 from iga_ds.methods.iga.rsvd import SVD_METHODS
-from iga_ds.methods.iga.sketch import sketch_key
+from iga_ds.methods.iga.sketch import sketch_key, sketch_keys
 
 IMPLEMENTATIONS = ("auto", "reference", "fused")
 PRECISIONS = ("auto", "ieee", "tf32", "bf16")
@@ -128,8 +128,8 @@ class IGA(MaskedProjectionMethod):
     def combine(self, modules, step):
         if not self._fused(modules):
             return super().combine(modules, step)
-        gens = [sketch_key(self.seed, step, m.index) for m in modules]
+        gens = sketch_keys(self.seed, step, [m.index for m in modules])
         out = batched_iga(modules, tau=self.tau, normalize=self.normalize, rank=self.rank,
                           oversample=self.oversample, power_iters=self.power_iters, generators=gens,
                           triton_precision=self.precision_for(modules), factors=self.factors, svd=self.svd)
-        return [ModuleUpdate(gA, gB, stats) for gA, gB, stats in out]
+        return TiledResults([ModuleUpdate(gA, gB, stats) for gA, gB, stats in out], out.bases)

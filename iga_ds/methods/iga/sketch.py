@@ -22,8 +22,8 @@ A ``torch.Generator`` (or None, the default generator) is still accepted whereve
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -48,11 +48,42 @@ class SketchKey:
             raise ValueError(f"a sketch key is an integer in [0, 2**64), got {self.value!r}")
 
 
+# large odd constants, so that neighbouring (step, index) pairs give unrelated keys
+_SEED_FACTOR, _STEP_FACTOR, _INDEX_FACTOR, _KEY_MODULUS = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 2**63 - 1
+
+
 def sketch_key(seed: int, step: int, index: int) -> SketchKey:
     """The key of module ``index`` at optimizer step ``step`` of a run seeded ``seed``: the
     same sketch on any rank, any world size."""
-    # large odd constants, so that neighbouring (step, index) pairs give unrelated keys
-    return SketchKey((seed * 0x9E3779B1 + step * 0x85EBCA77 + index * 0xC2B2AE3D) % (2**63 - 1))
+    return SketchKey((seed * _SEED_FACTOR + step * _STEP_FACTOR + index * _INDEX_FACTOR) % _KEY_MODULUS)
+
+
+class SketchKeys(Sequence):
+    """The keys of several modules at one step, held as integers: item ``i`` is the
+    :class:`SketchKey` of ``values[i]``, built only when asked for. The method needs the keys
+    of every module each step, while the device waits; one frozen dataclass per module cost
+    more host time than the integers (build them with :func:`sketch_keys`)."""
+
+    def __init__(self, values: Sequence[int]):
+        self.values = list(values)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return SketchKeys(self.values[index])
+        return SketchKey(self.values[index])
+
+    def take(self, positions: Sequence[int]) -> "SketchKeys":
+        """The keys at ``positions``, in that order."""
+        return SketchKeys([self.values[i] for i in positions])
+
+
+def sketch_keys(seed: int, step: int, indices: Sequence[int]) -> SketchKeys:
+    """:func:`sketch_key` of each module index in ``indices``, at one step."""
+    base = seed * _SEED_FACTOR + step * _STEP_FACTOR
+    return SketchKeys([(base + i * _INDEX_FACTOR) % _KEY_MODULUS for i in indices])
 
 
 def mix64(z: int) -> int:
@@ -65,7 +96,8 @@ def mix64(z: int) -> int:
 
 def mixed_keys(keys: Sequence[SketchKey]) -> list[int]:
     """``mix(k)`` of each key as a signed 64-bit integer (the bits a device tensor holds)."""
-    return [_signed(mix64(k.value)) for k in keys]
+    values = keys.values if isinstance(keys, SketchKeys) else [k.value for k in keys]
+    return [_signed(mix64(v)) for v in values]
 
 
 def _signed(u: int) -> int:

@@ -560,10 +560,11 @@ SKINNY_BLOCKS = {torch.bfloat16: (128, 128, 8, 3), torch.float32: (128, 32, 4, 4
 
 
 def skinny_product(matrix: torch.Tensor, factor: torch.Tensor, *, transpose: bool = False,
-                   precision: str = "ieee", blocks: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                   precision: str = "ieee", blocks: tuple[int, int, int, int] | None = None,
+                   out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``matrix @ factor`` (``matrix^T @ factor`` with ``transpose``) for stacks of matrices
     (M x rows x cols, contiguous) and skinny factors (M x cols x k or M x rows x k, k up to a
-    few dozen), in float32 whatever the operands' dtype.
+    few dozen), summed in float32 whatever the operands' dtype.
 
     The products of the randomized SVD read every masked matrix once per product and do
     little arithmetic per element: memory-bound, with k far below the tiles cuBLAS picks
@@ -572,7 +573,8 @@ def skinny_product(matrix: torch.Tensor, factor: torch.Tensor, *, transpose: boo
     tensor cores with float32 accumulation and the result stays float32 (cuBLAS would round it
     back to bfloat16); float32 operands use ``precision`` (Triton's ``input_precision``).
     ``blocks``: (rows per program, contraction step, warps, stages), default
-    :data:`SKINNY_BLOCKS` for the dtype."""
+    :data:`SKINNY_BLOCKS` for the dtype. ``out_dtype``: the result's dtype (the float32 sums
+    rounded once as they are stored)."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     if matrix.dtype != factor.dtype or matrix.dim() != 3 or factor.dim() != 3:
@@ -586,7 +588,7 @@ def skinny_product(matrix: torch.Tensor, factor: torch.Tensor, *, transpose: boo
     k = factor.shape[-1]
     block_rows, block_inner, num_warps, num_stages = blocks or SKINNY_BLOCKS[matrix.dtype]
     matrix, factor = matrix.contiguous(), factor.contiguous()
-    out = torch.empty(M, out_len, k, dtype=torch.float32, device=matrix.device)
+    out = torch.empty(M, out_len, k, dtype=out_dtype, device=matrix.device)
     _skinny_kernel[(triton.cdiv(out_len, block_rows), M)](
         matrix, factor, out, rows, cols, k, TRANSPOSE=transpose, BR=block_rows, BK=block_inner,
         KP=max(16, triton.next_power_of_2(k)), PRECISION="bf16" if matrix.dtype == torch.bfloat16 else precision,
