@@ -200,7 +200,8 @@ def test_float32_bases_are_orthonormal_to_float32_rounding_with_float32_products
     Y = _conditioned_sketch(torch.Generator().manual_seed(4), 500, 20, 1e-5)
     products = []  # (rows of the left operand, its dtype) of each matrix product
     real = torch.Tensor.__matmul__
-    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: products.append((a.shape[-2], a.dtype)) or real(a, b))
+    monkeypatch.setattr(torch.Tensor, "__matmul__",
+                        lambda a, b: products.append((a.shape[-2], a.dtype)) or real(a, b))
     Q = orthonormalize(Y)
     assert (500, torch.float64) not in products and products.count((500, torch.float32)) == 2
     assert Q.dtype == torch.float32

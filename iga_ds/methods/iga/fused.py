@@ -358,18 +358,18 @@ def tile_pass_torch(left_mean, right_mean, left_dev, right_dev, omega, *, tau, n
 
 def orthonormalize(Y: torch.Tensor, final: bool = True, out_dtype: torch.dtype | None = None,
                    use_triton: bool = False) -> torch.Tensor:
-    """Orthonormal basis of the columns of each Y (M x m x k, k small) by CholeskyQR in float64
-    (part of stage 5; benchmarks time it with one pass and with two).
+    """Orthonormal basis of the columns of each Y (M x m x k, k small) by CholeskyQR with float64
+    Grams (part of stage 5; benchmarks time it with one pass and with two).
 
     Householder QR of tall-skinny matrices is a chain of small kernels on GPUs (it dominated
     the method's time); CholeskyQR needs one k x k Gram matrix, a batched Cholesky and a
     product with the inverse factor. Run twice (CholeskyQR2), with the Gram in float64 and a
     tiny shift for rank-deficient sketches, it is orthonormal to the rounding of the data's
-    dtype for the condition numbers a few power iterations produce. The k x k factor is inverted on its own
-    and applied as one batched product: a triangular solve against the m x k matrix was a
-    slow kernel on GPUs (0.37 ms per call for 128 LLaMA-2-7B modules on an H100). The
-    factor's condition number is the square root of the Gram's, at most 1e8 where CholeskyQR
-    works at all, so its float64 inverse adds an error below float32 rounding.
+    dtype for the condition numbers a few power iterations produce. The k x k factor is
+    inverted on its own and applied as one batched product: a triangular solve against the
+    m x k matrix was a slow kernel on GPUs (0.37 ms per call for 128 LLaMA-2-7B modules on an
+    H100). The factor's condition number is the square root of the Gram's, at most 1e8 where
+    CholeskyQR works at all, so its float64 inverse adds an error below float32 rounding.
 
     ``final=False`` marks a basis that only feeds the next power iteration: there any basis
     of the same span will do, and one pass suffices for float32 or bfloat16 data, whose
@@ -480,8 +480,9 @@ def project(masked, sketch, power_iters: int, tf32: bool = False, use_triton: bo
     # Triton's skinny product where it is the faster (triton_kernels.SKINNY_DTYPES)
     skinny = use_triton and store in triton_kernels.SKINNY_DTYPES
     # each basis comes out in the dtype of the product it feeds (no extra copy); the
-    # products' results go to orthonormalize as they are (it reads them in float64)
-    Q = orthonormalize(sketch, final=power_iters == 0, out_dtype=store if power_iters else work, use_triton=use_triton)
+    # products' results go to orthonormalize as they are (it takes their Grams in float64)
+    Q = orthonormalize(sketch, final=power_iters == 0, out_dtype=store if power_iters else work,
+                       use_triton=use_triton)
     with _tf32_matmuls(True if tf32 else None):
         for i in range(power_iters):
             last = i == power_iters - 1
