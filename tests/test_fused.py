@@ -428,6 +428,7 @@ def _triton_tile_pass_matches_torch() -> None:
     for domains in (2, 5, 6):
         _tile_passes_agree(strips[::2], close=1e-6, close_stored=1e-6, block=32, cols=3, domains=domains)
     _skinny_products_agree("cpu", torch.float32, blocks=(16, 32, 4, 2))
+    _gram64_agrees("cpu", block=16)
     _gaussian_draws_agree("cpu")
     _factor_kernels_agree("cpu", torch.float32)
 
@@ -488,6 +489,28 @@ def _skinny_products_agree(device: str, dtype, blocks=None) -> None:
             want = (matrix.double().mT if transpose else matrix.double()) @ factor.double()
             assert got.dtype == torch.float32 and got.shape == want.shape, (transpose, got.shape)
             assert rel(got.double(), want) < 1e-5, (M, rows, cols, k, transpose)
+
+
+def _gram64_agrees(device: str, block: int = 32) -> None:
+    """The float64 Gram of float32 stacks against the product of their float64 copies:
+    contiguous and transposed (strided) stacks, contractions that leave part of a chunk over,
+    widths that are not powers of two, one chunk per module and several; float64 summation
+    error only, and the same bits on every call (the chunks are added in a fixed order)."""
+    from iga_ds.methods.iga import triton_kernels
+
+    g = torch.Generator().manual_seed(5)
+    for M, K, a in ((3, 300, 20), (2, 1000, 32), (1, 33, 5), (4, 129, 33)):
+        for x in (torch.randn(M, K, a, generator=g), torch.randn(M, a, K, generator=g).mT):
+            x = x.to(device)
+            want = x.double().mT @ x.double()
+            for programs in (1, 64):
+                got = triton_kernels.gram64(x, block=block, programs=programs)
+                assert got.dtype == torch.float64 and got.shape == (M, a, a)
+                assert float((got - want).abs().max() / want.abs().max()) < 1e-14, (M, K, a, programs)
+                assert torch.equal(got, triton_kernels.gram64(x, block=block, programs=programs))
+    with pytest.raises(ValueError, match="gram64"):
+        triton_kernels.gram64(x.double())
+    assert triton_kernels.gram64(x[:, :0]).abs().max() == 0
 
 
 def _tile_passes_agree(cases, close: float, close_stored: float, block: int, device: str = "cpu",
@@ -587,6 +610,17 @@ def test_cuda_keyed_sketches_are_drawn_as_the_reference_draws_them():
 def test_skinny_product_is_the_float64_product_of_its_operands(dtype):
     _skinny_products_agree("cuda", dtype)
     _skinny_products_agree("cuda", dtype, blocks=(32, 32, 4, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_float64_grams_of_float32_stacks_are_their_float64_products():
+    from iga_ds.methods.iga import triton_kernels
+
+    if not triton_kernels.available():
+        pytest.skip("Triton is not installed")
+    _gram64_agrees("cuda")
+    _gram64_agrees("cuda", block=64)
 
 
 @pytest.mark.gpu

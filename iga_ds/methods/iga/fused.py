@@ -385,7 +385,8 @@ def orthonormalize(Y: torch.Tensor, final: bool = True, out_dtype: torch.dtype |
     moves half the bytes of a float64 product and spares the float64 copy of its result.
     ``use_triton`` (CUDA): that product by Triton's skinny product, which writes ``out_dtype``
     directly (for 128 LLaMA-2-7B modules on an H200: 55 us a call, where cuBLAS took 62 us in
-    float32 and 76 us in float64, and no conversion pass after it).
+    float32 and 76 us in float64, and no conversion pass after it), and the Gram by
+    :func:`iga_ds.methods.iga.triton_kernels.gram64`, from the float32 data themselves.
     """
     out_dtype = Y.dtype if out_dtype is None else out_dtype
     wide = Y.dtype == torch.float64
@@ -393,16 +394,16 @@ def orthonormalize(Y: torch.Tensor, final: bool = True, out_dtype: torch.dtype |
     k = Q.shape[-1]
     eye = torch.eye(k, dtype=torch.float64, device=Q.device)
     passes = 1 if not final and not wide else 2
+    on_triton = use_triton and Q.is_cuda and not wide
     for i in range(passes):
-        Q64 = Q.double()
-        gram = Q64.mT @ Q64
+        gram = _gram64(Q.mT, on_triton)
         trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(torch.finfo(torch.float64).tiny)
         shift = (1e-13 * trace / k).view(-1, 1, 1)
         L, _ = torch.linalg.cholesky_ex(gram + shift * eye)
         inv_LT = torch.linalg.solve_triangular(L, eye.expand_as(L), upper=False).mT  # L^-T, k x k
         if wide:
-            Q = Q64 @ inv_LT
-        elif use_triton and Q.is_cuda:
+            Q = Q @ inv_LT
+        elif on_triton:
             dtype = out_dtype if i == passes - 1 else torch.float32
             Q = triton_kernels.skinny_product(Q, inv_LT.float(), precision="ieee", out_dtype=dtype)
         else:
@@ -411,13 +412,24 @@ def orthonormalize(Y: torch.Tensor, final: bool = True, out_dtype: torch.dtype |
     return Q.to(out_dtype)
 
 
-def _gram_eigh(smalls: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Eigendecompositions of the w x w Grams of several stacks of short-wide matrices, float64.
+def _gram64(short: torch.Tensor, use_triton: bool = False) -> torch.Tensor:
+    """``short @ short^T`` in float64 for stacks of short-wide matrices (M x w x n): by
+    :func:`iga_ds.methods.iga.triton_kernels.gram64` with ``use_triton`` for float32 CUDA data
+    whose transpose is contiguous (it reads them in place), else through a float64 copy."""
+    if use_triton and short.is_cuda and short.dtype == torch.float32 and short.mT.is_contiguous():
+        return triton_kernels.gram64(short.mT)
+    s64 = short.double()
+    return s64 @ s64.mT
+
+
+def _gram_eigh(smalls: Sequence[torch.Tensor], use_triton: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Eigendecompositions of the w x w Grams of several stacks of short-wide matrices, float64
+    (the Grams by :func:`_gram64`).
 
     ``torch.linalg.eigh`` checks its result on the host, so each call stalls the device until
     its queue drains; stacks of equal w share one call, so a method call stalls once, not once
     per stack."""
-    grams = [s64 @ s64.mT for s64 in (small.double() for small in smalls)]
+    grams = [_gram64(small, use_triton) for small in smalls]
     by_width: dict[int, list[int]] = {}
     for i, gram in enumerate(grams):
         by_width.setdefault(gram.shape[-1], []).append(i)
@@ -548,6 +560,7 @@ class Projected:
     rank: int
     stats: dict
     energy_total: torch.Tensor  # M: ||masked||_F^2, float64
+    use_triton: bool = False  # the stack ran on the Triton path: its small matrix's Gram may too
 
 
 def project_stack(st: Stack, *, tau, normalize, rank, oversample, power_iters, tile_elements, use_triton,
@@ -593,7 +606,7 @@ def project_stack(st: Stack, *, tau, normalize, rank, oversample, power_iters, t
                            use_triton=use_triton)
     else:  # `masked` holds the co-range sketch here
         Q, small = _project_single_pass(sketch, masked, psi)
-    return Projected(Q, small, k, stats, energy_total)
+    return Projected(Q, small, k, stats, energy_total, use_triton)
 
 
 def _factors(st: Stack, use_triton: bool, dev_dtype: torch.dtype | None):
@@ -729,12 +742,13 @@ def _finish_stacks(modules: Sequence[ModuleGrads], stacks: Sequence[Stack], proj
 
     The eigendecomposition waits for the device, which then waits for each launch the host
     issues: so what does not need its result and costs the host time (the small matrices in
-    float64, the results' storage and per-module views, the statistics' table) is built
+    float64 for the SVD split, the results' storage and per-module views, the statistics' table) is built
     before it. The chain rule's first products, which do not need it either, are issued after
     it: the device runs them while the host issues what follows, instead of waiting for each
     of those launches."""
-    smalls64 = [proj.small.double() for proj in projected]
     chain_rule = factors == "chain_rule"
+    # the SVD split needs the small matrices in float64; the chain rule only their Grams
+    smalls64 = [None if chain_rule else proj.small.double() for proj in projected]
     device = modules[0].gA.device if modules else torch.device("cpu")
     keys = [*projected[0].stats, "energy_kept"] if projected else []
     values = torch.empty(len(keys), len(modules), dtype=torch.float64, device=device)
@@ -748,7 +762,7 @@ def _finish_stacks(modules: Sequence[ModuleGrads], stacks: Sequence[Stack], proj
         start += M
     table = StatsTable(keys, values, send=False)
     results = _in_caller_order(modules, stacks, outputs, table)
-    eigs = _gram_eigh(smalls64)
+    eigs = _gram_eigh([proj.small for proj in projected], any(proj.use_triton for proj in projected))
     operands = [_chain_rule_operands(st, proj) if chain_rule else None for st, proj in zip(stacks, projected)]
     for st, proj, small64, eig, ops, (start, gA_out, gB_out) in zip(stacks, projected, smalls64, eigs, operands,
                                                                     outputs):

@@ -389,6 +389,22 @@ if triton is not None:
 
 
     @triton.jit
+    def _gram64_kernel(x_ptr, out_ptr, K, a, chunk, sx_m, sx_k, sx_a, BK: tl.constexpr, AP: tl.constexpr):
+        """One chunk of the contraction of X^T X (X K x a, float32, any strides) in float64 for
+        the module of program axis 1: its partial sum goes to slot ``program_id(0)``."""
+        split = tl.program_id(0)
+        mod = tl.program_id(1).to(tl.int64)
+        cols = tl.arange(0, AP)
+        acc = tl.zeros((AP, AP), dtype=tl.float64)
+        for start in range(split * chunk, split * chunk + chunk, BK):
+            rows = start + tl.arange(0, BK)
+            x = tl.load(x_ptr + mod * sx_m + rows[:, None] * sx_k + cols[None, :] * sx_a,
+                        mask=(rows[:, None] < K) & (cols[None, :] < a), other=0.0).to(tl.float64)
+            acc += tl.dot(tl.trans(x), x)  # products of float32 values are exact in float64
+        slot = mod * tl.num_programs(0) + split
+        tl.store(out_ptr + slot * AP * AP + cols[:, None] * AP + cols[None, :], acc)
+
+    @triton.jit
     def _gaussian_kernel(keys_ptr, out_ptr, n, offset, BLOCK: tl.constexpr):
         """BLOCK elements of the stream of the key of program axis 1, as
         :func:`iga_ds.methods.iga.sketch.gaussian_stack` computes them (unsigned 64-bit
@@ -594,6 +610,36 @@ def skinny_product(matrix: torch.Tensor, factor: torch.Tensor, *, transpose: boo
         KP=max(16, triton.next_power_of_2(k)), PRECISION="bf16" if matrix.dtype == torch.bfloat16 else precision,
         num_warps=num_warps, num_stages=num_stages)
     return out
+
+
+# programs of a float64 Gram per call: the contraction is split until there are about this many
+GRAM_PROGRAMS = 1024
+
+
+def gram64(x: torch.Tensor, *, block: int = 32, programs: int = GRAM_PROGRAMS) -> torch.Tensor:
+    """``x^T @ x`` in float64 for stacks of tall float32 matrices (M x K x a, any strides, a
+    up to a few dozen), without a float64 copy of ``x``: CholeskyQR's Grams and the small
+    matrices' Grams before ``eigh``.
+
+    A float64 copy followed by a batched product moved three times the bytes (for 128
+    LLaMA-2-7B modules on an H200, 122 us against 50 us here), and cuBLAS walks all K rows
+    with one small tile per module. Here the contraction is split into chunks of ``block``
+    rows' multiples, each program sums one in float64 (the products of float32 values are
+    exact there), and the chunks' sums are added in a fixed order."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    if x.dim() != 3 or x.dtype != torch.float32:
+        raise ValueError(f"gram64 needs a float32 stack M x K x a, got {tuple(x.shape)} {x.dtype}")
+    M, K, a = x.shape
+    if not (M and K and a):
+        return torch.zeros(M, a, a, dtype=torch.float64, device=x.device)
+    ap = max(16, triton.next_power_of_2(a))
+    splits = max(1, min(triton.cdiv(K, block), triton.cdiv(programs, M)))
+    chunk = triton.cdiv(triton.cdiv(K, splits), block) * block
+    splits = triton.cdiv(K, chunk)
+    parts = torch.empty(M, splits, ap, ap, dtype=torch.float64, device=x.device)
+    _gram64_kernel[(splits, M)](x, parts, K, a, chunk, *x.stride(), BK=block, AP=ap)
+    return parts[:, :, :a, :a].sum(dim=1)
 
 
 def gaussian_stack_triton(keys, rows: int, cols: int, *, device, offset: int = 0,
