@@ -497,21 +497,14 @@ class PhaseClock:
 
 def _finite_flag(tensors: list[torch.Tensor], device) -> torch.Tensor:
     """A device flag, true when every element of every tensor is finite, without waiting for
-    the device. Tensors that are views tiling their bases (a batched method's per-module
-    results are views of a few stacks) are checked through those bases: a few kernels, not one
-    per tensor; and few host operations per tensor, as this runs while the device waits."""
+    the device: one multi-tensor norm. A batched method's results come as
+    :class:`iga_ds.methods.base.TiledResults`, whose few buffers are passed here in place of
+    its per-module views."""
     if not tensors:
         return torch.ones((), dtype=torch.bool, device=device)
-    bases = [t._base for t in tensors]
-    unique = {id(b): b for b in bases}
-    checks = list(tensors)
-    if id(None) not in unique:  # every tensor a view
-        covered = sum(t.numel() for t in tensors)
-        if covered == sum(b.numel() for b in unique.values()):
-            checks = list(unique.values())
     # the total 2-norm is finite exactly when every element is (short of float32 overflow of
     # the sum of squares, at values above about 1e19)
-    return torch.isfinite(torch.stack(torch._foreach_norm(checks))).all()
+    return torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all()
 
 
 def _as_shape(t: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:

@@ -384,8 +384,8 @@ def orthonormalize(Y: torch.Tensor, final: bool = True, out_dtype: torch.dtype |
     rounding, and which a basis rounded to bfloat16 for the next product would not show; it
     moves half the bytes of a float64 product and spares the float64 copy of its result.
     ``use_triton`` (CUDA): that product by Triton's skinny product, which writes ``out_dtype``
-    directly (for 128 LLaMA-2-7B modules on an H200: 55 us a call, where cuBLAS took 62 us in
-    float32 and 76 us in float64, and no conversion pass after it), and the Gram by
+    directly (for 128 LLaMA-2-7B modules on two H200 machines: 55 us a call, where cuBLAS
+    took 62 us in float32 and 76 us in float64, and no conversion pass after it), and the Gram by
     :func:`iga_ds.methods.iga.triton_kernels.gram64`, from the float32 data themselves.
     """
     out_dtype = Y.dtype if out_dtype is None else out_dtype
