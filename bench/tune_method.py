@@ -7,11 +7,13 @@ On one stack of 16 modules of LLaMA-2-7B shape (4096 x 4096, r 16, N 4, sketch w
 - the ceilings: device-to-device copy bandwidth (bytes read + written) and float32 / TF32
   matrix-product rates, measured here rather than taken from a datasheet;
 - the bf16 tile kernel's variants on all 128 modules (:data:`KERNEL_VARIANTS`: the left
-  factors loaded once per strip or per tile, tiles per program, pipeline stages, block rows
-  and warps), each output checked against the first's;
+  factors loaded once per strip or per tile, tiles per program, pipeline stages, block rows,
+  warps, the mask's division exact or approximate), each output checked against the first's;
 - the tile pass for several block shapes and warp counts, for each of ``--precisions``
   (default ieee and tf32x3), each checked against the default one, and the tile kernel alone
   with and without its statistics;
+- CholeskyQR's product of a basis by its inverse factor (float32, 128 modules, bfloat16
+  out), by cuBLAS and by Triton's skinny product for several block shapes;
 - the power iterations' products ``X @ Z`` and ``X^T @ Q``, float32 and bfloat16, by cuBLAS
   and by Triton's skinny product for several block shapes, checked against float64 on one
   module, against the bandwidth ceiling;
@@ -119,7 +121,7 @@ def kernel_alone(factors, mean_var, precision: str = "ieee") -> list[dict]:
 
 
 # block shapes of the skinny product swept by products(): (rows per program, contraction step,
-# warps, stages); the defaults (triton_kernels.SKINNY_BLOCKS) come from this sweep
+# warps, stages); the bfloat16 default (triton_kernels.SKINNY_BLOCKS) comes from this sweep
 SKINNY_SWEEP = {
     torch.bfloat16: [(64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 256, 8, 3), (256, 64, 8, 3),
                      (64, 256, 4, 3), (128, 128, 4, 4), (64, 64, 4, 4)],
@@ -153,6 +155,36 @@ def products(masked, width: int) -> list[dict]:
     return rows
 
 
+# block shapes of CholeskyQR's product by the inverse factor swept by qr_products(), as
+# SKINNY_SWEEP's: the float32 default of triton_kernels.SKINNY_BLOCKS (from this sweep) first
+QR_PRODUCT_SWEEP = [(128, 16, 4, 4), (128, 32, 4, 4), (64, 32, 4, 3), (256, 32, 8, 3), (64, 16, 4, 3),
+                    (64, 16, 4, 4), (128, 16, 4, 3), (128, 16, 8, 4), (256, 16, 8, 4), (256, 16, 4, 4)]
+
+
+def qr_products(M: int = 128, rows: int = 4096, width: int = 32) -> list[dict]:
+    """CholeskyQR's product of a basis by its inverse factor (float32, ``width`` columns: 32 for
+    rank 16 at oversampling 16) for ``M`` modules, written in bfloat16 as the bf16 path writes
+    it, for each block shape of :data:`QR_PRODUCT_SWEEP`, against cuBLAS's float32 product;
+    bytes read and written over the time, error against float64 on one module."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    Q = torch.randn(M, rows, width, device="cuda", generator=gen)
+    inv = torch.randn(M, width, width, device="cuda", generator=gen)
+    want = Q[0].double() @ inv[0].double()
+    runs = {"cublas": lambda: Q @ inv}
+    for blocks in QR_PRODUCT_SWEEP:
+        runs[f"triton {blocks}"] = functools.partial(triton_kernels.skinny_product, Q, inv, precision="ieee",
+                                                     blocks=blocks, out_dtype=torch.bfloat16)
+    rows_out = []
+    with tf32_matmuls(False):
+        for kind, run in runs.items():
+            out = run()
+            ms = do_bench_ms(run)
+            moved = Q.numel() * (Q.element_size() + out.element_size())
+            rows_out.append(dict(kind=kind, width=width, ms=ms, GBps=moved / ms / 1e6, err=rel(out[0], want)))
+            print(rows_out[-1], flush=True)
+    return rows_out
+
+
 def whole(modules, precision: str = "ieee") -> list[dict]:
     def run(batch_bytes):
         gens = [sketch_key(0, 1, m.index) for m in modules]
@@ -184,15 +216,17 @@ def cholesky_qr(sketch) -> dict:
 
 
 # the bf16 tile kernel's variants swept by kernel_variants(): (hoist, tiles per program,
-# pipeline stages or None for Triton's default, block rows, warps)
-KERNEL_VARIANTS = [(False, 16, None, 64, 4), (True, 16, None, 64, 4), (True, 32, None, 64, 4), (True, 64, None, 64, 4),
-                   (True, 32, 1, 64, 4), (True, 32, None, 128, 8)]
+# pipeline stages or None for Triton's default, block rows, warps, the approximate division)
+KERNEL_VARIANTS = [(True, 32, None, 64, 4, False), (True, 32, None, 64, 4, True), (False, 16, None, 64, 4, True),
+                   (True, 16, None, 64, 4, True), (True, 64, None, 64, 4, True), (True, 32, 1, 64, 4, True),
+                   (True, 32, None, 128, 8, True), (True, 32, None, 64, 8, True)]
 
 
 def kernel_variants(modules, normalize: str = "snr") -> list[dict]:
     """The bf16 tile kernel alone on one stack of ``modules`` for each of :data:`KERNEL_VARIANTS`:
     the strip's left factors loaded once (``hoist``) or per tile, tiles per program, pipeline
-    stages, block rows and warps; each output against the first variant's."""
+    stages, block rows, warps and the mask's division (exact or approximate); each output
+    against the first variant's."""
     M = len(modules)
     st = stack_modules(modules, [None] * M, 1 << 40)[0]
     left_mean, right_mean, left_dev, right_dev = stack_factors(st, torch.bfloat16)
@@ -201,12 +235,12 @@ def kernel_variants(modules, normalize: str = "snr") -> list[dict]:
     coefficients = triton_kernels.mask_coefficients(mean_var, 0.5, left_dev.shape[1], normalize)
     eps = (SNR_EPS * mean_sq + torch.finfo(torch.float32).tiny).float()
     rows, first = [], None
-    for hoist, cols, stages, block_m, warps in KERNEL_VARIANTS:
+    for hoist, cols, stages, block_m, warps, fast in KERNEL_VARIANTS:
         out, parts, mins = kernel_outputs(M, 4096, 4096, torch.bfloat16, block_m, cols)
         run = functools.partial(triton_kernels.launch_tile_kernel, *factors, coefficients, eps, out, parts, mins,
                                 normalize=normalize, block_m=block_m, block_n=64, precision="bf16",
-                                num_warps=warps, cols=cols, hoist=hoist, num_stages=stages)
-        row = dict(hoist=hoist, cols=cols, stages=stages, block_m=block_m, warps=warps)
+                                num_warps=warps, cols=cols, hoist=hoist, num_stages=stages, fast=fast)
+        row = dict(hoist=hoist, cols=cols, stages=stages, block_m=block_m, warps=warps, fast_division=fast)
         try:
             run()
             row["ms"] = do_bench_ms(run)
@@ -247,7 +281,7 @@ def stack_parts(modules, skip: set[str], precisions=("ieee", "tf32x3")) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="tune_method.json")
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: variants,tile,products,qr,whole")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: variants,qrproducts,tile,products,qr,whole")
     p.add_argument("--precisions", default="ieee,tf32x3",
                    help=f"tile-pass precisions to sweep, from {', '.join(triton_kernels.PRECISIONS)}; the first "
                         "is also the whole method's")
@@ -266,12 +300,14 @@ def main(argv=None) -> int:
         p.error(f"--precisions: expected names from {', '.join(triton_kernels.PRECISIONS)}, got {args.precisions!r}")
     if "variants" not in skip:
         result["kernel_variants"] = kernel_variants(modules)
+    if "qrproducts" not in skip:
+        result["qr_products"] = [row for width in (32, 26) for row in qr_products(width=width)]
     result.update(stack_parts(modules[:16], skip, precisions))
     if "whole" not in skip:
         result["whole"] = whole(modules, precisions[0])
     atomic_write_json(args.out, result, indent=1)
     print(json.dumps(result["ceilings"]))
-    for part in ("kernel_variants", "tile_pass", "products", "whole"):
+    for part in ("kernel_variants", "qr_products", "tile_pass", "products", "whole"):
         for row in sorted(result.get(part, []), key=lambda r: r.get("ms", 1e9))[:6]:
             print(part, row)
     return 0

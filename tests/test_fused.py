@@ -573,6 +573,32 @@ def test_bf16_kernel_matches_torch_bf16_tile_pass():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_float32_kernels_with_the_approximate_division_match_the_torch_tile_pass():
+    # on a GPU the kernels divide by the approximate reciprocal (the interpreter test above
+    # runs the exact division); in float32 the stored matrices show its few ulp, which must stay
+    # at float32 rounding: "snr" divides per element, exact and partial strips
+    from iga_ds.methods.iga import triton_kernels
+
+    assert triton_kernels.fast_math()
+    cases = [("snr", 0.5, "ieee", (16, 300, 200)), ("snr", 0.5, "ieee", (16, 256, 256))]
+    _tile_passes_agree(cases, close=1e-5, close_stored=1e-5, block=64, device="cuda")
+    _tile_passes_agree(cases, close=1e-5, close_stored=1e-5, block=64, device="cuda", cols=3)
+
+
+def test_the_approximate_division_is_left_to_gpus(monkeypatch):
+    # Triton's interpreter has no device library: the kernels must not ask for it there
+    from iga_ds.methods.iga import triton_kernels
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not triton_kernels.fast_math()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert triton_kernels.fast_math()
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert triton_kernels.fast_math()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dev_dtype", [torch.float32, torch.bfloat16])
 def test_factor_kernels_match_stack_factors(dev_dtype):
     _factor_kernels_agree("cuda", dev_dtype)

@@ -21,6 +21,7 @@ matrix is stored in whatever dtype ``out`` has (bfloat16 on that path).
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -31,6 +32,7 @@ from iga_ds.methods.iga.common import SNR_EPS
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs lack it
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
     tl = None
@@ -69,6 +71,13 @@ def mask_coefficients(mean_var: torch.Tensor, tau: float, num_domains: int, norm
     return torch.where(positive, c / torch.where(positive, mean_var, 1.0), 0.0).float().contiguous()
 
 
+def fast_math() -> bool:
+    """Whether the kernels may use the device library's approximate arithmetic (:func:`_divide`):
+    on a GPU, not under Triton's interpreter (``TRITON_INTERPRET=1``), which runs the kernels
+    on the CPU without that library."""
+    return os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
 def strip_tiles(precision: str) -> int:
     """Tiles along a row that one program of the tile kernel handles at ``precision``."""
     return STRIP_TILES.get(precision, 1)
@@ -100,31 +109,41 @@ if triton is not None:
             return tl.dot(a, b, input_precision=PRECISION)
 
     @triton.jit
-    def _mask(gbar, var, total, coef_ptr, eps_ptr, mod, NORM: tl.constexpr):
+    def _divide(a, b, FAST: tl.constexpr):
+        """``a / b``; ``FAST``: the approximate reciprocal and one multiply, 2 instructions
+        where ``/`` takes 8 (its range checks), within 2 ulp for ``|b|`` in [2^-126, 2^126],
+        where the mask's denominator (``Gbar^2`` plus a floor of at least 2^-126) stays (the
+        bf16 tile kernel: 3.31 -> 2.89 ms for 128 LLaMA-2-7B modules under "snr" on one H200,
+        docs/results/h200-2026-11-28-tile-division/). Not in Triton's interpreter, which has
+        no device library."""
+        if FAST:
+            return libdevice.fast_dividef(a, b)
+        else:
+            return a / b
+
+    @triton.jit
+    def _mask(gbar, var, total, coef_ptr, eps_ptr, mod, NORM: tl.constexpr, FAST: tl.constexpr):
         """exp(-tau V') of a tile from Gbar and the deviations' sum of squares ``var`` and sum
         ``total``: N V = var + total^2 (the last deviation is minus the sum of the others).
         ``coef_ptr`` holds each module's multiplier of N V in base 2 (:func:`mask_coefficients`):
         one multiply and an exp2 per element, the division only for "snr"."""
         v = (var + total * total) * tl.load(coef_ptr + mod)
         if NORM == 2:
-            v = v / (gbar * gbar + tl.load(eps_ptr + mod))
+            v = _divide(v, gbar * gbar + tl.load(eps_ptr + mod), FAST)
         return tl.exp2(v)
 
     @triton.jit
-    def _add_deviation(var, total, lhs, right_dev, mod, n, ks, cols, d_in, k2, N: tl.constexpr,
-                       PRECISION: tl.constexpr):
-        """Deviation n's tile from its left factor (loaded) and its right factor: squared into
-        ``var``, summed into ``total``."""
+    def _deviation(lhs, right_dev, mod, n, ks, cols, d_in, k2, N: tl.constexpr, PRECISION: tl.constexpr):
+        """Deviation n's tile from its left factor (loaded) and its right factor."""
         rhs = _load_factor(right_dev + (mod * N + n) * k2 * d_in, ks, cols, k2, d_in, d_in)
-        dev = _dot(lhs, rhs, PRECISION)
-        return var + dev * dev, total + dev
+        return _dot(lhs, rhs, PRECISION)
 
     @triton.jit
     def _apply_mask(gbar, var, total, coef_ptr, eps_ptr, mod, rows, cols, d_out, d_in, NORM: tl.constexpr,
-                    EVEN: tl.constexpr):
+                    EVEN: tl.constexpr, FAST: tl.constexpr):
         """``(Gbar * mask, mask, valid)`` of a tile; ``EVEN``: the tile lies inside the matrix
         (no element to mask out, no select per element: the kernel's arithmetic is per element)."""
-        mask = _mask(gbar, var, total, coef_ptr, eps_ptr, mod, NORM)
+        mask = _mask(gbar, var, total, coef_ptr, eps_ptr, mod, NORM, FAST)
         valid = (rows[:, None] < d_out) & (cols[None, :] < d_in)
         if EVEN:
             masked = gbar * mask
@@ -135,20 +154,28 @@ if triton is not None:
     @triton.jit
     def _masked_tile(left_mean, right_mean, left_dev, right_dev, coef_ptr, eps_ptr, mod, rows, cols,
                      d_out, d_in, k2, N: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr = False):
+                     BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr = False,
+                     FAST: tl.constexpr = False):
         """One BM x BN tile of Gbar * exp(-tau V') and its mask, from the rank-2r factors."""
         ks = tl.arange(0, KP)  # 2r padded to a power of two >= 16 (tl.dot's minimum); pads load as 0
         lhs = _load_factor(left_mean + mod * d_out * k2, rows, ks, d_out, k2, k2)
         rhs = _load_factor(right_mean + mod * k2 * d_in, ks, cols, k2, d_in, d_in)
         gbar = _dot(lhs, rhs, PRECISION)
-        var = tl.zeros((BM, BN), dtype=tl.float32)
-        total = tl.zeros((BM, BN), dtype=tl.float32)
         # the deviations from the mean sum to zero, so the last is minus the sum of the others:
-        # one product of N + 1 fewer (the products are the kernel's arithmetic)
-        for n in tl.static_range(N - 1):
+        # one product of N + 1 fewer (the products are the kernel's arithmetic); the sums start
+        # from the first deviation (the compiler keeps an addition to zero: 0 + x is not x for -0)
+        if N > 1:
+            dev = _deviation(_load_factor(left_dev + mod * N * d_out * k2, rows, ks, d_out, k2, k2), right_dev,
+                             mod, 0, ks, cols, d_in, k2, N, PRECISION)
+            var, total = dev * dev, dev
+        else:
+            var = tl.zeros((BM, BN), dtype=tl.float32)
+            total = tl.zeros((BM, BN), dtype=tl.float32)
+        for n in tl.static_range(1, N - 1):
             lhs = _load_factor(left_dev + (mod * N + n) * d_out * k2, rows, ks, d_out, k2, k2)
-            var, total = _add_deviation(var, total, lhs, right_dev, mod, n, ks, cols, d_in, k2, N, PRECISION)
-        return _apply_mask(gbar, var, total, coef_ptr, eps_ptr, mod, rows, cols, d_out, d_in, NORM, EVEN)
+            dev = _deviation(lhs, right_dev, mod, n, ks, cols, d_in, k2, N, PRECISION)
+            var, total = var + dev * dev, total + dev
+        return _apply_mask(gbar, var, total, coef_ptr, eps_ptr, mod, rows, cols, d_out, d_in, NORM, EVEN, FAST)
 
     @triton.jit
     def _left_deviation(left_dev, mod, n: tl.constexpr, rows, ks, d_out, k2, N: tl.constexpr,
@@ -163,25 +190,30 @@ if triton is not None:
     @triton.jit
     def _hoisted_tile(lhs_mean, lhs0, lhs1, lhs2, lhs3, right_mean, right_dev, coef_ptr, eps_ptr, mod, rows, cols,
                       ks, d_out, d_in, k2, N: tl.constexpr, NORM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      PRECISION: tl.constexpr, EVEN: tl.constexpr):
+                      PRECISION: tl.constexpr, EVEN: tl.constexpr, FAST: tl.constexpr):
         """:func:`_masked_tile` from left factors loaded once per strip (N <= 5)."""
         gbar = _dot(lhs_mean, _load_factor(right_mean + mod * k2 * d_in, ks, cols, k2, d_in, d_in), PRECISION)
-        var = tl.zeros((BM, BN), dtype=tl.float32)
-        total = tl.zeros((BM, BN), dtype=tl.float32)
         if N > 1:
-            var, total = _add_deviation(var, total, lhs0, right_dev, mod, 0, ks, cols, d_in, k2, N, PRECISION)
+            dev = _deviation(lhs0, right_dev, mod, 0, ks, cols, d_in, k2, N, PRECISION)
+            var, total = dev * dev, dev
+        else:
+            var = tl.zeros((BM, BN), dtype=tl.float32)
+            total = tl.zeros((BM, BN), dtype=tl.float32)
         if N > 2:
-            var, total = _add_deviation(var, total, lhs1, right_dev, mod, 1, ks, cols, d_in, k2, N, PRECISION)
+            dev = _deviation(lhs1, right_dev, mod, 1, ks, cols, d_in, k2, N, PRECISION)
+            var, total = var + dev * dev, total + dev
         if N > 3:
-            var, total = _add_deviation(var, total, lhs2, right_dev, mod, 2, ks, cols, d_in, k2, N, PRECISION)
+            dev = _deviation(lhs2, right_dev, mod, 2, ks, cols, d_in, k2, N, PRECISION)
+            var, total = var + dev * dev, total + dev
         if N > 4:
-            var, total = _add_deviation(var, total, lhs3, right_dev, mod, 3, ks, cols, d_in, k2, N, PRECISION)
-        return _apply_mask(gbar, var, total, coef_ptr, eps_ptr, mod, rows, cols, d_out, d_in, NORM, EVEN)
+            dev = _deviation(lhs3, right_dev, mod, 3, ks, cols, d_in, k2, N, PRECISION)
+            var, total = var + dev * dev, total + dev
+        return _apply_mask(gbar, var, total, coef_ptr, eps_ptr, mod, rows, cols, d_out, d_in, NORM, EVEN, FAST)
 
     @triton.jit
     def _program_tile(left_mean, right_mean, left_dev, right_dev, coef_ptr, eps_ptr, d_out, d_in, k2,
                       N: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      PRECISION: tl.constexpr):
+                      PRECISION: tl.constexpr, FAST: tl.constexpr):
         """This program's tile: grid (row tiles, column tiles, modules)."""
         pid_r = tl.program_id(0)
         pid_c = tl.program_id(1)
@@ -190,7 +222,7 @@ if triton is not None:
         cols = pid_c * BN + tl.arange(0, BN)
         masked, mask, valid = _masked_tile(
             left_mean, right_mean, left_dev, right_dev, coef_ptr, eps_ptr, mod, rows, cols, d_out, d_in, k2,
-            N, NORM, KP, BM, BN, PRECISION)
+            N, NORM, KP, BM, BN, PRECISION, False, FAST)
         return pid_r, pid_c, mod, rows, cols, masked, mask, valid
 
     @triton.jit
@@ -224,7 +256,7 @@ if triton is not None:
         d_out, d_in, k2,
         N: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
         PRECISION: tl.constexpr, STATS: tl.constexpr = True, COLS: tl.constexpr = 1, EVEN: tl.constexpr = False,
-        HOIST: tl.constexpr = False,
+        HOIST: tl.constexpr = False, FAST: tl.constexpr = False,
     ):
         """Writes Gbar * mask for a strip of ``COLS`` tiles along a row (the randomized SVD reads
         it afterwards). The statistics are summed along each row of the strip as it goes and
@@ -232,7 +264,8 @@ if triton is not None:
         per tile cost more than the tile's arithmetic. ``STATS`` False skips them
         (bench/tune_method.py times their cost). ``EVEN``: the strips tile the matrix exactly.
         ``HOIST`` (N <= 5): the strip's left factors are loaded once, not once per tile (3.78 ->
-        3.30 ms with the folded mask, bf16, 128 LLaMA-2-7B modules on an H100)."""
+        3.30 ms with the folded mask, bf16, 128 LLaMA-2-7B modules on an H100). ``FAST``: the
+        mask's division by the approximate reciprocal (:func:`_divide`)."""
         pid_r = tl.program_id(0)
         pid_g = tl.program_id(1)
         mod = tl.program_id(2).to(tl.int64)
@@ -253,11 +286,11 @@ if triton is not None:
             if HOIST:
                 masked, mask, valid = _hoisted_tile(
                     lhs_mean, lhs0, lhs1, lhs2, lhs3, right_mean, right_dev, coef_ptr, eps_ptr, mod, rows, cols, ks,
-                    d_out, d_in, k2, N, NORM, BM, BN, PRECISION, EVEN)
+                    d_out, d_in, k2, N, NORM, BM, BN, PRECISION, EVEN, FAST)
             else:
                 masked, mask, valid = _masked_tile(
                     left_mean, right_mean, left_dev, right_dev, coef_ptr, eps_ptr, mod, rows, cols, d_out, d_in,
-                    k2, N, NORM, KP, BM, BN, PRECISION, EVEN)
+                    k2, N, NORM, KP, BM, BN, PRECISION, EVEN, FAST)
             target = out_ptr + mod * d_out * d_in + rows[:, None] * d_in + cols[None, :]
             if EVEN:
                 tl.store(target, masked)
@@ -280,7 +313,7 @@ if triton is not None:
         left_mean, right_mean, left_dev, right_dev, coef_ptr, eps_ptr, omega_ptr, psi_ptr, y_part, w_part,
         part_ptr, min_ptr, d_out, d_in, k2, width, co_width,
         N: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-        WP: tl.constexpr, LP: tl.constexpr, PRECISION: tl.constexpr,
+        WP: tl.constexpr, LP: tl.constexpr, PRECISION: tl.constexpr, FAST: tl.constexpr = False,
     ):
         """Single pass: both sketches of the tile, nothing of the masked matrix stored.
 
@@ -291,7 +324,7 @@ if triton is not None:
         """
         pid_r, pid_c, mod, rows, cols, masked, mask, valid = _program_tile(
             left_mean, right_mean, left_dev, right_dev, coef_ptr, eps_ptr, d_out, d_in, k2,
-            N, NORM, KP, BM, BN, PRECISION)
+            N, NORM, KP, BM, BN, PRECISION, FAST)
         ws = tl.arange(0, WP)  # width padded to a power of two >= 16; pads load as 0
         omega = _load_factor(omega_ptr + mod * d_in * width, cols, ws, d_in, width, width)
         y = _dot(masked, omega, PRECISION)  # BM x WP
@@ -425,7 +458,8 @@ if triton is not None:
 
 def launch_tile_kernel(left_mean, right_mean, left_dev, right_dev, coefficients, eps, out, parts, mins, *,
                        normalize, block_m: int = 64, block_n: int = 64, precision: str = "ieee", num_warps: int = 4,
-                       stats: bool = True, cols: int = 1, hoist: bool = True, num_stages: int | None = None) -> None:
+                       stats: bool = True, cols: int = 1, hoist: bool = True, num_stages: int | None = None,
+                       fast: bool | None = None) -> None:
     """The tile kernel alone: writes ``Gbar * exp(-tau V')`` into ``out`` (M x out x in) and, with
     ``stats``, each program's partial sums (mask, mask below 0.5, masked^2) into ``parts``
     (M x programs x :data:`STAT_SLOTS`) and its smallest mask into ``mins`` (M x programs), programs numbered
@@ -434,7 +468,8 @@ def launch_tile_kernel(left_mean, right_mean, left_dev, right_dev, coefficients,
     Inputs as :func:`tile_pass_triton` prepares them: contiguous factors in the precision's
     dtype, ``coefficients`` from :func:`mask_coefficients`, ``eps`` the floor of the ``"snr"``
     denominator per module. ``hoist``: a strip of several tiles loads its left factors once
-    (with at most :data:`MAX_HOISTED_DOMAINS` domains). :func:`tile_pass_triton` is the stage
+    (with at most :data:`MAX_HOISTED_DOMAINS` domains). ``fast``: the approximate division
+    (default :func:`fast_math`). :func:`tile_pass_triton` is the stage
     to call; this launch is public so that benchmarks can time the kernel without the
     allocations, the sketch and the reduction around it (``bench/tune_method.py``)."""
     if triton is None:
@@ -448,7 +483,38 @@ def launch_tile_kernel(left_mean, right_mean, left_dev, right_dev, coefficients,
     _iga_tile_kernel[grid](
         left_mean, right_mean, left_dev, right_dev, coefficients, eps, out, parts, mins, d_out, d_in, k2,
         N=N, NORM=_NORM_CODE[normalize], KP=kp, BM=block_m, BN=block_n, PRECISION=precision, STATS=stats,
-        COLS=cols, EVEN=even, HOIST=hoist and cols > 1 and N <= MAX_HOISTED_DOMAINS, num_warps=num_warps, **extra)
+        COLS=cols, EVEN=even, HOIST=hoist and cols > 1 and N <= MAX_HOISTED_DOMAINS, FAST=fast_math() if fast is None else fast,
+        num_warps=num_warps, **extra)
+
+
+_TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+def compile_tile_kernel(*, arch: int = 90, num_domains: int = 4, rank: int = 16, normalize: str = "snr",
+                        precision: str = "bf16", cols: int | None = None, fast: bool = True, num_warps: int = 4):
+    """The tile kernel compiled for CUDA architecture ``arch`` (90: H100, H200) without a GPU,
+    specialized as :func:`launch_tile_kernel` specializes it for LLaMA-like modules (sizes and
+    addresses multiples of 16, strips that tile the matrix exactly, 64 x 64 tiles): Triton's
+    compiled kernel, whose ``asm`` holds its PTX and machine code, for reading what each element
+    costs (``bench/kernel_sass.py``)."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    factor = _TRITON_TYPES[FACTOR_DTYPES[precision]]
+    names = ("left_mean", "right_mean", "left_dev", "right_dev", "coef_ptr", "eps_ptr", "out_ptr", "part_ptr",
+             "min_ptr", "d_out", "d_in", "k2")
+    types = [f"*{factor}"] * 4 + ["*fp32", "*fp32", f"*{_TRITON_TYPES[masked_dtype(precision)]}", "*fp32", "*fp32",
+                                  "i32", "i32", "i32"]
+    cols = strip_tiles(precision) if cols is None else cols
+    constants = dict(N=num_domains, NORM=_NORM_CODE[normalize], KP=max(16, triton.next_power_of_2(2 * rank)),
+                     BM=64, BN=64, PRECISION=precision, STATS=True, COLS=cols, EVEN=True,
+                     HOIST=cols > 1 and num_domains <= MAX_HOISTED_DOMAINS, FAST=fast)
+    signature = dict(zip(names, types), **{name: "constexpr" for name in constants})
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(names))}
+    source = ASTSource(fn=_iga_tile_kernel, signature=signature, constexprs=constants, attrs=aligned)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
 
 
 def strip_count(d_in: int, block_n: int, cols: int) -> int:
@@ -532,7 +598,7 @@ def _sketch_pass(factors, coefficients, eps, omega, psi, parts, mins, *, normali
             omega[lo:hi], psi[lo:hi], y_part, w_part, parts[lo:hi], mins[lo:hi], d_out, d_in, k2, width, co_width,
             N=N, NORM=_NORM_CODE[normalize], KP=max(16, triton.next_power_of_2(k2)), BM=block_m, BN=block_n,
             WP=max(16, triton.next_power_of_2(width)), LP=max(16, triton.next_power_of_2(co_width)),
-            PRECISION=precision, num_warps=num_warps)
+            PRECISION=precision, FAST=fast_math(), num_warps=num_warps)
         torch.sum(y_part, dim=1, out=sketch[lo:hi])
         torch.sum(w_part, dim=1, out=co_sketch[lo:hi])
     return co_sketch, sketch
@@ -571,8 +637,10 @@ def stack_factors_triton(A, B, gA, gB, scaling, dev_dtype: torch.dtype = torch.f
 # rather than cuBLAS
 SKINNY_DTYPES = (torch.bfloat16,)
 # block sizes of the skinny product by the matrices' dtype: (rows of Y per program, contraction
-# step, warps, pipeline stages)
-SKINNY_BLOCKS = {torch.bfloat16: (128, 128, 8, 3), torch.float32: (128, 32, 4, 4)}
+# step, warps, pipeline stages). float32 is CholeskyQR's product by the inverse factor (32 or 26
+# columns; bench/tune_method.py's QR_PRODUCT_SWEEP): 46 us against 56 us for (128, 32, 4, 4) at
+# 32 columns, 65 against 89 at 26, 128 modules on one H200 (docs/results/h200-2026-11-28-tile-division/)
+SKINNY_BLOCKS = {torch.bfloat16: (128, 128, 8, 3), torch.float32: (128, 16, 4, 4)}
 
 
 def skinny_product(matrix: torch.Tensor, factor: torch.Tensor, *, transpose: bool = False,
