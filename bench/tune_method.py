@@ -8,7 +8,8 @@ On one stack of 16 modules of LLaMA-2-7B shape (4096 x 4096, r 16, N 4, sketch w
   matrix-product rates, measured here rather than taken from a datasheet;
 - the bf16 tile kernel's variants on all 128 modules (:data:`KERNEL_VARIANTS`: the left
   factors loaded once per strip or per tile, tiles per program, pipeline stages, block rows,
-  warps, the mask's division exact or approximate), each output checked against the first's;
+  warps, the mask's division exact or approximate, a cap on registers), each output checked
+  against the first's;
 - the tile pass for several block shapes and warp counts, for each of ``--precisions``
   (default ieee and tf32x3), each checked against the default one, and the tile kernel alone
   with and without its statistics;
@@ -215,18 +216,22 @@ def cholesky_qr(sketch) -> dict:
             "cholesky_qr1_ms": do_bench_ms(lambda: orthonormalize(sketch, final=False))}
 
 
-# the bf16 tile kernel's variants swept by kernel_variants(): (hoist, tiles per program,
-# pipeline stages or None for Triton's default, block rows, warps, the approximate division)
-KERNEL_VARIANTS = [(True, 32, None, 64, 4, False), (True, 32, None, 64, 4, True), (False, 16, None, 64, 4, True),
-                   (True, 16, None, 64, 4, True), (True, 64, None, 64, 4, True), (True, 32, 1, 64, 4, True),
-                   (True, 32, None, 128, 8, True), (True, 32, None, 64, 8, True)]
+# the bf16 tile kernel's variants swept by kernel_variants(): launch_tile_kernel's settings
+# that differ from the first's (the default: the strip's left factors held, 32 tiles per
+# program, Triton's pipeline stages, 64 x 64 tiles, 4 warps, the approximate division, the
+# compiler's register count)
+KERNEL_DEFAULT = dict(hoist=True, cols=32, num_stages=None, block_m=64, num_warps=4, fast=True, max_registers=None)
+KERNEL_VARIANTS = [{}, dict(fast=False), dict(hoist=False, cols=16), dict(cols=16), dict(cols=64), dict(num_stages=1),
+                   dict(num_stages=2), dict(block_m=128, num_warps=8), dict(max_registers=168),
+                   dict(max_registers=168, num_stages=2), dict(max_registers=168, cols=64),
+                   dict(max_registers=128, num_stages=2)]
 
 
 def kernel_variants(modules, normalize: str = "snr") -> list[dict]:
-    """The bf16 tile kernel alone on one stack of ``modules`` for each of :data:`KERNEL_VARIANTS`:
-    the strip's left factors loaded once (``hoist``) or per tile, tiles per program, pipeline
-    stages, block rows, warps and the mask's division (exact or approximate); each output
-    against the first variant's."""
+    """The bf16 tile kernel alone on one stack of ``modules`` for each of :data:`KERNEL_VARIANTS`
+    (:data:`KERNEL_DEFAULT` and what each changes: the strip's left factors loaded once
+    (``hoist``) or per tile, tiles per program, pipeline stages, block rows, warps, the mask's
+    division, a cap on registers per thread); each output against the first variant's."""
     M = len(modules)
     st = stack_modules(modules, [None] * M, 1 << 40)[0]
     left_mean, right_mean, left_dev, right_dev = stack_factors(st, torch.bfloat16)
@@ -235,12 +240,12 @@ def kernel_variants(modules, normalize: str = "snr") -> list[dict]:
     coefficients = triton_kernels.mask_coefficients(mean_var, 0.5, left_dev.shape[1], normalize)
     eps = (SNR_EPS * mean_sq + torch.finfo(torch.float32).tiny).float()
     rows, first = [], None
-    for hoist, cols, stages, block_m, warps, fast in KERNEL_VARIANTS:
-        out, parts, mins = kernel_outputs(M, 4096, 4096, torch.bfloat16, block_m, cols)
+    for change in KERNEL_VARIANTS:
+        settings = {**KERNEL_DEFAULT, **change}
+        out, parts, mins = kernel_outputs(M, 4096, 4096, torch.bfloat16, settings["block_m"], settings["cols"])
         run = functools.partial(triton_kernels.launch_tile_kernel, *factors, coefficients, eps, out, parts, mins,
-                                normalize=normalize, block_m=block_m, block_n=64, precision="bf16",
-                                num_warps=warps, cols=cols, hoist=hoist, num_stages=stages, fast=fast)
-        row = dict(hoist=hoist, cols=cols, stages=stages, block_m=block_m, warps=warps, fast_division=fast)
+                                normalize=normalize, block_n=64, precision="bf16", **settings)
+        row = dict(settings)
         try:
             run()
             row["ms"] = do_bench_ms(run)

@@ -459,7 +459,7 @@ if triton is not None:
 def launch_tile_kernel(left_mean, right_mean, left_dev, right_dev, coefficients, eps, out, parts, mins, *,
                        normalize, block_m: int = 64, block_n: int = 64, precision: str = "ieee", num_warps: int = 4,
                        stats: bool = True, cols: int = 1, hoist: bool = True, num_stages: int | None = None,
-                       fast: bool | None = None) -> None:
+                       fast: bool | None = None, max_registers: int | None = None) -> None:
     """The tile kernel alone: writes ``Gbar * exp(-tau V')`` into ``out`` (M x out x in) and, with
     ``stats``, each program's partial sums (mask, mask below 0.5, masked^2) into ``parts``
     (M x programs x :data:`STAT_SLOTS`) and its smallest mask into ``mins`` (M x programs), programs numbered
@@ -469,7 +469,9 @@ def launch_tile_kernel(left_mean, right_mean, left_dev, right_dev, coefficients,
     dtype, ``coefficients`` from :func:`mask_coefficients`, ``eps`` the floor of the ``"snr"``
     denominator per module. ``hoist``: a strip of several tiles loads its left factors once
     (with at most :data:`MAX_HOISTED_DOMAINS` domains). ``fast``: the approximate division
-    (default :func:`fast_math`). :func:`tile_pass_triton` is the stage
+    (default :func:`fast_math`). ``max_registers``: a cap on each thread's registers, which
+    sets how many programs share a multiprocessor (None: the compiler's choice).
+    :func:`tile_pass_triton` is the stage
     to call; this launch is public so that benchmarks can time the kernel without the
     allocations, the sketch and the reduction around it (``bench/tune_method.py``)."""
     if triton is None:
@@ -480,6 +482,8 @@ def launch_tile_kernel(left_mean, right_mean, left_dev, right_dev, coefficients,
     grid = (triton.cdiv(d_out, block_m), strip_count(d_in, block_n, cols), M)
     even = d_out % block_m == 0 and d_in % (block_n * cols) == 0
     extra = {} if num_stages is None else {"num_stages": num_stages}
+    if max_registers is not None:
+        extra["maxnreg"] = max_registers
     _iga_tile_kernel[grid](
         left_mean, right_mean, left_dev, right_dev, coefficients, eps, out, parts, mins, d_out, d_in, k2,
         N=N, NORM=_NORM_CODE[normalize], KP=kp, BM=block_m, BN=block_n, PRECISION=precision, STATS=stats,
