@@ -286,7 +286,8 @@ def stack_parts(modules, skip: set[str], precisions=("ieee", "tf32x3")) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="tune_method.json")
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: variants,qrproducts,tile,products,qr,whole")
+    p.add_argument("--skip", default="",
+                   help="comma-separated parts to skip: variants,qrproducts,tile,products,qr,whole")
     p.add_argument("--precisions", default="ieee,tf32x3",
                    help=f"tile-pass precisions to sweep, from {', '.join(triton_kernels.PRECISIONS)}; the first "
                         "is also the whole method's")

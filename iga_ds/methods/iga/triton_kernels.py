@@ -487,8 +487,8 @@ def launch_tile_kernel(left_mean, right_mean, left_dev, right_dev, coefficients,
     _iga_tile_kernel[grid](
         left_mean, right_mean, left_dev, right_dev, coefficients, eps, out, parts, mins, d_out, d_in, k2,
         N=N, NORM=_NORM_CODE[normalize], KP=kp, BM=block_m, BN=block_n, PRECISION=precision, STATS=stats,
-        COLS=cols, EVEN=even, HOIST=hoist and cols > 1 and N <= MAX_HOISTED_DOMAINS, FAST=fast_math() if fast is None else fast,
-        num_warps=num_warps, **extra)
+        COLS=cols, EVEN=even, HOIST=hoist and cols > 1 and N <= MAX_HOISTED_DOMAINS,
+        FAST=fast_math() if fast is None else fast, num_warps=num_warps, **extra)
 
 
 _TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
