@@ -48,3 +48,31 @@ def test_the_approximate_division_takes_instructions_off_each_element(tmp_path, 
         assert exact["mufu"] == fast["mufu"] == 2
     else:  # "mean" divides nothing: one code
         assert exact["total"] == fast["total"] and fast["mufu"] == 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_the_kernels_keep_fused_multiply_adds_whatever_triton_defaults_to(monkeypatch):
+    # Triton 3.10 turns fused multiply-adds off unless asked for (this variable sets that
+    # default): the kernels ask, so the tile kernel's loop keeps its multiply-adds
+    from triton.tools.disasm import get_sass
+
+    from iga_ds.methods.iga import triton_kernels
+
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    ops = kernel_sass.loop_instructions(get_sass(triton_kernels.compile_tile_kernel().asm["cubin"]))
+    assert ops["FFMA"] >= 4 * 32  # per tile: the deviations' squares, the mask's exponent, the squared norm
+
+
+def test_every_kernel_launch_asks_for_the_same_compiler_options():
+    import ast
+    import pathlib
+
+    from iga_ds.methods.iga import triton_kernels
+
+    tree = ast.parse(pathlib.Path(triton_kernels.__file__).read_text())
+    launches = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+                and isinstance(node.func.value, ast.Name) and node.func.value.id.endswith("_kernel")]
+    assert len(launches) >= 7
+    for call in launches:
+        splats = [k.value.id for k in call.keywords if k.arg is None and isinstance(k.value, ast.Name)]
+        assert "LAUNCH_OPTIONS" in splats, f"{call.func.value.id} launched without LAUNCH_OPTIONS (line {call.lineno})"

@@ -58,6 +58,11 @@ STRIP_TILES = {"bf16": 32}
 # domains whose left factors the tile kernel can hold for a whole strip (HOIST)
 MAX_HOISTED_DOMAINS = 5
 
+# compiler options of every launch: multiply-adds fused, as the kernels were measured and tested
+# (Triton's own default until 3.9; from 3.10 it is off unless asked for, which would split each
+# multiply-add in two and move the results by a rounding)
+LAUNCH_OPTIONS = {"enable_fp_fusion": True}
+
 
 def mask_coefficients(mean_var: torch.Tensor, tau: float, num_domains: int, normalize: str) -> torch.Tensor:
     """Each module's multiplier of N V in the exponent of the kernels' mask (``mean_var`` gives
@@ -488,7 +493,7 @@ def launch_tile_kernel(left_mean, right_mean, left_dev, right_dev, coefficients,
         left_mean, right_mean, left_dev, right_dev, coefficients, eps, out, parts, mins, d_out, d_in, k2,
         N=N, NORM=_NORM_CODE[normalize], KP=kp, BM=block_m, BN=block_n, PRECISION=precision, STATS=stats,
         COLS=cols, EVEN=even, HOIST=hoist and cols > 1 and N <= MAX_HOISTED_DOMAINS,
-        FAST=fast_math() if fast is None else fast, num_warps=num_warps, **extra)
+        FAST=fast_math() if fast is None else fast, num_warps=num_warps, **extra, **LAUNCH_OPTIONS)
 
 
 _TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
@@ -518,7 +523,8 @@ def compile_tile_kernel(*, arch: int = 90, num_domains: int = 4, rank: int = 16,
     signature = dict(zip(names, types), **{name: "constexpr" for name in constants})
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(names))}
     source = ASTSource(fn=_iga_tile_kernel, signature=signature, constexprs=constants, attrs=aligned)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    options = {"num_warps": num_warps, **LAUNCH_OPTIONS}
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def strip_count(d_in: int, block_n: int, cols: int) -> int:
@@ -602,7 +608,7 @@ def _sketch_pass(factors, coefficients, eps, omega, psi, parts, mins, *, normali
             omega[lo:hi], psi[lo:hi], y_part, w_part, parts[lo:hi], mins[lo:hi], d_out, d_in, k2, width, co_width,
             N=N, NORM=_NORM_CODE[normalize], KP=max(16, triton.next_power_of_2(k2)), BM=block_m, BN=block_n,
             WP=max(16, triton.next_power_of_2(width)), LP=max(16, triton.next_power_of_2(co_width)),
-            PRECISION=precision, FAST=fast_math(), num_warps=num_warps)
+            PRECISION=precision, FAST=fast_math(), num_warps=num_warps, **LAUNCH_OPTIONS)
         torch.sum(y_part, dim=1, out=sketch[lo:hi])
         torch.sum(w_part, dim=1, out=co_sketch[lo:hi])
     return co_sketch, sketch
@@ -631,9 +637,9 @@ def stack_factors_triton(A, B, gA, gB, scaling, dev_dtype: torch.dtype = torch.f
         rp = triton.next_power_of_2(r)
         _left_factors_kernel[(triton.cdiv(d_out, block), M)](
             gB, B, scaling.float().contiguous(), left_mean, left_dev, d_out, r, gB.stride(0), B.stride(0),
-            N=N, RP=rp, BR=block)
+            N=N, RP=rp, BR=block, **LAUNCH_OPTIONS)
         _right_factors_kernel[(triton.cdiv(d_in, block), M)](
-            gA, A, right_mean, right_dev, d_in, r, gA.stride(0), A.stride(0), N=N, RP=rp, BC=block)
+            gA, A, right_mean, right_dev, d_in, r, gA.stride(0), A.stride(0), N=N, RP=rp, BC=block, **LAUNCH_OPTIONS)
     return left_mean, right_mean, left_dev, right_dev
 
 
@@ -680,7 +686,7 @@ def skinny_product(matrix: torch.Tensor, factor: torch.Tensor, *, transpose: boo
     _skinny_kernel[(triton.cdiv(out_len, block_rows), M)](
         matrix, factor, out, rows, cols, k, TRANSPOSE=transpose, BR=block_rows, BK=block_inner,
         KP=max(16, triton.next_power_of_2(k)), PRECISION="bf16" if matrix.dtype == torch.bfloat16 else precision,
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **LAUNCH_OPTIONS)
     return out
 
 
@@ -710,7 +716,7 @@ def gram64(x: torch.Tensor, *, block: int = 32, programs: int = GRAM_PROGRAMS) -
     chunk = triton.cdiv(triton.cdiv(K, splits), block) * block
     splits = triton.cdiv(K, chunk)
     parts = torch.empty(M, splits, ap, ap, dtype=torch.float64, device=x.device)
-    _gram64_kernel[(splits, M)](x, parts, K, a, chunk, *x.stride(), BK=block, AP=ap)
+    _gram64_kernel[(splits, M)](x, parts, K, a, chunk, *x.stride(), BK=block, AP=ap, **LAUNCH_OPTIONS)
     return parts[:, :, :a, :a].sum(dim=1)
 
 
@@ -725,7 +731,7 @@ def gaussian_stack_triton(keys, rows: int, cols: int, *, device, offset: int = 0
     out = torch.empty(len(keys), rows, cols, dtype=torch.float32, device=device)
     n = rows * cols
     if n and len(keys):
-        _gaussian_kernel[(triton.cdiv(n, block), len(keys))](mixed, out, n, offset, BLOCK=block)
+        _gaussian_kernel[(triton.cdiv(n, block), len(keys))](mixed, out, n, offset, BLOCK=block, **LAUNCH_OPTIONS)
     return out
 
 
