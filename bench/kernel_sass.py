@@ -8,9 +8,10 @@ once with the mask's division exact and once approximate (the default on a GPU),
 the strip's loop (one tile per iteration) and prints its instructions per output element: all
 of them, those of the float32 pipe (FMUL, FADD, FFMA, FMNMX, FSETP, FSET, F2FP), those of the
 special-function unit (MUFU: reciprocal and exp2), and the tensor-core products and their
-waits per tile. The tile kernel's elementwise work is most of its time on an H200
-(docs/results/h200-2026-11-28-tile-division/), so its instruction count is a measure of a
-change that needs no device time; the device's timings (``tune_method.py``) decide.
+waits per tile. The tile kernel's time follows its elementwise instructions (6 fewer of 29 per
+element took 13% off it on an H200, docs/results/h200-2026-11-28-tile-division/), so the count
+weighs a change before any device time is spent on it; the device's timings
+(``tune_method.py``) decide.
 
 The counts depend on the Triton version: the card's are what the installed Triton compiles.
 """
