@@ -217,10 +217,11 @@ def cholesky_qr(sketch) -> dict:
 
 
 # the bf16 tile kernel's variants swept by kernel_variants(): launch_tile_kernel's settings
-# that differ from the first's (the default: the strip's left factors held, 32 tiles per
-# program, Triton's pipeline stages, 64 x 64 tiles, 4 warps, the approximate division, the
+# that differ from the first's (the default: the strip's left factors held, the method's tiles
+# per program, Triton's pipeline stages, 64 x 64 tiles, 4 warps, the approximate division, the
 # compiler's register count)
-KERNEL_DEFAULT = dict(hoist=True, cols=32, num_stages=None, block_m=64, num_warps=4, fast=True, max_registers=None)
+KERNEL_DEFAULT = dict(hoist=True, cols=triton_kernels.strip_tiles("bf16"), num_stages=None, block_m=64, num_warps=4,
+                      fast=True, max_registers=None)
 KERNEL_VARIANTS = [{}, dict(fast=False), dict(hoist=False, cols=16), dict(cols=16), dict(cols=64), dict(num_stages=1),
                    dict(num_stages=2), dict(block_m=128, num_warps=8), dict(max_registers=168),
                    dict(max_registers=168, num_stages=2), dict(max_registers=168, cols=64),
