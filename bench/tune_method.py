@@ -18,6 +18,10 @@ On one stack of 16 modules of LLaMA-2-7B shape (4096 x 4096, r 16, N 4, sketch w
 - the power iterations' products ``X @ Z`` and ``X^T @ Q``, float32 and bfloat16, by cuBLAS
   and by Triton's skinny product for several block shapes, checked against float64 on one
   module, against the bandwidth ceiling;
+- the eigendecompositions of the small matrices' Grams (:data:`EIGH_SHAPES`), by the Jacobi
+  kernel and by ``torch.linalg.eigh``: device time, the host's time to issue one call while
+  the device is still busy (``eigh`` waits for the device, the kernel does not), error against
+  float64 ``eigh`` on the CPU;
 - CholeskyQR of the sketches, two passes (a final basis) and one (a basis that feeds the next
   power iteration);
 - the whole ``batched_iga`` on 128 modules (the first of ``--precisions``) for several stack
@@ -36,6 +40,7 @@ import argparse
 import functools
 import json
 import sys
+import time
 
 import torch
 
@@ -45,7 +50,7 @@ from common import (
 )
 from iga_ds.files import atomic_write_json
 from iga_ds.methods import sketch_key
-from iga_ds.methods.iga import triton_kernels
+from iga_ds.methods.iga import jacobi, triton_kernels
 from iga_ds.methods.iga.common import SNR_EPS
 from iga_ds.methods.iga.fused import batched_iga, mask_scales, orthonormalize, stack_factors, stack_modules
 
@@ -228,6 +233,52 @@ KERNEL_VARIANTS = [{}, dict(fast=False), dict(hoist=False, cols=16), dict(cols=1
                    dict(max_registers=128, num_stages=2)]
 
 
+# (matrices, size) of the eigendecomposition sweep: the method's 128 Grams at oversampling 16
+# and 10 (widths 32 and 26), and the kernel's largest size
+EIGH_SHAPES = ((128, 32), (128, 26), (32, 64))
+# warps per program swept for the Jacobi kernel (its defaults: jacobi.WARPS)
+EIGH_WARPS = (8, 16, 32)
+
+
+def host_issue_ms(fn, busy_ms: float = 20.0) -> float:
+    """Host milliseconds to issue one call of ``fn`` while the device still runs a kernel of
+    about ``busy_ms`` queued before it: a call that waits for the device takes about that long,
+    one that only queues work takes its launches' cost."""
+    fn()
+    torch.cuda.synchronize()
+    cycles = int(busy_ms * 1e-3 * torch.cuda.get_device_properties(0).clock_rate * 1e3)
+    torch.cuda._sleep(cycles)
+    start = time.perf_counter()
+    fn()
+    elapsed = (time.perf_counter() - start) * 1e3
+    torch.cuda.synchronize()
+    return elapsed
+
+
+def eigh_solvers() -> list[dict]:
+    """The Jacobi kernel (for each of :data:`EIGH_WARPS` and at its default) against
+    ``torch.linalg.eigh`` on Grams of sketch-like small matrices (rows scaled from 1 down to
+    1e-3)."""
+    rows = []
+    for M, n in EIGH_SHAPES:
+        X = torch.randn(M, n, 4 * n, dtype=torch.float64) * torch.logspace(0, -3, n, dtype=torch.float64)[:, None]
+        grams = X @ X.mT
+        ref_values, _ = torch.linalg.eigh(grams)
+        on_device = grams.cuda()
+        solvers = [(f"jacobi, {warps} warps", functools.partial(jacobi.eigh_jacobi, num_warps=warps))
+                   for warps in EIGH_WARPS] + [("jacobi", jacobi.eigh_jacobi), ("torch", torch.linalg.eigh)]
+        for name, solve in solvers:
+            values, vectors = solve(on_device)
+            scale = ref_values.abs().amax()
+            residual = (grams @ vectors.cpu() - vectors.cpu() * values.cpu().unsqueeze(-2)).abs().amax() / scale
+            rows.append(dict(solver=name, matrices=M, size=n, ms=do_bench_ms(lambda: solve(on_device)),
+                             host_ms=host_issue_ms(lambda: solve(on_device)),
+                             err_values=float((values.cpu() - ref_values).abs().amax() / scale),
+                             residual=float(residual)))
+            print(rows[-1], flush=True)
+    return rows
+
+
 def kernel_variants(modules, normalize: str = "snr") -> list[dict]:
     """The bf16 tile kernel alone on one stack of ``modules`` for each of :data:`KERNEL_VARIANTS`
     (:data:`KERNEL_DEFAULT` and what each changes: the strip's left factors loaded once
@@ -288,7 +339,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="tune_method.json")
     p.add_argument("--skip", default="",
-                   help="comma-separated parts to skip: variants,qrproducts,tile,products,qr,whole")
+                   help="comma-separated parts to skip: variants,qrproducts,eigh,tile,products,qr,whole")
     p.add_argument("--precisions", default="ieee,tf32x3",
                    help=f"tile-pass precisions to sweep, from {', '.join(triton_kernels.PRECISIONS)}; the first "
                         "is also the whole method's")
@@ -309,12 +360,14 @@ def main(argv=None) -> int:
         result["kernel_variants"] = kernel_variants(modules)
     if "qrproducts" not in skip:
         result["qr_products"] = [row for width in (32, 26) for row in qr_products(width=width)]
+    if "eigh" not in skip:
+        result["eigh"] = eigh_solvers()
     result.update(stack_parts(modules[:16], skip, precisions))
     if "whole" not in skip:
         result["whole"] = whole(modules, precisions[0])
     atomic_write_json(args.out, result, indent=1)
     print(json.dumps(result["ceilings"]))
-    for part in ("kernel_variants", "qr_products", "tile_pass", "products", "whole"):
+    for part in ("kernel_variants", "qr_products", "eigh", "tile_pass", "products", "whole"):
         for row in sorted(result.get(part, []), key=lambda r: r.get("ms", 1e9))[:6]:
             print(part, row)
     return 0

@@ -15,6 +15,7 @@ from iga_ds.methods.iga.fused import batched_iga
 from iga_ds.methods import ModuleGrads, get_method
 from iga_ds.methods.iga.reference import iga_update
 from reference_impl import iga_reference
+from triton_interpreter import run_interpreted
 
 # float32: observed worst 7e-6 on these problems (rounding amplified by the SVD), so ~1e-5 with margin
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
@@ -698,15 +699,7 @@ def test_cuda_bf16_method_is_float32_up_to_bfloat16_rounding():
 
 @pytest.mark.slow
 def test_triton_kernel_in_interpreter_matches_torch_tile_pass():
-    import importlib.util
-
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("Triton is not installed")
-    here = os.path.dirname(__file__)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = "import test_fused; test_fused._triton_tile_pass_matches_torch()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=here, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_interpreted("test_fused", "_triton_tile_pass_matches_torch")
 
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")

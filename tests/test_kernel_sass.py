@@ -69,10 +69,15 @@ def test_every_kernel_launch_asks_for_the_same_compiler_options():
 
     from iga_ds.methods.iga import triton_kernels
 
-    tree = ast.parse(pathlib.Path(triton_kernels.__file__).read_text())
-    launches = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
-                and isinstance(node.func.value, ast.Name) and node.func.value.id.endswith("_kernel")]
-    assert len(launches) >= 7
-    for call in launches:
-        splats = [k.value.id for k in call.keywords if k.arg is None and isinstance(k.value, ast.Name)]
-        assert "LAUNCH_OPTIONS" in splats, f"{call.func.value.id} launched without LAUNCH_OPTIONS (line {call.lineno})"
+    launches = []
+    for path in pathlib.Path(triton_kernels.__file__).parent.glob("*.py"):  # every Triton module of the method
+        tree = ast.parse(path.read_text())
+        launches += [(path.name, node) for node in ast.walk(tree)
+                     if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+                     and isinstance(node.func.value, ast.Name) and node.func.value.id.endswith("_kernel")]
+    assert len(launches) >= 8  # triton_kernels' seven and the Jacobi kernel
+    for name, call in launches:
+        # **LAUNCH_OPTIONS, or **triton_kernels.LAUNCH_OPTIONS from another module
+        splats = [getattr(k.value, "id", getattr(k.value, "attr", None)) for k in call.keywords if k.arg is None]
+        where = f"{name}, line {call.lineno}"
+        assert "LAUNCH_OPTIONS" in splats, f"{call.func.value.id} launched without LAUNCH_OPTIONS ({where})"

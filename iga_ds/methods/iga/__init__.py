@@ -6,8 +6,9 @@
 - ``sketch``: the Gaussian test matrices, keyed by (seed, step, module), drawn for many
   modules at once;
 - ``fused``: the same update for many modules at once, without the N full-rank gradients
-  (:func:`batched_iga`), and ``triton_kernels``, its CUDA kernels (the tile pass, the skinny
-  products, the keyed draws);
+  (:func:`batched_iga`), ``triton_kernels``, its CUDA kernels (the tile pass, the skinny
+  products, the keyed draws), and ``jacobi``, the eigendecompositions of its small Grams on
+  CUDA without a wait for the device;
 - ``method``: the registered ``iga`` method, which picks the path;
 - ``ablations``: the paper's Table 3 variants, each changing one step.
 """

@@ -55,7 +55,7 @@ from typing import Sequence
 import torch
 
 from iga_ds.methods.base import ModuleGrads, StableModules, StatsTable, TiledResults, host_to_device, stacked_view
-from iga_ds.methods.iga import triton_kernels
+from iga_ds.methods.iga import jacobi, triton_kernels
 from iga_ds.methods.iga.common import (
     FACTOR_MAPS, NORMALIZATIONS, SNR_EPS, check_choice, check_module, check_tau,
 )
@@ -426,16 +426,18 @@ def _gram_eigh(smalls: Sequence[torch.Tensor], use_triton: bool = False) -> list
     """Eigendecompositions of the w x w Grams of several stacks of short-wide matrices, float64
     (the Grams by :func:`_gram64`).
 
-    ``torch.linalg.eigh`` checks its result on the host, so each call stalls the device until
-    its queue drains; stacks of equal w share one call, so a method call stalls once, not once
-    per stack."""
+    With ``use_triton`` on CUDA by :func:`iga_ds.methods.iga.jacobi.eigh`, which does not wait
+    for the device; ``torch.linalg.eigh`` (elsewhere, and for Grams past the kernel's size)
+    checks its result on the host, so each call stalls the device until its queue drains:
+    stacks of equal w share one call, so a method call stalls once, not once per stack."""
     grams = [_gram64(small, use_triton) for small in smalls]
     by_width: dict[int, list[int]] = {}
     for i, gram in enumerate(grams):
         by_width.setdefault(gram.shape[-1], []).append(i)
+    solve = jacobi.eigh if use_triton else torch.linalg.eigh
     out: list = [None] * len(grams)
     for idx in by_width.values():
-        evals, evecs = torch.linalg.eigh(torch.cat([grams[i] for i in idx]))  # ascending
+        evals, evecs = solve(torch.cat([grams[i] for i in idx]))  # ascending
         sizes = [grams[i].shape[0] for i in idx]
         for i, values, vectors in zip(idx, evals.split(sizes), evecs.split(sizes)):
             out[i] = (values, vectors)
@@ -450,7 +452,7 @@ def _small_svd(small: torch.Tensor, rank: int, eig=None):
     evals, evecs = evals[..., -rank:].flip(-1), evecs[..., -rank:].flip(-1)  # descending
     S = evals.clamp_min(0).sqrt()
     # 1/S, 0 where S is: the rows of Vh for zero singular values are zero. Few operators: after
-    # the eigendecomposition the device waits for each launch
+    # torch.linalg.eigh (off the Triton path) the device waits for each launch
     inverse = torch.where(S > 0, S.reciprocal(), 0.0)
     Vh = (evecs.mT @ S64) * inverse.unsqueeze(-1)
     return evecs.to(small.dtype), S.to(small.dtype), Vh.to(small.dtype)
@@ -647,8 +649,8 @@ def _chain_rule_gradients(proj: Projected, operands, eig, gA_out: torch.Tensor, 
     the projector onto the top eigenvectors W of small's Gram: the rank-k truncation is
     ``g~ = U S Vh = Q W W^T small``, so ``dA = s B^T g~ = (s B^T Q)(W W^T) small`` and
     ``dB = s g~ A^T = Q (W W^T)(s small A^T)``. Same result as the SVD split mapped by
-    :func:`iga_ds.methods.iga.reference.chain_rule_factors`, in a third of the operators: after
-    the eigendecomposition the device waits for each launch. Returns the kept energy."""
+    :func:`iga_ds.methods.iga.reference.chain_rule_factors`, in a third of the operators.
+    Returns the kept energy."""
     left, right, small = operands
     evals, evecs = eig
     top = evecs[..., -proj.rank:]  # ascending order: the last k; W W^T does not depend on order or signs
@@ -740,12 +742,13 @@ def _finish_stacks(modules: Sequence[ModuleGrads], stacks: Sequence[Stack], proj
     :class:`iga_ds.methods.base.StatsTable` for all modules (read when first used); a
     :class:`iga_ds.methods.base.TiledResults` whose bases are the stacks' result buffers.
 
-    The eigendecomposition waits for the device, which then waits for each launch the host
-    issues: so what does not need its result and costs the host time (the small matrices in
-    float64 for the SVD split, the results' storage and per-module views, the statistics' table) is built
-    before it. The chain rule's first products, which do not need it either, are issued after
-    it: the device runs them while the host issues what follows, instead of waiting for each
-    of those launches."""
+    On the Triton path nothing here waits for the device (the eigendecompositions are
+    :func:`iga_ds.methods.iga.jacobi.eigh`'s). Elsewhere ``torch.linalg.eigh`` waits for it, and
+    the device then waits for each launch the host issues: so what does not need its result
+    and costs the host time (the small matrices in float64 for the SVD split, the results'
+    storage and per-module views, the statistics' table) is built before it, and the chain
+    rule's first products, which do not need it either, are issued after it, where the device
+    runs them while the host issues what follows."""
     chain_rule = factors == "chain_rule"
     # the SVD split needs the small matrices in float64; the chain rule only their Grams
     smalls64 = [None if chain_rule else proj.small.double() for proj in projected]
