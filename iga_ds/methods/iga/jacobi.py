@@ -1,5 +1,5 @@
 """Eigendecompositions of stacks of small symmetric float64 matrices on CUDA, by a Jacobi
-kernel that never waits for the host.
+kernel whose result the host does not wait for.
 
 ``torch.linalg.eigh`` checks its solver's status on the host, so every call waits until the
 device has run all that was queued before it; the device then sits idle while the host issues
@@ -12,8 +12,8 @@ method's remaining work while the device runs (docs/results/h200-2026-11-28-jaco
 Each sweep visits every pair (p, q) once, in NP - 1 rounds of NP / 2 disjoint pairs (a
 round-robin tournament over the size padded to a power of two), so that a round is
 elementwise arithmetic on the whole matrix, held in registers, with the partners' rows and
-columns gathered. The rotation of a pair is that of Golub and Van Loan, Algorithm 8.5.2
-(sym.schur2). A pair is left alone when its off-diagonal element is at most ``eps`` times the
+columns gathered. The rotation of a pair is the 2 x 2 symmetric Schur decomposition of Golub
+and Van Loan's Matrix Computations (section 8.5, the Jacobi methods). A pair is left alone when its off-diagonal element is at most ``eps`` times the
 matrix's Frobenius norm, the normwise accuracy ``eigh`` itself has; the sweeps stop when no
 off-diagonal element is above that, or after :data:`MAX_SWEEPS`. The method's Grams
 (LLaMA-2-7B shapes, width 32) converged in 6 sweeps. Non-finite input gives non-finite output
@@ -137,7 +137,7 @@ if triton is not None:
         return new, cj * V + sj * v_c
 
     @triton.jit
-    def _converged(A, floor, NP: tl.constexpr):
+    def _rotating(A, floor, NP: tl.constexpr):
         """How many off-diagonal elements would still rotate (0: converged; NaN never is)."""
         i = tl.arange(0, NP)
         rows, cols = i[:, None], i[None, :]
@@ -158,12 +158,12 @@ if triton is not None:
         V = tl.where(rows == cols, 1.0, 0.0).to(tl.float64)
         floor = TOL * tl.sqrt(tl.sum(tl.sum(A * A, axis=1), axis=0))
         sweeps = 0
-        left = _converged(A, floor, NP)
+        left = _rotating(A, floor, NP)
         while (sweeps < max_sweeps) & (left > 0):
             for t in range(NP - 1):
                 A, V = _rotate(A, V, t, floor, NP)
             sweeps += 1
-            left = _converged(A, floor, NP)
+            left = _rotating(A, floor, NP)
         lam = tl.sum(tl.where(rows == cols, A, 0.0), axis=1)
         # ascending order, ties by index; NaN sorts last (its output is NaN either way)
         key = tl.where((i < n) & (lam == lam), lam, float("inf"))
