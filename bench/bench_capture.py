@@ -3,6 +3,7 @@ real model's shape on a GPU.
 
     python bench/bench_capture.py [--layers 32] [--rounds 7] [--iters 20] [--owns]
     python bench/bench_capture.py --device cuda --owns [--layers 32] [--micro 4] [--seq 512]
+    python bench/bench_capture.py --device cuda --owns --lora-only
 
 Host cost (the default, no GPU needed): a LLaMA-shaped model so small that its arithmetic is
 nearly free (hidden 32, LoRA r 4 on q, k, v, o of every layer, 4 sequences of 8 tokens, one
@@ -12,11 +13,11 @@ also a kernel launch, so this is a lower bound of its host cost there; when the 
 bottleneck (several ranks that wait for one another every micro-batch,
 docs/results/h200x2-2026-11-26-method-syncs/README.md), this is time the step pays.
 
-``--device cuda``: the LLaMA-2-7B shape (``--layers``/``--hidden`` shrink it) in bfloat16
-with LoRA r 16 on q, k, v, o, micro-batches of ``--micro`` sequences of ``--seq`` tokens, one
-domain per sequence. Each micro-batch is timed on the host's clock with the device
-synchronized, so the figure is everything the capture adds: its kernels, its launches and its
-Python. The plain variant is PyTorch's own LoRA gradients (what DeepSpeed's ERM computes
+``--device cuda``: the LLaMA-2-7B shape (``--layers``/``--hidden`` shrink it) in bfloat16,
+adapters included (as DeepSpeed's bf16 engine casts them), with LoRA r 16 on q, k, v, o,
+micro-batches of ``--micro`` sequences of ``--seq`` tokens, one domain per sequence. Each
+micro-batch is timed on the host's clock with the device synchronized, so the figure is
+everything the capture adds: its kernels, its launches and its Python. The plain variant is PyTorch's own LoRA gradients (what DeepSpeed's ERM computes
 before it reduces them); with ``--owns`` the captured variant skips those and keeps the
 per-domain sums instead, as under ZeRO-2.
 
@@ -26,25 +27,40 @@ the device's busy time per micro-batch (the sum of its kernels' time, profiled) 
 too: the capture's kernels are the difference of the two, and whatever the wall time adds
 beyond that is the host's pace (a model whose host work takes as long as its kernels waits
 for the host, and then every microsecond of Python shows).
+
+``--lora-only`` (CUDA): the LoRA layers of that shape with nothing around them, so that the
+network's own kernels and its run-to-run spread do not bury the capture: each layer's input
+and output gradient are given (bf16 random tensors), one micro-batch is every layer's forward
+and ``torch.autograd.backward`` of all outputs with their gradients. Device time is the sum
+of the kernels' times (profiled, one micro-batch a round), the host's the median time to
+issue a micro-batch (the device is idle before each).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
+import time
 
 import torch
 
-from common import LORA_TARGETS, environment, environment_line, gpu_busy_ms, lora_llama, model_config, time_ms
+from common import (LORA_TARGETS, environment, environment_line, gpu_busy_ms, lora_llama, lora_shapes, model_config,
+                    time_ms)
 from iga_ds.lora.capture import DomainGradientCapture
-from iga_ds.lora.modules import find_lora_modules
+from iga_ds.lora.modules import LoraModule, find_lora_modules
+
+RANK = 16
 
 
 def build(args):
     """The model and its micro-batch's token ids for ``args`` (see the module docstring)."""
     if args.device == "cuda":
         config = model_config(layers=args.layers, hidden=args.hidden)
-        model = lora_llama(config, rank=16, alpha=32.0, dtype=torch.bfloat16, device="cuda")
+        model = lora_llama(config, rank=RANK, alpha=2.0 * RANK, dtype=torch.bfloat16, device="cuda")
+        # PEFT keeps the adapters in fp32 (and casts their input up); DeepSpeed's bf16 engine
+        # casts the whole model, adapters too, and so does this
+        model.to(torch.bfloat16)
         ids = torch.randint(0, config["vocab_size"], (args.micro, args.seq), device="cuda")
         return model, ids
     from peft import LoraConfig, get_peft_model
@@ -55,6 +71,70 @@ def build(args):
                       num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS))
     return get_peft_model(LlamaForCausalLM(cfg), lora), torch.randint(0, 64, (4, 8))
+
+
+def lora_layers(args) -> tuple[list[LoraModule], list[torch.Tensor], list[torch.Tensor]]:
+    """The model's LoRA layers alone in bf16 (``args.layers`` layers of q, k, v, o), each with
+    its own input (needing a gradient, as a layer's input in a network does) and output
+    gradient."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    modules, inputs, out_grads = [], [], []
+    for i, (name, d_in, d_out) in enumerate(lora_shapes(model_config(layers=args.layers, hidden=args.hidden))):
+        lora_A = torch.nn.Linear(d_in, RANK, bias=False, device="cuda", dtype=torch.bfloat16)
+        lora_B = torch.nn.Linear(RANK, d_out, bias=False, device="cuda", dtype=torch.bfloat16)
+        torch.nn.init.normal_(lora_B.weight, 0.0, 1e-3)  # B != 0, as some steps into a run
+        modules.append(LoraModule(name, i, lora_A, lora_B, 2.0))
+        shape = (args.micro, args.seq)
+        inputs.append(torch.randn(*shape, d_in, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_())
+        out_grads.append(torch.randn(*shape, d_out, device="cuda", dtype=torch.bfloat16, generator=g))
+    return modules, inputs, out_grads
+
+
+def host_issue_ms(fn) -> float:
+    """Host ms to issue ``fn``'s work, the device idle before: its kernels run as they come, so
+    this is the host's pace, unless the host issues faster than the device runs them."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    host = 1e3 * (time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return host
+
+
+def lora_only(args) -> int:
+    """--lora-only: the capture's operators against autograd's LoRA gradients, layers alone."""
+    modules, inputs, out_grads = lora_layers(args)
+    buffers = [(torch.zeros(4, *m.lora_A.weight.shape, device="cuda"),
+                torch.zeros(4, *m.lora_B.weight.shape, device="cuda")) for m in modules]
+    domains = torch.arange(args.micro) % 4
+
+    def one_micro_batch(capture):
+        for x in inputs:
+            x.grad = None  # each micro-batch's input gradient is new, as in a network
+        with capture.micro_batch(domains, 0.25) if capture else contextlib.nullcontext():
+            outputs = [m.lora_B(m.lora_A(x)) for m, x in zip(modules, inputs)]
+            torch.autograd.backward(outputs, out_grads)
+
+    host: dict[bool, list[float]] = {False: [], True: []}
+    busy: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(args.rounds + 1):  # round 0 warms up
+        for with_capture in ((False, True) if r % 2 == 0 else (True, False)):
+            capture = DomainGradientCapture(modules, buffers, 4, owns_gradients=args.owns) if with_capture else None
+            issue = [host_issue_ms(lambda: one_micro_batch(capture)) for _ in range(args.iters)]
+            if r:
+                host[with_capture].append(statistics.median(issue))
+                busy[with_capture].append(gpu_busy_ms(lambda: one_micro_batch(capture)))
+            if capture is not None:
+                capture.remove()
+    mode = "owning the factors' gradients" if args.owns else "alongside autograd"
+    print(f"{len(modules)} LoRA layers alone (r {RANK}, bf16), capture {mode}, {args.micro} x {args.seq} tokens per "
+          f"micro-batch, {torch.cuda.get_device_name()}, medians of {args.rounds} rounds")
+    for part, runs in (("device busy (the kernels' sum)", busy), ("host time to issue", host)):
+        plain, captured = statistics.median(runs[False]), statistics.median(runs[True])
+        print(f"{part}: {plain:.2f} ms without the capture ({min(runs[False]):.2f}-{max(runs[False]):.2f}), "
+              f"{captured:.2f} ms with it ({min(runs[True]):.2f}-{max(runs[True]):.2f}): "
+              f"{captured - plain:+.2f} ms per micro-batch")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -70,9 +150,16 @@ def main(argv=None) -> int:
     p.add_argument("--owns", action="store_true",
                    help="the capture that owns the factors' gradients (ZeRO-2's path): the plain "
                         "variant's LoRA weight gradients are then work the captured one skips")
+    p.add_argument("--lora-only", action="store_true",
+                   help="--device cuda: the LoRA layers alone, kernels' time and host time apart (see above)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device")
+    if args.lora_only and args.device != "cuda":
+        p.error("--lora-only needs --device cuda")
+    if args.lora_only:
+        print(environment_line(environment(torch.device("cuda"))), flush=True)
+        return lora_only(args)
     device = torch.device(args.device)
     print(environment_line(environment(device)), flush=True)
     if device.type == "cpu":

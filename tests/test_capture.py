@@ -6,7 +6,7 @@ import contextlib
 import pytest
 import torch
 
-from iga_ds.lora.capture import DomainGradientCapture
+from iga_ds.lora.capture import DomainGradientCapture, add_products
 from iga_ds.lora.modules import find_lora_modules
 from tiny_models import batch, sequence_losses, tiny_peft_llama
 
@@ -190,8 +190,9 @@ def test_rslora_scaling_is_found():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_sequence_per_domain_fast_path_equals_index_add(dtype, monkeypatch):
     """Micro-batches of one group in domain order add in place; any other order takes index_add."""
-    model = tiny_peft_llama(seed=10, dtype=dtype)
+    model = tiny_peft_llama(seed=10, dtype=dtype).to(dtype)  # PEFT keeps adapters fp32: these too
     modules = find_lora_modules(model)
+    assert modules[0].lora_A.weight.dtype == dtype
     ids, attn, labels, domains = batch(seed=11)  # domains 0, 1, 2, 0, 1, 2
     taken = []
     real = DomainGradientCapture.micro_batch
@@ -208,10 +209,82 @@ def test_one_sequence_per_domain_fast_path_equals_index_add(dtype, monkeypatch):
     fast, _ = run_capture(model, modules, ids, attn, labels, domains, in_order)
     slow, _ = run_capture(model, modules, ids, attn, labels, domains, shuffled)
     assert taken == [True, True, False, False]
+    # fp32: the fast path adds each product in its GEMM (one rounding), index_add after it (two);
+    # bf16 off CUDA: both round each product to bf16, then add
+    close = dict(rtol=1e-6, atol=1e-9) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-7)
     for (fA, fB), (sA, sB) in zip(fast, slow):
-        torch.testing.assert_close(fA, sA, rtol=1e-6, atol=1e-9)
-        torch.testing.assert_close(fB, sB, rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(fA, sA, **close)
+        torch.testing.assert_close(fB, sB, **close)
         assert fA.abs().sum() > 0
+
+
+def _product_operands(dtype, device, seed=12, b=3, tokens=40, out=24, r=5):
+    """A capture's operands as it hands them over: dy^T a transposed (strided) view, x contiguous."""
+    g = torch.Generator().manual_seed(seed)
+    dy_t = torch.randn(b, tokens, out, generator=g).to(device, dtype).mT
+    x = torch.randn(b, tokens, r, generator=g).to(device, dtype)
+    return dy_t, x
+
+
+def test_add_products_adds_into_the_sums_as_the_obvious_product():
+    # same dtype (fp32): one in-place GEMM, twice, against the float64 sum of the two products
+    dy_t, x = _product_operands(torch.float32, "cpu")
+    buf = torch.zeros(3, 24, 5)
+    add_products(buf, dy_t, x, 0.25)
+    add_products(buf, dy_t, x, 0.75)
+    want = dy_t.double() @ x.double()
+    torch.testing.assert_close(buf.double(), want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+    # bf16 operands off CUDA: each product rounded to bf16, then added (the path autograd takes)
+    dy_t, x = _product_operands(torch.bfloat16, "cpu")
+    buf = torch.zeros(3, 24, 5)
+    add_products(buf, dy_t, x, 0.5)
+    assert torch.equal(buf, torch.bmm(dy_t, x).float() * 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_add_products_on_cuda_sums_half_precision_operands_in_fp32(dtype):
+    """One GEMM writes fp32 sums: float32 summation error only, where rounding each product to
+    the operands' dtype first (the unfused path) is 2^-9 off or worse."""
+    dy_t, x = _product_operands(dtype, "cuda", tokens=512, out=4096, r=16, b=4)
+    want = (dy_t.double() @ x.double()) * (0.25 + 0.5)
+    buf = torch.zeros(4, 4096, 16, device="cuda")
+    add_products(buf, dy_t, x, 0.25)
+    add_products(buf, dy_t, x, 0.5)
+    rounded = torch.bmm(dy_t, x).double() * 0.75
+
+    def rel(t):
+        return float((t.double() - want).norm() / want.norm())
+
+    assert rel(buf) < 1e-6 < 1e-4 < rel(rounded), (rel(buf), rel(rounded))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("owns", [False, True])
+def test_capture_on_cuda_in_bf16_in_place_sums_equal_index_add(owns):
+    """A bf16 model on CUDA (adapters too, as under DeepSpeed): micro-batches of one sequence per
+    domain in order (one GEMM per factor writes the fp32 sums) against the same sequences
+    shuffled (per-sequence products rounded to bf16, then index_add): the same sums up to that
+    rounding."""
+    model = tiny_peft_llama(seed=6, dtype=torch.bfloat16).to("cuda", torch.bfloat16)
+    modules = find_lora_modules(model)
+    assert modules[0].lora_A.weight.dtype == torch.bfloat16
+    ids, attn, labels, domains = (t.cuda() for t in batch(seed=7))
+    sums = []
+    for splits in ([[0, 1, 2], [3, 4, 5]], [[2, 0, 1], [4, 3, 5]]):
+        buffers = [(torch.zeros(N, *m.lora_A.weight.shape, device="cuda"),
+                    torch.zeros(N, *m.lora_B.weight.shape, device="cuda")) for m in modules]
+        cap = DomainGradientCapture(modules, buffers, N, owns_gradients=owns)
+        for rows in splits:
+            with cap.micro_batch(domains[rows].cpu(), loss_scale=1.0 / len(rows)):
+                sequence_losses(model(input_ids=ids[rows], attention_mask=attn[rows]).logits,
+                                labels[rows]).mean().backward()
+        cap.remove()
+        sums.append([t.double() for pair in buffers for t in pair])
+    for fast, slow in zip(*sums):
+        assert fast.norm() > 0 and (fast - slow).norm() <= 2 ** -8 * slow.norm()
 
 
 @pytest.mark.slow
@@ -226,3 +299,11 @@ def test_bench_capture_runs_and_reports_the_extra(tmp_path):
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert f"8 LoRA layers, capture {words}" in proc.stdout and "us per LoRA layer" in proc.stdout, proc.stdout
+
+
+def test_bench_capture_lora_only_needs_cuda(capsys):
+    import bench_capture  # bench/ is on the path: pytest's pythonpath option (pyproject.toml)
+
+    with pytest.raises(SystemExit) as exc:
+        bench_capture.main(["--lora-only"])
+    assert exc.value.code == 2 and "--lora-only needs --device cuda" in capsys.readouterr().err

@@ -18,8 +18,11 @@ Two ways to take them, both through forward hooks on lora_A and lora_B:
   saves two products per layer and, under DeepSpeed, the bucket copies and the reduction of
   the factors' gradients every micro-batch.
 
-In bf16 each sequence's product is rounded to bf16 like autograd's own weight gradient, and
-the sums over sequences and micro-batches are fp32. Inputs are kept with
+In bf16 the sums over sequences and micro-batches are fp32. When a micro-batch is one sequence
+per domain in domain order (the hook's layout), each factor's products are added into the sums
+by one GEMM (``add_products``); on CUDA with torch 2.8 or later cuBLAS writes the fp32 sums of
+bf16 operands directly, so the per-sequence products are never rounded to bf16. Elsewhere
+each sequence's product is rounded to bf16 like autograd's own weight gradient, then added. Inputs are kept with
 ``save_for_backward``, so non-reentrant activation checkpointing recomputes them like any
 other saved tensor, and dropout is accounted for (lora_A sees the dropped-out input).
 """
@@ -118,11 +121,29 @@ def _add_per_domain(buf: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor, 
         )
     # one batched matmul gives every sequence's weight gradient (small for LoRA: one side is
     # r); no activation is copied
-    per_seq = torch.bmm(grad_out.reshape(b, -1, grad_out.shape[-1]).mT, x.reshape(b, -1, x.shape[-1]))
-    if micro.one_per_domain:  # mixed-dtype add: the bf16 -> fp32 cast happens inside the kernel
-        buf.add_(per_seq, alpha=micro.factor)
+    dy_t = grad_out.reshape(b, -1, grad_out.shape[-1]).mT
+    xs = x.reshape(b, -1, x.shape[-1])
+    if micro.one_per_domain:  # sequence n is domain n: the products add in place
+        add_products(buf, dy_t, xs, micro.factor)
     else:
-        buf.index_add_(0, micro.domain_ids, per_seq.float(), alpha=micro.factor)
+        buf.index_add_(0, micro.domain_ids, torch.bmm(dy_t, xs).float(), alpha=micro.factor)
+
+
+# cuBLAS writes fp32 products of bf16 or fp16 operands (the "dtype" overloads, torch >= 2.8, CUDA)
+_MIXED_GEMM = "dtype_out" in torch.ops.aten.baddbmm.overloads()
+
+
+def add_products(buf: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
+    """``buf += alpha * a @ b`` for batched ``a`` and ``b``: one GEMM that adds into ``buf`` where
+    the BLAS can write ``buf``'s dtype (the operands' own, or fp32 from bf16/fp16 on CUDA), the
+    product then never rounded to the operands' dtype; else a product in the operands' dtype,
+    then an add."""
+    if a.dtype == buf.dtype:
+        buf.baddbmm_(a, b, alpha=alpha)
+    elif _MIXED_GEMM and buf.is_cuda and buf.dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
+        torch.baddbmm(buf, a, b, out_dtype=buf.dtype, alpha=alpha, out=buf)
+    else:  # mixed-dtype add: the cast to buf's dtype happens inside the kernel
+        buf.add_(torch.bmm(a, b), alpha=alpha)
 
 
 class DomainGradientCapture:
