@@ -159,6 +159,33 @@ def optimizer_step(engine, hook, args, vocab: int, device, step: int, mark, cloc
             engine.step()
 
 
+class FullCollections:
+    """Python's full garbage collections (generation 2, explicit ones included) while the block
+    runs: how many and their host milliseconds. A full collection scans every object of the
+    process (about a million in a 7B run), so a step that holds one pays for it whatever the
+    method; recorded per step, an outlier step can be told apart from a slow method."""
+
+    def __init__(self):
+        self.count, self.ms, self._start = 0, 0.0, None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.count += 1
+            self.ms += 1e3 * (time.perf_counter() - self._start)
+            self._start = None
+
+    def __enter__(self) -> "FullCollections":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+
 def run_method(method: str, args, rank: int, world: int, device) -> dict:
     import deepspeed
 
@@ -187,7 +214,7 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
     # the same for every method: no wait of the benchmark's own): the micro-batches' forward and
     # backward (IGA's capture runs there), then the boundary (IGA's collectives and method,
     # DeepSpeed's reduction and AdamW)
-    times, fwd_bwd, boundary, hook_stats = [], [], [], []
+    times, fwd_bwd, boundary, hook_stats, full_gc = [], [], [], [], []
     from tqdm import tqdm
 
     for step in tqdm(range(args.warmup + args.steps), desc=method, disable=rank != 0):
@@ -198,12 +225,14 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
         t0 = time.perf_counter()
         clock = PhaseClock(device)
         clock.mark("start")
-        one_step(step, contextlib.nullcontext, clock)
+        with FullCollections() as collections:
+            one_step(step, contextlib.nullcontext, clock)
         clock.mark("end")
         synchronize(device)
         t1 = time.perf_counter()
         if step >= args.warmup:
             times.append(t1 - t0)
+            full_gc.append(collections.ms)
             fwd_bwd.append(clock.seconds("start", "boundary"))
             boundary.append(clock.seconds("boundary", "end"))
             stats = hook.pop_stats()
@@ -226,6 +255,7 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
         "fwd_bwd_ms_all": [1e3 * t for t in fwd_bwd],
         "boundary_ms": 1e3 * statistics.median(boundary),
         "boundary_ms_all": [1e3 * t for t in boundary],
+        "full_gc_ms_all": full_gc,  # per timed step: its full garbage collections' host ms (0: none)
         "tokens_per_s": tokens / step_s,
         "tokens_per_s_per_gpu": tokens / step_s / world,
         "peak_gib": float(peak.item()) / 2**30 if cuda else None,
@@ -428,6 +458,11 @@ def print_table(report: dict) -> None:
             print(f"{r['method']}: {r['device_allocs_per_step']:g} device allocations per timed step (most of "
                   f"any round), {r['alloc_retries']} allocator retries")
     for r in report["results"]:
+        held = [t for t in r.get("full_gc_ms_all", []) if t > 0]
+        if held:
+            print(f"{r['method']}: full garbage collections in {len(held)} of {len(r['full_gc_ms_all'])} timed steps, "
+                  f"{max(held):.0f} ms at most")
+    for r in report["results"]:
         if "rounds" in r:
             print(f"{r['method']}: median step per round {', '.join(f'{t:.1f}' for t in r['rounds'])} ms "
                   "(rounds alternate the order of the methods)")
@@ -484,6 +519,8 @@ def pool_rounds(rounds: list[list[dict]], methods: list[str]) -> list[dict]:
         steps = [t for r in runs for t in r["step_ms_all"]]
         step_ms = statistics.median(steps)
         phases = {}
+        if all("full_gc_ms_all" in r for r in runs):
+            phases["full_gc_ms_all"] = [t for r in runs for t in r["full_gc_ms_all"]]
         for phase in ("fwd_bwd_ms", "boundary_ms"):
             if all(f"{phase}_all" in r for r in runs):
                 pooled_phase = [t for r in runs for t in r[f"{phase}_all"]]

@@ -16,6 +16,20 @@ from tiny_models import batch, sequence_losses, tiny_peft_llama
 RANGES = ("forward", "loss", "backward", "optimizer_step")
 
 
+def test_full_collections_are_counted_and_timed_per_block():
+    import gc
+
+    with bench_step.FullCollections() as young:
+        gc.collect(0)
+        gc.collect(1)
+    with bench_step.FullCollections() as full:
+        gc.collect()
+        gc.collect()
+    assert (young.count, young.ms) == (0, 0.0)
+    assert full.count == 2 and full.ms > 0
+    assert young not in gc.callbacks and full not in gc.callbacks
+
+
 def test_driver_passes_the_profile_options_to_the_workers():
     argv = ["--gpus", "2", "--profile", "prof", "--profile-trace", "--methods", "erm,iga", "--out=x.json"]
     assert bench_step.strip_driver_args(argv) == ["--profile", "prof", "--profile-trace"]
@@ -51,7 +65,8 @@ def test_rounds_pool_the_steps_and_profile_only_once():
         return {"method": method, "step_ms": step, "step_ms_all": steps, "tokens_per_s": 4096 / (step / 1e3),
                 "tokens_per_s_per_gpu": 2048 / (step / 1e3), "peak_gib": peak, "method_ms": method_ms,
                 "comm_ms": 1.0, "trainable_params": 7, "fwd_bwd_ms": statistics.median(fwd_bwd),
-                "fwd_bwd_ms_all": fwd_bwd, "boundary_ms": 0.25 * step, "boundary_ms_all": [0.25 * t for t in steps]}
+                "fwd_bwd_ms_all": fwd_bwd, "boundary_ms": 0.25 * step, "boundary_ms_all": [0.25 * t for t in steps],
+                "full_gc_ms_all": [0.0, step / 100]}
 
     rounds = [[result("erm", [100.0, 104.0], 0.0, 20.0), result("iga", [120.0, 126.0], 9.0, 21.0)],
               [result("iga", [130.0, 131.0], 11.0, 21.5), result("erm", [110.0, 112.0], 0.0, 20.0)],
@@ -63,6 +78,7 @@ def test_rounds_pool_the_steps_and_profile_only_once():
     assert iga["rounds"] == [123.0, 130.5, 123.0] and erm["rounds"] == [102.0, 111.0, 102.0]
     assert iga["method_ms"] == 10.0 and iga["peak_gib"] == 21.5 and erm["peak_gib"] == 20.0
     assert iga["fwd_bwd_ms_all"] == [0.75 * t for t in iga["step_ms_all"]]
+    assert iga["full_gc_ms_all"] == [0.0, 1.23, 0.0, 1.305, 0.0, 1.23]  # each round's, in the order they ran
     assert iga["fwd_bwd_ms"] == pytest.approx(0.75 * 125.5) and iga["boundary_ms"] == pytest.approx(0.25 * 125.5)
     # the phases against ERM's: capture from forward+backward, the rest of the boundary
     args = SimpleNamespace(micro=4, seq=8, gas=1, rank=2, alpha=4.0, dtype="fp32", tau=0.5, normalize="mean",

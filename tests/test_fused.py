@@ -815,6 +815,8 @@ def test_bench_step_smoke_runs_on_cpu(bench_step_smoke):
     # each step split where the boundary begins: the phases, marked just inside the step's
     # own clock readings, cover it (on the CPU, up to the few microseconds between them)
     for row in (erm, iga):
+        # each timed step's full garbage collections (host ms; 0 where it held none)
+        assert len(row["full_gc_ms_all"]) == len(row["step_ms_all"]) and min(row["full_gc_ms_all"]) >= 0
         for total, a, b in zip(row["step_ms_all"], row["fwd_bwd_ms_all"], row["boundary_ms_all"]):
             assert a > 0 and b > 0 and a + b <= total and a + b == pytest.approx(total, rel=0.01)
     assert iga["capture_ms"] == pytest.approx(iga["fwd_bwd_ms"] - erm["fwd_bwd_ms"])
