@@ -151,8 +151,9 @@ def test_capture_accumulates_over_micro_batches(owns):
 
 @pytest.mark.parametrize("owns", [False, True])
 def test_capture_in_bf16_accumulates_in_fp32(owns):
-    model = tiny_peft_llama(seed=6, dtype=torch.bfloat16)
+    model = tiny_peft_llama(seed=6, dtype=torch.bfloat16).to(torch.bfloat16)  # PEFT keeps adapters fp32: these too
     modules = find_lora_modules(model)
+    assert modules[0].lora_A.weight.dtype == torch.bfloat16
     ids, attn, labels, domains = batch(seed=7)
     ref = reference_domain_grads(model, modules, ids, attn, labels, domains)
     buffers, _ = run_capture(model, modules, ids, attn, labels, domains, [torch.arange(6)], owns=owns)

@@ -22,9 +22,10 @@ In bf16 the sums over sequences and micro-batches are fp32. When a micro-batch i
 per domain in domain order (the hook's layout), each factor's products are added into the sums
 by one GEMM (``add_products``); on CUDA with torch 2.8 or later cuBLAS writes the fp32 sums of
 bf16 operands directly, so the per-sequence products are never rounded to bf16. Elsewhere
-each sequence's product is rounded to bf16 like autograd's own weight gradient, then added. Inputs are kept with
-``save_for_backward``, so non-reentrant activation checkpointing recomputes them like any
-other saved tensor, and dropout is accounted for (lora_A sees the dropped-out input).
+each sequence's product is rounded to bf16 like autograd's own weight gradient, then added.
+Inputs are kept with ``save_for_backward``, so non-reentrant activation checkpointing
+recomputes them like any other saved tensor, and dropout is accounted for (lora_A sees the
+dropped-out input).
 """
 from __future__ import annotations
 
