@@ -17,9 +17,10 @@ docs/results/h200x2-2026-11-26-method-syncs/README.md), this is time the step pa
 adapters included (as DeepSpeed's bf16 engine casts them), with LoRA r 16 on q, k, v, o,
 micro-batches of ``--micro`` sequences of ``--seq`` tokens, one domain per sequence. Each
 micro-batch is timed on the host's clock with the device synchronized, so the figure is
-everything the capture adds: its kernels, its launches and its Python. The plain variant is PyTorch's own LoRA gradients (what DeepSpeed's ERM computes
-before it reduces them); with ``--owns`` the captured variant skips those and keeps the
-per-domain sums instead, as under ZeRO-2.
+everything the capture adds: its kernels, its launches and its Python. The plain variant is
+PyTorch's own LoRA gradients (what DeepSpeed's ERM computes before it reduces them); with
+``--owns`` the captured variant skips those and keeps the per-domain sums instead, as under
+ZeRO-2.
 
 The capture's extra is the time with ``DomainGradientCapture`` attached minus the time
 without. Rounds alternate the two variants; the medians of the rounds are printed. On a GPU
