@@ -91,7 +91,36 @@ def lora_layers(args) -> tuple[list[LoraModule], list[torch.Tensor], list[torch.
     return modules, inputs, out_grads
 
 
-def host_issue_ms(fn) -> float:
+def capture_buffers(modules, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The capture's fp32 per-domain sums (4 domains) for ``modules``."""
+    return [(torch.zeros(4, *m.lora_A.weight.shape, device=device),
+             torch.zeros(4, *m.lora_B.weight.shape, device=device)) for m in modules]
+
+
+def alternating_rounds(args, modules, buffers, one_micro_batch, time_round, busy: bool):
+    """``args.rounds`` rounds (after one that warms up), each timing the plain variant and the
+    captured one, their order reversed every other round: per variant (keyed by "captured"),
+    each round's ``time_round(fn)`` and, with ``busy``, its device busy time."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    kernels: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(args.rounds + 1):  # round 0 warms up
+        for with_capture in ((False, True) if r % 2 == 0 else (True, False)):
+            capture = DomainGradientCapture(modules, buffers, 4, owns_gradients=args.owns) if with_capture else None
+            figure = time_round(lambda: one_micro_batch(capture))
+            if r:
+                times[with_capture].append(figure)
+                if busy:
+                    kernels[with_capture].append(gpu_busy_ms(lambda: one_micro_batch(capture)))
+            if capture is not None:
+                capture.remove()
+    return times, kernels
+
+
+def capture_mode(args) -> str:
+    return "owning the factors' gradients" if args.owns else "alongside autograd"
+
+
+def issue_ms(fn) -> float:
     """Host ms to issue ``fn``'s work, the device idle before: its kernels run as they come, so
     this is the host's pace, unless the host issues faster than the device runs them."""
     torch.cuda.synchronize()
@@ -105,8 +134,7 @@ def host_issue_ms(fn) -> float:
 def lora_only(args) -> int:
     """--lora-only: the capture's operators against autograd's LoRA gradients, layers alone."""
     modules, inputs, out_grads = lora_layers(args)
-    buffers = [(torch.zeros(4, *m.lora_A.weight.shape, device="cuda"),
-                torch.zeros(4, *m.lora_B.weight.shape, device="cuda")) for m in modules]
+    buffers = capture_buffers(modules, "cuda")
     domains = torch.arange(args.micro) % 4
 
     def one_micro_batch(capture):
@@ -116,20 +144,11 @@ def lora_only(args) -> int:
             outputs = [m.lora_B(m.lora_A(x)) for m, x in zip(modules, inputs)]
             torch.autograd.backward(outputs, out_grads)
 
-    host: dict[bool, list[float]] = {False: [], True: []}
-    busy: dict[bool, list[float]] = {False: [], True: []}
-    for r in range(args.rounds + 1):  # round 0 warms up
-        for with_capture in ((False, True) if r % 2 == 0 else (True, False)):
-            capture = DomainGradientCapture(modules, buffers, 4, owns_gradients=args.owns) if with_capture else None
-            issue = [host_issue_ms(lambda: one_micro_batch(capture)) for _ in range(args.iters)]
-            if r:
-                host[with_capture].append(statistics.median(issue))
-                busy[with_capture].append(gpu_busy_ms(lambda: one_micro_batch(capture)))
-            if capture is not None:
-                capture.remove()
-    mode = "owning the factors' gradients" if args.owns else "alongside autograd"
-    print(f"{len(modules)} LoRA layers alone (r {RANK}, bf16), capture {mode}, {args.micro} x {args.seq} tokens per "
-          f"micro-batch, {torch.cuda.get_device_name()}, medians of {args.rounds} rounds")
+    host, busy = alternating_rounds(args, modules, buffers, one_micro_batch, busy=True,
+                                    time_round=lambda fn: statistics.median(issue_ms(fn) for _ in range(args.iters)))
+    print(f"{len(modules)} LoRA layers alone (r {RANK}, bf16), capture {capture_mode(args)}, "
+          f"{args.micro} x {args.seq} tokens per micro-batch, {torch.cuda.get_device_name()}, "
+          f"medians of {args.rounds} rounds")
     for part, runs in (("device busy (the kernels' sum)", busy), ("host time to issue", host)):
         plain, captured = statistics.median(runs[False]), statistics.median(runs[True])
         print(f"{part}: {plain:.2f} ms without the capture ({min(runs[False]):.2f}-{max(runs[False]):.2f}), "
@@ -167,8 +186,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)
     model, ids = build(args)
     modules = find_lora_modules(model)
-    buffers = [(torch.zeros(4, *m.lora_A.weight.shape, device=device),
-                torch.zeros(4, *m.lora_B.weight.shape, device=device)) for m in modules]
+    buffers = capture_buffers(modules, device)
     # domain ids stay on the host, as a training loop has them
     domains = torch.arange(ids.shape[0]) % 4
 
@@ -179,26 +197,15 @@ def main(argv=None) -> int:
             with capture.micro_batch(domains, 0.25):
                 model(input_ids=ids, labels=ids).loss.backward()
 
-    times: dict[bool, list[float]] = {False: [], True: []}
-    busy: dict[bool, list[float]] = {False: [], True: []}
-    for r in range(args.rounds + 1):  # round 0 warms up
-        for with_capture in ((False, True) if r % 2 == 0 else (True, False)):
-            capture = DomainGradientCapture(modules, buffers, 4, owns_gradients=args.owns) if with_capture else None
-            # the mean of --iters micro-batches' forward and backward
-            ms = statistics.fmean(time_ms(lambda: one_micro_batch(capture), device, warmup=1, reps=args.iters,
-                                          clock="wall"))
-            if r and device.type == "cuda":
-                busy[with_capture].append(gpu_busy_ms(lambda: one_micro_batch(capture)))
-            if capture is not None:
-                capture.remove()
-            if r:
-                times[with_capture].append(ms)
+    # each round: the mean of --iters micro-batches' forward and backward
+    times, busy = alternating_rounds(
+        args, modules, buffers, one_micro_batch, busy=device.type == "cuda",
+        time_round=lambda fn: statistics.fmean(time_ms(fn, device, warmup=1, reps=args.iters, clock="wall")))
     plain, captured = statistics.median(times[False]), statistics.median(times[True])
     extra = captured - plain
-    mode = "owning the factors' gradients" if args.owns else "alongside autograd"
     where = ("one CPU thread" if device.type == "cpu"
              else f"{args.micro} x {args.seq} tokens per micro-batch, bfloat16, {torch.cuda.get_device_name()}")
-    print(f"{len(modules)} LoRA layers, capture {mode}, {where}, "
+    print(f"{len(modules)} LoRA layers, capture {capture_mode(args)}, {where}, "
           f"median of {args.rounds} rounds of {args.iters} micro-batches")
     print(f"forward+backward: {plain:.2f} ms without the capture, {captured:.2f} ms with it: "
           f"{extra:+.2f} ms per micro-batch, {extra / len(modules) * 1e3:.1f} us per LoRA layer")
