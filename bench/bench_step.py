@@ -207,6 +207,7 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
     }
     hook = attach(engine, HookConfig(method=base if base.startswith("erm") else "iga", params=iga_params,
                                     domains=list(DOMAINS), fused_gradient_checks=not args.deepspeed_checks,
+                                    freeze_gc=not args.python_gc,
                                     **({"overlap_waves": waves} if waves else {})))
     one_step = functools.partial(optimizer_step, engine, hook, args, config["vocab_size"], device)
 
@@ -218,6 +219,9 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
     from tqdm import tqdm
 
     for step in tqdm(range(args.warmup + args.steps), desc=method, disable=rank != 0):
+        if step == args.warmup:
+            # what a full collection scans, and what the hook froze out of it (iga.freeze_gc)
+            tracked = {"gc_tracked": len(gc.get_objects()), "gc_frozen": gc.get_freeze_count()}
         if step == args.warmup and cuda:
             torch.cuda.reset_peak_memory_stats(device)
             allocs_before = allocator_calls(device)
@@ -256,6 +260,7 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
         "boundary_ms": 1e3 * statistics.median(boundary),
         "boundary_ms_all": [1e3 * t for t in boundary],
         "full_gc_ms_all": full_gc,  # per timed step: its full garbage collections' host ms (0: none)
+        **tracked,
         "tokens_per_s": tokens / step_s,
         "tokens_per_s_per_gpu": tokens / step_s / world,
         "peak_gib": float(peak.item()) / 2**30 if cuda else None,
@@ -426,16 +431,17 @@ def summarize(results: list[dict], env: dict, args) -> dict:
                 r["boundary_other_ms"] = r["boundary_ms"] - erm["boundary_ms"] - r["method_ms"] - r["comm_ms"]
     settings = {k: getattr(args, k, None) for k in ("micro", "seq", "gas", "rank", "alpha", "dtype", "tau", "normalize",
                                                     "warmup", "steps", "rounds", "layers", "hidden", "config",
-                                                    "grad_ckpt", "deepspeed_checks")}
+                                                    "grad_ckpt", "deepspeed_checks", "python_gc")}
     return {"env": env, "settings": settings, "results": results}
 
 
 def print_table(report: dict) -> None:
     env, s = report["env"], report["settings"]
     print("\n" + environment_line(env))
-    print(f"micro-batch {s['micro']} x {s['seq']} tokens, accumulation {s['gas']}, LoRA r {s['rank']} alpha {s['alpha']}, "
-          f"{s['dtype']}, median of {s['steps']} steps after {s['warmup']}"
-          + (", DeepSpeed's own per-tensor gradient checks" if s.get("deepspeed_checks") else ""))
+    print(f"micro-batch {s['micro']} x {s['seq']} tokens, accumulation {s['gas']}, "
+          f"LoRA r {s['rank']} alpha {s['alpha']}, {s['dtype']}, median of {s['steps']} steps after {s['warmup']}"
+          + (", DeepSpeed's own per-tensor gradient checks" if s.get("deepspeed_checks") else "")
+          + (", Python's own garbage collector" if s.get("python_gc") else ""))
     head = ["method", "step ms", "tok/s", "tok/s/GPU", "peak GiB", "fwd+bwd ms", "boundary ms", "method ms",
             "comm ms", "capture ms", "other ms", "step x", "peak x"]
     print("".join(f"{h:>12}" for h in head))
@@ -462,6 +468,9 @@ def print_table(report: dict) -> None:
         if held:
             print(f"{r['method']}: full garbage collections in {len(held)} of {len(r['full_gc_ms_all'])} timed steps, "
                   f"{max(held):.0f} ms at most")
+        if "gc_tracked" in r:
+            print(f"{r['method']}: {r['gc_tracked']:,} objects tracked by the garbage collector, "
+                  f"{r['gc_frozen']:,} frozen")
     for r in report["results"]:
         if "rounds" in r:
             print(f"{r['method']}: median step per round {', '.join(f'{t:.1f}' for t in r['rounds'])} ms "
@@ -596,6 +605,8 @@ def parse_args(argv=None):
     p.add_argument("--deepspeed-checks", action="store_true",
                    help="DeepSpeed's own per-tensor NaN/Inf test and gradient norm (iga.fused_gradient_checks "
                         "false), to compare with the hook's multi-tensor ones")
+    p.add_argument("--python-gc", action="store_true",
+                   help="Python's own garbage collector, not the hook's frozen one (iga.freeze_gc false)")
     p.add_argument("--out", default="bench_step.json")
     p.add_argument("--profile", metavar="DIR",
                    help=f"after the timed steps, profile {PROFILE_STEPS} more per method; tables, summaries to DIR")

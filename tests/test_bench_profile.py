@@ -146,9 +146,10 @@ def test_bench_step_profile_writes_tables_and_summaries_on_cpu(bench_step_smoke)
             assert isinstance(op["name"], str) and op["calls"] > 0 and op["self_cpu_ms"] >= 0
 
 
-def _hook_at_world_size_one(implementation: str, dtype: torch.dtype = torch.float32):
+def _hook_at_world_size_one(implementation: str, dtype: torch.dtype = torch.float32, **settings):
     """A hook on a stand-in ZeRO-2 engine (no torch.distributed: world size 1) after one captured
-    micro-batch, the model's weights in ``dtype`` (as DeepSpeed's bf16 mode casts them)."""
+    micro-batch, the model's weights in ``dtype`` (as DeepSpeed's bf16 mode casts them);
+    ``settings``: more HookConfig fields."""
     from iga_ds.engine import HookConfig, attach
 
     model = tiny_peft_llama(seed=0).to(dtype)
@@ -156,7 +157,7 @@ def _hook_at_world_size_one(implementation: str, dtype: torch.dtype = torch.floa
                              zero_optimization_stage=lambda: 2, fp16_enabled=lambda: False,
                              gradient_accumulation_steps=lambda: 1, global_steps=0)
     config = HookConfig(method="iga", params={"tau": 0.5, "normalize": "mean", "implementation": implementation},
-                       domains=["a", "b", "c"])
+                       domains=["a", "b", "c"], **settings)
     hook = attach(engine, config)
     ids, attn, labels, domains = batch(seed=1)
     with hook.micro_batch(domains):
@@ -257,6 +258,24 @@ def test_module_grads_carry_the_dtype_of_the_training(dtype):
         assert auto.precision_for(grads) == ("bf16" if dtype == torch.bfloat16 else "ieee")
     finally:
         hook.detach()
+
+
+@pytest.mark.parametrize("freeze_gc", [True, False])
+def test_the_hook_freezes_the_collector_while_attached(freeze_gc):
+    """iga.freeze_gc: the model the hook was attached to is out of Python's collections until
+    detach (then nothing stays frozen); false leaves the collector as it was."""
+    import gc
+
+    gc.unfreeze()
+    hook = _hook_at_world_size_one("fused", freeze_gc=freeze_gc)
+    try:
+        weight = hook.modules[0].lora_A.weight
+        assert (gc.get_freeze_count() > 0) == freeze_gc
+        assert any(o is weight for o in gc.get_objects()) != freeze_gc
+    finally:
+        hook.detach()
+    assert gc.get_freeze_count() == 0
+    assert any(o is weight for o in gc.get_objects())
 
 
 def _finite_one_by_one(tensors) -> bool:

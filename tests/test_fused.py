@@ -817,10 +817,12 @@ def test_bench_step_smoke_runs_on_cpu(bench_step_smoke):
     for row in (erm, iga):
         # each timed step's full garbage collections (host ms; 0 where it held none)
         assert len(row["full_gc_ms_all"]) == len(row["step_ms_all"]) and min(row["full_gc_ms_all"]) >= 0
+        # the hook froze the process's objects (iga.freeze_gc, the default): few are left to scan
+        assert row["gc_frozen"] > 10 * row["gc_tracked"] > 0
         for total, a, b in zip(row["step_ms_all"], row["fwd_bwd_ms_all"], row["boundary_ms_all"]):
             assert a > 0 and b > 0 and a + b <= total and a + b == pytest.approx(total, rel=0.01)
     assert iga["capture_ms"] == pytest.approx(iga["fwd_bwd_ms"] - erm["fwd_bwd_ms"])
-    assert "capture ms" in proc.stdout and "boundary ms" in proc.stdout
+    assert "capture ms" in proc.stdout and "boundary ms" in proc.stdout and "frozen" in proc.stdout
     # two rounds, the second in reverse order: 2 timed steps each, pooled
     assert len(iga["step_ms_all"]) == 4 and len(iga["rounds"]) == 2 and report["settings"]["rounds"] == 2
     assert "[round 2/2]" in proc.stdout and "median step per round" in proc.stdout

@@ -11,7 +11,8 @@ Example block (every field optional)::
       "timeout_s": 600,
       "owner_balance": "out_x_in",
       "overlap_waves": 1,
-      "fused_gradient_checks": true
+      "fused_gradient_checks": true,
+      "freeze_gc": true
     }
 
 ``iga-ds train`` also takes ``method`` and ``domains`` from the run YAML (``method.name``,
@@ -63,6 +64,10 @@ class HookConfig(Section):
     fused_gradient_checks: bool = setting(
         True, "DeepSpeed's per-step NaN/Inf test and gradient norm as a few multi-tensor kernels for all "
         "gradients, not several kernels per tensor (the same results; false: DeepSpeed's own loops)")
+    freeze_gc: bool = setting(
+        True, "freeze the objects alive when the hook attaches (the libraries, the model) out of Python's garbage "
+        "collections until it detaches: IGA's capture otherwise brings on a full collection of every object "
+        "every 10-20 steps, a third of a second (iga_ds/engine/collector.py; false: Python's own collector)")
 
     @field_validator("domains")
     @classmethod

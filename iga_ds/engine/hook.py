@@ -29,6 +29,7 @@ from torch.profiler import record_function
 
 from iga_ds.config.hook import HookConfig
 from iga_ds.engine.collectives import Collectives
+from iga_ds.engine.collector import FrozenCollector
 from iga_ds.engine.internals import (
     FullGradWriter,
     check_engine,
@@ -76,6 +77,9 @@ class EngineHook:
         self.fused_checks = config.fused_gradient_checks and fuse_gradient_checks(engine.optimizer)
         self._original_step = engine.optimizer.step
         engine.optimizer.step = self._boundary_step
+        # IGA's capture would otherwise bring on full collections of every object in the process
+        self.collector = FrozenCollector(config.freeze_gc)
+        self.collector.start()
 
     # -- setup -----------------------------------------------------------------------------
     def _setup_capture(self) -> None:
@@ -451,6 +455,7 @@ class EngineHook:
         if self.fused_checks:
             unfuse_gradient_checks(self.engine.optimizer)
         self.comm.destroy()
+        self.collector.stop()
 
 
 @dataclass
