@@ -152,7 +152,7 @@ def _hook_at_world_size_one(implementation: str, dtype: torch.dtype = torch.floa
     ``settings``: more HookConfig fields."""
     from iga_ds.engine import HookConfig, attach
 
-    model = tiny_peft_llama(seed=0).to(dtype)
+    model = tiny_peft_llama(seed=0, dtype=dtype)
     engine = SimpleNamespace(module=model, device="cpu", optimizer=SimpleNamespace(step=lambda *a, **k: None),
                              zero_optimization_stage=lambda: 2, fp16_enabled=lambda: False,
                              gradient_accumulation_steps=lambda: 1, global_steps=0)

@@ -151,7 +151,7 @@ def test_capture_accumulates_over_micro_batches(owns):
 
 @pytest.mark.parametrize("owns", [False, True])
 def test_capture_in_bf16_accumulates_in_fp32(owns):
-    model = tiny_peft_llama(seed=6, dtype=torch.bfloat16).to(torch.bfloat16)  # PEFT keeps adapters fp32: these too
+    model = tiny_peft_llama(seed=6, dtype=torch.bfloat16)
     modules = find_lora_modules(model)
     assert modules[0].lora_A.weight.dtype == torch.bfloat16
     ids, attn, labels, domains = batch(seed=7)
@@ -191,7 +191,7 @@ def test_rslora_scaling_is_found():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_sequence_per_domain_fast_path_equals_index_add(dtype, monkeypatch):
     """Micro-batches of one group in domain order add in place; any other order takes index_add."""
-    model = tiny_peft_llama(seed=10, dtype=dtype).to(dtype)  # PEFT keeps adapters fp32: these too
+    model = tiny_peft_llama(seed=10, dtype=dtype)
     modules = find_lora_modules(model)
     assert modules[0].lora_A.weight.dtype == dtype
     ids, attn, labels, domains = batch(seed=11)  # domains 0, 1, 2, 0, 1, 2
@@ -269,7 +269,7 @@ def test_capture_on_cuda_in_bf16_in_place_sums_equal_index_add(owns):
     domain in order (one GEMM per factor writes the fp32 sums) against the same sequences
     shuffled (per-sequence products rounded to bf16, then index_add): the same sums up to that
     rounding."""
-    model = tiny_peft_llama(seed=6, dtype=torch.bfloat16).to("cuda", torch.bfloat16)
+    model = tiny_peft_llama(seed=6, dtype=torch.bfloat16).to("cuda")
     modules = find_lora_modules(model)
     assert modules[0].lora_A.weight.dtype == torch.bfloat16
     ids, attn, labels, domains = (t.cuda() for t in batch(seed=7))

@@ -31,7 +31,9 @@ def tiny_peft_llama(seed=0, dropout=0.0, dtype=torch.float32, r=4, hidden=32, la
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)
-    return model
+    # PEFT keeps the adapters in float32 over a half-precision base; DeepSpeed's bf16 engine
+    # casts the whole model, adapters too, and that is the model ``dtype`` means here
+    return model.to(dtype)
 
 
 def batch(seed=0, B=6, T=10, vocab=61, num_domains=3):

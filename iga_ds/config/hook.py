@@ -67,7 +67,8 @@ class HookConfig(Section):
     freeze_gc: bool = setting(
         True, "freeze the objects alive when the hook attaches (the libraries, the model) out of Python's garbage "
         "collections until it detaches: IGA's capture otherwise brings on a full collection of every object "
-        "every 10-20 steps, a third of a second (iga_ds/engine/collector.py; false: Python's own collector)")
+        "now and then (first near a run's sixth step), a third of a second (iga_ds/engine/collector.py; "
+        "false: Python's own collector)")
 
     @field_validator("domains")
     @classmethod
