@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -85,3 +87,30 @@ def test_disabled_leaves_the_collector_alone():
     assert gc.get_freeze_count() == 0
     collector.stop()
     assert FrozenCollector._holders == 0
+
+
+EXIT_PROGRAM = """
+import gc
+from iga_ds.engine.collector import FrozenCollector
+
+class Node:
+    def __init__(self):
+        self.me = self
+
+    def __del__(self):
+        print("finalized", flush=True)
+
+node = Node()
+FrozenCollector(enabled={enabled}).start()  # never stopped
+del node
+"""
+
+
+def test_objects_left_frozen_are_finalized_at_exit():
+    """A hook never detached: what it froze is unfrozen at exit, so the interpreter's last
+    collection (which skips frozen objects) finalizes it, as it does without the freeze."""
+    for enabled in (True, False):
+        proc = subprocess.run([sys.executable, "-c", EXIT_PROGRAM.format(enabled=enabled)],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == "finalized", (enabled, proc.stdout, proc.stderr)
