@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Runs the GPU checks and benchmarks in one go on a machine with 1-4 GPUs, writing JSON and logs
-# to OUT_DIR. Usage: bash bench/gpu_runs.sh OUT_DIR [checks|step1|step2|step4]...
-#   checks: 2-GPU bf16 equivalence test, fused-path GPU tests, bench_method (128 LLaMA-2-7B modules)
+# to OUT_DIR. Usage: bash bench/gpu_runs.sh OUT_DIR [checks|capture|targets1|step1|step2|step4]...
+#   checks: every GPU test (the 2-GPU bf16 equivalence where 2 GPUs are visible), bench_method
+#           (128 LLaMA-2-7B modules)
+#   capture: bench_capture.py's capture against PyTorch's own LoRA gradients, the 128 layers alone
+#           and in the 7B model
+#   targetsN: the step as docs/PERFORMANCE.md's targets read it: DeepSpeed's ERM against
+#           iga_bf16_q1p16, 2 rounds of 16 steps, on N GPUs
 #   stepN:  bench_step.py on N GPUs (erm and the fused iga; add iga=reference with STEP_METHODS)
 #   tf32stepN: the fused iga with TF32 tensor cores on N GPUs
 #   bf16stepN: erm, the fused iga and its bf16 variants (iga_bf16, iga_bf16_q1p16) on N GPUs
@@ -29,9 +34,20 @@ python3 -c 'import torch, deepspeed, transformers, peft; print("torch", torch.__
 for s in "$@"; do
   case "$s" in
     checks)
-      IGA_DS_RESULTS="$out" stage gpu_tests 300 python3 -m pytest -q -s -p no:cacheprovider \
-        tests/test_ds_hook_gpu.py tests/test_fused.py -m gpu
+      IGA_DS_RESULTS="$out" stage gpu_tests 560 python3 -m pytest -q -s -p no:cacheprovider -m gpu \
+        tests/test_ds_hook_gpu.py tests/test_fused.py tests/test_capture.py tests/test_bench_profile.py \
+        tests/test_jacobi.py
       stage bench_method 240 python3 bench/bench_method.py --out "$out/bench_method.json"
+      ;;
+    capture)
+      stage bench_capture_lora_only 200 python3 bench/bench_capture.py --device cuda --owns --lora-only \
+        --rounds 5 --iters 10
+      stage bench_capture 300 python3 bench/bench_capture.py --device cuda --owns
+      ;;
+    targets*)
+      n=${s#targets}
+      stage "bench_step_${n}gpu_targets" 560 python3 bench/bench_step.py --gpus "$n" \
+        --methods erm,iga_bf16_q1p16 --rounds 2 --steps 16 --out "$out/bench_step_${n}gpu_targets.json"
       ;;
     rule)
       stage bench_method_rule 420 python3 bench/bench_method.py --model "${RULE_MODEL:?set RULE_MODEL}" \

@@ -184,6 +184,30 @@ def header_commands() -> list[Command]:
     return found
 
 
+GPU_RUNS = REPO / "bench" / "gpu_runs.sh"
+# what gpu_runs.sh's variables hold where a command uses them (N GPUs: 1; OUT_DIR: a placeholder)
+GPU_RUNS_VALUES = {"n": "1", "out": "OUT", "methods": "erm,iga_fused", "steps": "10"}
+
+
+def gpu_runs_commands() -> list[Command]:
+    """The benchmark commands bench/gpu_runs.sh runs (it needs GPUs), with its defaults: a
+    ``${VAR:-default}`` as its default, a required ``${VAR:?...}`` as the placeholder VAR."""
+    text = GPU_RUNS.read_text(encoding="utf-8").replace("\\\n", " ")
+
+    def value(m: re.Match) -> str:
+        name, kind, default = m.group(1), m.group(2), m.group(3)
+        if kind == ":-":
+            return default
+        return name if kind == ":?" else GPU_RUNS_VALUES[name]
+
+    found = []
+    for stage, body in re.findall(r"^    ([a-z0-9]+\*?)\)\n(.*?)^      ;;", text, flags=re.M | re.S):
+        for line in re.findall(r"\bpython3 (bench/.*)$", body, flags=re.M):
+            words = shlex.split(re.sub(r"\$\{?(\w+)(?:(:[-?])([^}]*))?\}?", value, line))
+            found.append(Command(f"bench/gpu_runs.sh ({stage})", "python " + shlex.join(words)))
+    return found
+
+
 def _program(words: list[str]) -> tuple[str, list[str]]:
     """The program and its arguments, past environment assignments."""
     i = 0
@@ -603,10 +627,30 @@ def test_commands_are_found_in_every_kind_of_place():
             "launch/docker_run.sh", "configs/tiny_cpu.yaml"} <= where
 
 
+def test_gpu_runs_commands_are_read_with_the_scripts_defaults():
+    commands = {c.where: c.text for c in gpu_runs_commands()}
+    assert commands["bench/gpu_runs.sh (targets*)"] == (
+        "python bench/bench_step.py --gpus 1 --methods erm,iga_bf16_q1p16 --rounds 2 --steps 16 "
+        "--out OUT/bench_step_1gpu_targets.json")
+    assert "--model RULE_MODEL" in commands["bench/gpu_runs.sh (rule)"]
+    assert all("$" not in text for text in commands.values())
+    assert len(commands) >= 6  # one per stage that runs a benchmark (two in capture: the last kept)
+
+
+def test_gpu_runs_checks_stage_runs_every_gpu_test_file():
+    """A new test file with GPU tests must be named in gpu_runs.sh's ``checks`` stage, or the
+    GPU sessions that run that stage never run it."""
+    marked = {p.relative_to(REPO).as_posix() for p in (REPO / "tests").glob("test_*.py")
+              if re.search(r"^(@pytest\.mark\.gpu|pytestmark = .*\bgpu\b)", p.read_text(encoding="utf-8"), re.M)}
+    checks = re.search(r"^    checks\)\n(.*?)^      ;;", GPU_RUNS.read_text(encoding="utf-8"), flags=re.M | re.S)
+    named = set(re.findall(r"tests/test_\w+\.py", checks.group(1)))
+    assert marked and marked <= named, sorted(marked - named)
+
+
 def test_every_documented_command_runs_or_parses(monkeypatch, capsys):
     monkeypatch.chdir(REPO)
     checker = Checker()
-    commands = doc_commands() + header_commands()
+    commands = doc_commands() + header_commands() + gpu_runs_commands()
     for cmd in commands:
         try:
             checker.check(cmd)
