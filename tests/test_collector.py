@@ -81,6 +81,22 @@ def test_the_last_holder_to_stop_unfreezes():
     assert gc.get_freeze_count() == 0
 
 
+def test_a_holder_stopped_after_the_exit_handler_unfroze_keeps_the_count_at_zero():
+    from iga_ds.engine.collector import _unfreeze_at_exit
+
+    collector = FrozenCollector()
+    collector.start()
+    _unfreeze_at_exit()
+    assert gc.get_freeze_count() == 0 and FrozenCollector._holders == 0
+    collector.stop()
+    assert FrozenCollector._holders == 0
+    again = FrozenCollector()
+    again.start()  # a later hook freezes again
+    assert gc.get_freeze_count() > 0
+    again.stop()
+    assert gc.get_freeze_count() == 0
+
+
 def test_disabled_leaves_the_collector_alone():
     collector = FrozenCollector(enabled=False)
     collector.start()

@@ -51,7 +51,8 @@ class FrozenCollector:
         if not self._holding:
             return
         self._holding = False
-        FrozenCollector._holders -= 1
+        # at 0 already where the exit unfroze first (a hook detached by a later exit handler)
+        FrozenCollector._holders = max(0, FrozenCollector._holders - 1)
         if FrozenCollector._holders == 0:
             gc.unfreeze()
 
