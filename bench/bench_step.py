@@ -222,9 +222,9 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
         if step == args.warmup:
             # what a full collection scans, and what the hook froze out of it (iga.freeze_gc)
             tracked = {"gc_tracked": len(gc.get_objects()), "gc_frozen": gc.get_freeze_count()}
-        if step == args.warmup and cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-            allocs_before = allocator_calls(device)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+                allocs_before = allocator_calls(device)
         synchronize(device)
         t0 = time.perf_counter()
         clock = PhaseClock(device)

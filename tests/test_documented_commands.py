@@ -189,10 +189,16 @@ GPU_RUNS = REPO / "bench" / "gpu_runs.sh"
 GPU_RUNS_VALUES = {"n": "1", "out": "OUT", "methods": "erm,iga_fused", "steps": "10"}
 
 
+def gpu_runs_stages() -> dict[str, str]:
+    """bench/gpu_runs.sh's ``case`` stages: label (``step*`` for stepN) -> body, each command on
+    one line."""
+    text = GPU_RUNS.read_text(encoding="utf-8").replace("\\\n", " ")
+    return dict(re.findall(r"^    ([a-z0-9]+\*?)\)\n(.*?)^      ;;", text, flags=re.M | re.S))
+
+
 def gpu_runs_commands() -> list[Command]:
     """The benchmark commands bench/gpu_runs.sh runs (it needs GPUs), with its defaults: a
     ``${VAR:-default}`` as its default, a required ``${VAR:?...}`` as the placeholder VAR."""
-    text = GPU_RUNS.read_text(encoding="utf-8").replace("\\\n", " ")
 
     def value(m: re.Match) -> str:
         name, kind, default = m.group(1), m.group(2), m.group(3)
@@ -201,7 +207,7 @@ def gpu_runs_commands() -> list[Command]:
         return name if kind == ":?" else GPU_RUNS_VALUES[name]
 
     found = []
-    for stage, body in re.findall(r"^    ([a-z0-9]+\*?)\)\n(.*?)^      ;;", text, flags=re.M | re.S):
+    for stage, body in gpu_runs_stages().items():
         for line in re.findall(r"\bpython3 (bench/.*)$", body, flags=re.M):
             words = shlex.split(re.sub(r"\$\{?(\w+)(?:(:[-?])([^}]*))?\}?", value, line))
             found.append(Command(f"bench/gpu_runs.sh ({stage})", "python " + shlex.join(words)))
@@ -497,10 +503,10 @@ def check_repo_script(checker, cmd, program, args, env):
 def _gpu_runs_stages(checker, cmd, stages) -> None:
     """bench/gpu_runs.sh needs GPUs to run; each stage named must be one its ``case`` knows
     (``stepN`` for ``step*)``)."""
-    labels = re.findall(r"^\s+([a-z0-9]+)(\*?)\)$", (REPO / "bench" / "gpu_runs.sh").read_text(), re.M)
+    labels = gpu_runs_stages()
     for stage in stages:
-        if not any(stage == name or (star and re.fullmatch(re.escape(name) + r"\d+", stage))
-                   for name, star in labels):
+        if not any(stage == label or (label.endswith("*") and re.fullmatch(re.escape(label[:-1]) + r"\d+", stage))
+                   for label in labels):
             checker.fail(cmd, f"bench/gpu_runs.sh has no stage {stage!r}")
 
 
@@ -642,8 +648,7 @@ def test_gpu_runs_checks_stage_runs_every_gpu_test_file():
     GPU sessions that run that stage never run it."""
     marked = {p.relative_to(REPO).as_posix() for p in (REPO / "tests").glob("test_*.py")
               if re.search(r"^(@pytest\.mark\.gpu|pytestmark = .*\bgpu\b)", p.read_text(encoding="utf-8"), re.M)}
-    checks = re.search(r"^    checks\)\n(.*?)^      ;;", GPU_RUNS.read_text(encoding="utf-8"), flags=re.M | re.S)
-    named = set(re.findall(r"tests/test_\w+\.py", checks.group(1)))
+    named = set(re.findall(r"tests/test_\w+\.py", gpu_runs_stages()["checks"]))
     assert marked and marked <= named, sorted(marked - named)
 
 

@@ -29,7 +29,6 @@ class FrozenCollector:
 
     # instances between start and stop: the first freezes, the last unfreezes
     _holders = 0
-    _exit_registered = False
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
@@ -41,9 +40,6 @@ class FrozenCollector:
         if FrozenCollector._holders == 0:
             gc.collect()  # garbage frozen now (an earlier model's cycles) would stay until detach
             gc.freeze()
-            if not FrozenCollector._exit_registered:
-                atexit.register(_unfreeze_at_exit)
-                FrozenCollector._exit_registered = True
         FrozenCollector._holders += 1
         self._holding = True
 
@@ -62,3 +58,6 @@ def _unfreeze_at_exit() -> None:
     if FrozenCollector._holders:
         FrozenCollector._holders = 0
         gc.unfreeze()
+
+
+atexit.register(_unfreeze_at_exit)
