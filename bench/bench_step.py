@@ -215,7 +215,7 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
     # the same for every method: no wait of the benchmark's own): the micro-batches' forward and
     # backward (IGA's capture runs there), then the boundary (IGA's collectives and method,
     # DeepSpeed's reduction and AdamW)
-    times, fwd_bwd, boundary, hook_stats, full_gc = [], [], [], [], []
+    times, fwd_bwd, boundary, hook_stats, full_gc, starts = [], [], [], [], [], []
     from tqdm import tqdm
 
     for step in tqdm(range(args.warmup + args.steps), desc=method, disable=rank != 0):
@@ -236,6 +236,7 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
         t1 = time.perf_counter()
         if step >= args.warmup:
             times.append(t1 - t0)
+            starts.append(t0)
             full_gc.append(collections.ms)
             fwd_bwd.append(clock.seconds("start", "boundary"))
             boundary.append(clock.seconds("boundary", "end"))
@@ -249,6 +250,11 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
     peak = torch.tensor([float(steady_peak)], device=device)
     if world > 1:
         torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+    # every rank's phases, for the boundary's wait for the last rank (rank 0 writes the report)
+    per_rank = gather_per_rank({
+        "fwd_bwd_ms_all": [1e3 * t for t in fwd_bwd], "boundary_ms_all": [1e3 * t for t in boundary],
+        "full_gc_ms_all": full_gc, "method_ms_all": [1e3 * s["time/method_s"] for s in hook_stats],
+        "start_s_all": starts}, world)
     step_s = statistics.median(times)
     tokens = args.micro * args.seq * args.gas * world
     result = {
@@ -270,6 +276,7 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
         "fused_gradient_checks": hook.fused_checks,
         "device_allocs_per_step": allocs[0] / args.steps if cuda else None,
         "alloc_retries": allocs[1] if cuda else None,
+        **(rank_skew(per_rank) if world > 1 else {}),
     }
     if args.profile:  # after the timed steps and the peak-memory reading: neither sees the profiler
         summary = profile_steps(one_step, args.warmup + args.steps, args, method, rank, device)
@@ -281,6 +288,37 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
     if cuda:
         torch.cuda.empty_cache()
     return result
+
+
+def gather_per_rank(record: dict, world: int) -> list[dict]:
+    """Every rank's ``record``, in rank order (this rank's alone at world size 1)."""
+    if world == 1:
+        return [record]
+    records = [None] * world
+    torch.distributed.all_gather_object(records, record)
+    return records
+
+
+def rank_skew(per_rank: list[dict]) -> dict:
+    """How far apart the ranks reached the boundary, step by step.
+
+    A rank reaches it at its step's start (host clock, after waiting for its device) plus its
+    forward and backward on the device; one host has one monotonic clock for all its processes.
+    The boundary's first collective cannot finish before the last rank reaches it, so rank 0's
+    boundary holds its wait for the last rank: ``wait_ms_all``; ``boundary_less_wait_ms_all``
+    is what rank 0's boundary took beyond it. ``per_rank``: each rank's phases, collections and
+    method per step, and ``lag_ms_all``, how long after the first rank it got there.
+    """
+    arrivals = [[start + 1e-3 * ms for start, ms in zip(r["start_s_all"], r["fwd_bwd_ms_all"])] for r in per_rank]
+    first = [min(step) for step in zip(*arrivals)]
+    last = [max(step) for step in zip(*arrivals)]
+    wait = [1e3 * (end - own) for end, own in zip(last, arrivals[0])]
+    ranks = [{**{k: v for k, v in r.items() if k != "start_s_all"},
+              "lag_ms_all": [1e3 * (own - early) for own, early in zip(mine, first)]}
+             for r, mine in zip(per_rank, arrivals)]
+    return {"per_rank": ranks, "skew_ms_all": [1e3 * (end - early) for end, early in zip(last, first)],
+            "wait_ms_all": wait,
+            "boundary_less_wait_ms_all": [b - w for b, w in zip(per_rank[0]["boundary_ms_all"], wait)]}
 
 
 def allocator_calls(device) -> tuple[int, int]:
@@ -471,6 +509,7 @@ def print_table(report: dict) -> None:
         if "gc_tracked" in r:
             print(f"{r['method']}: {r['gc_tracked']:,} objects tracked by the garbage collector, "
                   f"{r['gc_frozen']:,} frozen")
+    print_ranks(report)
     for r in report["results"]:
         if "rounds" in r:
             print(f"{r['method']}: median step per round {', '.join(f'{t:.1f}' for t in r['rounds'])} ms "
@@ -480,6 +519,27 @@ def print_table(report: dict) -> None:
             lo, hi = r["ratio_step_interval90"]
             print(f"{r['method']}/erm step ratio {r['ratio_step']:.3f}: 90% bootstrap interval {lo:.3f}-{hi:.3f} "
                   f"over the steps (an interval that holds 1.0 cannot tell the two apart)")
+
+
+def print_ranks(report: dict) -> None:
+    """With several ranks: how far apart they reached the boundary, rank 0's boundary with and
+    without its wait for the last one, and each rank's full collections and method."""
+    for r in report["results"]:
+        if "per_rank" not in r:
+            continue
+        skew, mine, less = r["skew_ms_all"], r["boundary_ms_all"], r["boundary_less_wait_ms_all"]
+        print(f"{r['method']}: the ranks reached the boundary {statistics.median(skew):.1f} ms apart (median; "
+              f"{max(skew):.1f} at most); rank 0's boundary {statistics.median(mine):.1f} ms (longest "
+              f"{max(mine):.1f}), beyond its wait for the last rank {statistics.median(less):.1f} ms "
+              f"(longest {max(less):.1f})")
+        last = [max(step) for step in zip(*(own["lag_ms_all"] for own in r["per_rank"]))]
+        for rank, own in enumerate(r["per_rank"]):
+            held = [t for t in own["full_gc_ms_all"] if t > 0]
+            latest = sum(lag == end for lag, end in zip(own["lag_ms_all"], last))
+            print(f"  rank {rank}: fwd+bwd {statistics.median(own['fwd_bwd_ms_all']):.1f} ms, boundary "
+                  f"{statistics.median(own['boundary_ms_all']):.1f}, method "
+                  f"{statistics.median(own['method_ms_all']):.1f}; the last to arrive in {latest} of {len(last)} "
+                  f"steps; full collections in {len(held)} steps ({sum(held):.0f} ms)")
 
 
 def drive(args, argv: list[str]) -> int:
@@ -545,10 +605,21 @@ def pool_rounds(rounds: list[list[dict]], methods: list[str]) -> list[dict]:
             comm_ms=statistics.median(r["comm_ms"] for r in runs),
             rounds=[r["step_ms"] for r in runs], **phases,
         )
+        if all("per_rank" in r for r in runs):
+            merged.update(pool_per_rank(runs))
         if all(r.get("device_allocs_per_step") is not None for r in runs):
             merged.update(device_allocs_per_step=max(r["device_allocs_per_step"] for r in runs),
                           alloc_retries=sum(r["alloc_retries"] for r in runs))
         pooled.append(merged)
+    return pooled
+
+
+def pool_per_rank(runs: list[dict]) -> dict:
+    """:func:`rank_skew`'s per-step lists of several runs, concatenated in run order (rank by
+    rank for ``per_rank``)."""
+    pooled = {k: [t for r in runs for t in r[k]] for k in ("skew_ms_all", "wait_ms_all", "boundary_less_wait_ms_all")}
+    pooled["per_rank"] = [{k: [t for r in runs for t in r["per_rank"][rank][k]] for k in ranked}
+                          for rank, ranked in enumerate(runs[0]["per_rank"])]
     return pooled
 
 

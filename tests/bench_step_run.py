@@ -2,7 +2,8 @@
 
 tests/test_fused.py (the driver's rounds, the report and the phase split) and
 tests/test_bench_profile.py (``--profile`` and ``--deepspeed-checks``) check the same kind of
-run: erm and iga_fused on a one-layer LLaMA of width 64, fp32, 2 timed steps after 1 warm-up.
+run: erm and iga_fused on a one-layer LLaMA of width 64, fp32, 2 timed steps after 1 warm-up,
+two ranks (gloo), so that the ranks' own records are read too.
 Most of its time is start-up (one torch.distributed launch per method and round, each importing
 DeepSpeed), so the suite runs it once with both tests' options and each test checks its own
 claims on it. The profiled steps come after the timed ones and only in the first round (the
@@ -20,6 +21,7 @@ from typing import NamedTuple
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 STEPS = 2  # timed steps per method and round
 ROUNDS = 2  # the second in reverse order
+RANKS = 2  # processes per launch
 
 
 class SmokeRun(NamedTuple):
@@ -33,7 +35,7 @@ def run_bench_step_smoke(tmp: Path) -> SmokeRun:
     out, prof = tmp / "step.json", tmp / "prof"
     cmd = [sys.executable, str(BENCH / "bench_step.py"), "--methods", "erm,iga_fused", "--dtype", "fp32",
            "--layers", "1", "--hidden", "64", "--vocab", "128", "--seq", "16", "--steps", str(STEPS),
-           "--warmup", "1", "--rounds", str(ROUNDS), "--out", str(out),
+           "--warmup", "1", "--rounds", str(ROUNDS), "--gpus", str(RANKS), "--out", str(out),
            "--profile", str(prof), "--deepspeed-checks"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=dict(os.environ, DS_ACCELERATOR="cpu"))
     return SmokeRun(proc, out, prof)

@@ -1,6 +1,7 @@
 """bench_step.py --profile, and the engine hook's world-size-1 path (no packed all-gather buffer)."""
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -90,6 +91,32 @@ def test_rounds_pool_the_steps_and_profile_only_once():
     assert bench_step.pool_rounds(rounds[:1], ["erm", "iga"]) == rounds[0]
 
 
+def test_rank_skew_finds_the_last_rank_and_rank_0s_wait_for_it():
+    # two steps of three ranks: in the first rank 2 starts 30 ms late, in the second rank 0's
+    # forward and backward take 20 ms longer than the others'
+    def rank(starts, fwd_bwd, boundary):
+        return {"start_s_all": starts, "fwd_bwd_ms_all": fwd_bwd, "boundary_ms_all": boundary,
+                "full_gc_ms_all": [0.0, 0.0], "method_ms_all": [10.0, 10.0]}
+
+    ranks = [rank([100.0, 200.0], [500.0, 520.0], [90.0, 40.0]), rank([100.0, 200.0], [500.0, 500.0], [90.0, 60.0]),
+             rank([100.030, 200.0], [500.0, 500.0], [60.0, 60.0])]
+    skew = bench_step.rank_skew(ranks)
+    assert skew["skew_ms_all"] == pytest.approx([30.0, 20.0])
+    assert skew["wait_ms_all"] == pytest.approx([30.0, 0.0])  # rank 0 waited in the first step only
+    assert skew["boundary_less_wait_ms_all"] == pytest.approx([60.0, 40.0])
+    assert [own["lag_ms_all"] for own in skew["per_rank"]] == [pytest.approx(lags) for lags in
+                                                              ([0.0, 20.0], [0.0, 0.0], [30.0, 0.0])]
+    assert all("start_s_all" not in own and own["method_ms_all"] == [10.0, 10.0] for own in skew["per_rank"])
+    # pooled over rounds like the row's own lists: concatenated in the order the rounds ran, rank by rank
+    rows = [{"method": "iga", "step_ms": 600.0, "step_ms_all": [590.0, 610.0], "tokens_per_s": 1.0,
+             "tokens_per_s_per_gpu": 0.5, "peak_gib": None, "method_ms": 10.0, "comm_ms": 1.0, **part}
+            for part in (skew, bench_step.rank_skew(ranks[::-1]))]
+    pooled = bench_step.pool_rounds([[rows[0]], [rows[1]]], ["iga"])[0]
+    assert pooled["wait_ms_all"] == pytest.approx([30.0, 0.0, 0.0, 20.0])
+    assert pooled["per_rank"][2]["lag_ms_all"] == pytest.approx([30.0, 0.0, 0.0, 20.0])
+    assert len(pooled["per_rank"]) == 3 and pooled["skew_ms_all"] == pytest.approx([30.0, 20.0, 30.0, 20.0])
+
+
 def test_profile_summary_of_a_cpu_profile():
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -115,7 +142,7 @@ def test_bench_step_profile_writes_tables_and_summaries_on_cpu(bench_step_smoke)
     # --profile and --deepspeed-checks on erm and iga_fused, 2 steps after 1 warm-up: the
     # session's one bench_step run on the CPU (tests/bench_step_run.py, 2 rounds, the profiled
     # steps in the first), which tests/test_fused.py reads too
-    from bench_step_run import ROUNDS, STEPS
+    from bench_step_run import RANKS, ROUNDS, STEPS
 
     proc, out, prof = bench_step_smoke
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -127,19 +154,22 @@ def test_bench_step_profile_writes_tables_and_summaries_on_cpu(bench_step_smoke)
         # the profiled steps are not timed ones: 2 timed steps a round, pooled over the rounds
         assert r["profile_wall_ms"] > 0 and len(r["step_ms_all"]) == STEPS * ROUNDS == 4
         assert r["fused_gradient_checks"] is False
-    assert sorted(p.name for p in prof.iterdir()) == [  # no Chrome trace without --profile-trace
-        "erm_rank0_ops.txt", "erm_rank0_summary.json", "iga_fused_rank0_ops.txt", "iga_fused_rank0_summary.json"]
-    for method in ("erm", "iga_fused"):
-        assert "Self CPU" in (prof / f"{method}_rank0_ops.txt").read_text()
-        summary = json.loads((prof / f"{method}_rank0_summary.json").read_text())
-        assert (summary["method"], summary["rank"], summary["steps"], summary["cuda"]) == (method, 0, 2, False)
+    # each rank profiles its own steps; no Chrome trace without --profile-trace
+    assert sorted(p.name for p in prof.iterdir()) == sorted(
+        f"{method}_rank{rank}_{kind}" for method in ("erm", "iga_fused") for rank in range(RANKS)
+        for kind in ("ops.txt", "summary.json"))
+    for method, rank in itertools.product(("erm", "iga_fused"), range(RANKS)):
+        assert "Self CPU" in (prof / f"{method}_rank{rank}_ops.txt").read_text()
+        summary = json.loads((prof / f"{method}_rank{rank}_summary.json").read_text())
+        assert (summary["method"], summary["rank"], summary["steps"], summary["cuda"]) == (method, rank, 2, False)
         assert summary["wall_ms"] > 0 and summary["self_cpu_ms"] > 0 and summary["self_cuda_ms"] == 0
         # 2 steps x 4 micro-batches, each inside every range; the hook's parts of the boundary
         # once per step (its non-finite check once: every flag folded into one verdict)
         boundary = {"boundary/nonfinite_check": 2, "boundary/deepspeed_step": 2}
         if method == "iga_fused":
+            # on several ranks the results come packed in the gathered buffer: no "results" range
             boundary.update({f"boundary/{part}": 2 for part in
-                             ("combine", "method", "results", "statistics", "write_grads", "reset")})
+                             ("combine", "method", "statistics", "write_grads", "reset")})
         assert {k: v["calls"] for k, v in summary["ranges"].items()} == {**{k: 8 for k in RANGES}, **boundary}
         assert 0 < len(summary["top_ops"]) <= 25
         for op in summary["top_ops"]:
