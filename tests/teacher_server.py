@@ -146,7 +146,9 @@ class _Handler(BaseHTTPRequestHandler):
                 request.answered = time.monotonic()
 
 
-class _Server(ThreadingHTTPServer):
+class QuietServer(ThreadingHTTPServer):
+    """A threading HTTP server that takes a client hanging up as no error."""
+
     daemon_threads = True
 
     def handle_error(self, request, client_address) -> None:
@@ -162,7 +164,7 @@ class TeacherServer:
 
     def __init__(self, teacher: Teacher | None = None):
         self.teacher = teacher or Teacher()
-        self.httpd = _Server(("127.0.0.1", 0), _Handler)
+        self.httpd = QuietServer(("127.0.0.1", 0), _Handler)
         self.httpd.teacher = self.teacher
         self.port = self.httpd.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}/v1"

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -29,6 +29,7 @@ from iga_ds.data.teacher.parse import MalformedOutput, parse_instance, parse_ver
 from iga_ds.data.teacher.pipeline import BuildSettings, build
 from iga_ds.errors import UserError
 from teacher_server import DAG  # the seed DAG every scripted teacher of these tests returns
+from teacher_server import QuietServer
 
 
 
@@ -113,7 +114,7 @@ class Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd = QuietServer(("127.0.0.1", 0), Handler)
     httpd.daemon_threads = True
     httpd.teacher = ScriptedTeacher()
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)

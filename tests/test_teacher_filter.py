@@ -7,7 +7,7 @@ import random
 import re
 import threading
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
@@ -20,6 +20,7 @@ from iga_ds.data.teacher.parse import Instance, StepDependencies
 from iga_ds.data.teacher.pipeline import BuildSettings, build
 from iga_ds.errors import UserError
 from teacher_server import DAG as SEED_DAG  # the seed DAG the scripted teachers return
+from teacher_server import QuietServer
 
 SAMPLERS = {"rule_chain": rule_chain, "conjunction": conjunction, "syllogism": syllogism,
             "arithmetic": arithmetic}
@@ -392,7 +393,7 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def test_command_line_option_over_http(tmp_path, capsys):
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd = QuietServer(("127.0.0.1", 0), Handler)
     httpd.teacher = Teacher()
     threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     try:
