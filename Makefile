@@ -23,11 +23,17 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/iga-ds demo --out demo_out
 
+# Two worker processes, each taking a whole test file at a time (--dist loadfile: a file's
+# shared fixtures, such as a training run several tests read, run once). On 2 cores one
+# worker alone kept about one core busy: much of the suite waits on processes it started.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PYTEST) tests
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo_out

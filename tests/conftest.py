@@ -25,10 +25,3 @@ def _restore_environment():
             del os.environ[key]
     os.environ.update(_BASELINE)
 
-
-@pytest.fixture(scope="session")
-def bench_step_smoke(tmp_path_factory):
-    """One CPU smoke run of bench/bench_step.py for the session (tests/bench_step_run.py)."""
-    from bench_step_run import run_bench_step_smoke
-
-    return run_bench_step_smoke(tmp_path_factory.mktemp("bench-step-smoke"))

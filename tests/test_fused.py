@@ -800,49 +800,6 @@ def test_profile_method_small_runs_on_cpu():
             in proc.stdout)
 
 
-@pytest.mark.slow
-def test_bench_step_smoke_runs_on_cpu(bench_step_smoke):
-    # erm and iga_fused, 2 steps after 1 warm-up, 2 rounds, 2 ranks: the session's one
-    # bench_step run on the CPU (tests/bench_step_run.py), which tests/test_bench_profile.py reads too
-    from bench_step_run import RANKS
-
-    proc, out, _ = bench_step_smoke
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    report = json.loads(out.read_text())
-    erm, iga = report["results"]
-    assert (erm["method"], iga["method"]) == ("erm", "iga_fused")
-    assert iga["method_ms"] > 0 and erm["method_ms"] == 0
-    assert iga["ratio_step"] == pytest.approx(iga["step_ms"] / erm["step_ms"])
-    assert report["env"]["world_size"] == RANKS and "step x" in proc.stdout
-    # each step split where the boundary begins: the phases, marked just inside the step's
-    # own clock readings, cover it (on the CPU, up to the few microseconds between them)
-    for row in (erm, iga):
-        # each timed step's full garbage collections (host ms; 0 where it held none)
-        assert len(row["full_gc_ms_all"]) == len(row["step_ms_all"]) and min(row["full_gc_ms_all"]) >= 0
-        # the hook froze the process's objects (iga.freeze_gc, the default): few are left to scan
-        assert row["gc_frozen"] > 10 * row["gc_tracked"] > 0
-        for total, a, b in zip(row["step_ms_all"], row["fwd_bwd_ms_all"], row["boundary_ms_all"]):
-            assert a > 0 and b > 0 and a + b <= total and a + b == pytest.approx(total, rel=0.01)
-    assert iga["capture_ms"] == pytest.approx(iga["fwd_bwd_ms"] - erm["fwd_bwd_ms"])
-    assert "capture ms" in proc.stdout and "boundary ms" in proc.stdout and "frozen" in proc.stdout
-    # two rounds, the second in reverse order: 2 timed steps each, pooled
-    assert len(iga["step_ms_all"]) == 4 and len(iga["rounds"]) == 2 and report["settings"]["rounds"] == 2
-    assert "[round 2/2]" in proc.stdout and "median step per round" in proc.stdout
-    for row in (erm, iga):
-        # every rank's own steps, pooled over the rounds as rank 0's are; rank 0's are the row's
-        ranks = row["per_rank"]
-        assert len(ranks) == RANKS and ranks[0]["boundary_ms_all"] == row["boundary_ms_all"]
-        assert all(len(own[k]) == 4 for own in ranks for k in ("fwd_bwd_ms_all", "boundary_ms_all", "lag_ms_all"))
-        for step, skew in enumerate(row["skew_ms_all"]):
-            lags = [own["lag_ms_all"][step] for own in ranks]
-            assert min(lags) == 0 and max(lags) == skew
-            # no rank's boundary ends before the last rank reached it: its collectives need that one
-            assert all(lag + own["boundary_ms_all"][step] >= skew - 1e-6 for lag, own in zip(lags, ranks))
-    assert "the ranks reached the boundary" in proc.stdout and "rank 1: fwd+bwd" in proc.stdout
-    launches = [line for line in proc.stdout.splitlines() if line.startswith("+ [round")]
-    assert [line.split("--methods ")[1].split()[0] for line in launches] == ["erm", "iga_fused", "iga_fused", "erm"]
-
-
 @pytest.mark.parametrize("normalize", ["mean", "snr"])
 def test_bf16_precision_is_float64_up_to_bfloat16_rounding(normalize):
     # bfloat16 keeps 8 bits: the stored masked matrices and the bf16 operands of every product
