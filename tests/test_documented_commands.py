@@ -517,9 +517,14 @@ def check_bash(checker, cmd, program, args, env):
 
 
 def check_make(checker, cmd, program, args, env):
-    targets = re.findall(r"^([a-z][\w-]*):", (REPO / "Makefile").read_text(encoding="utf-8"), flags=re.M)
+    makefile = (REPO / "Makefile").read_text(encoding="utf-8")
+    targets = re.findall(r"^([a-z][\w-]*):", makefile, flags=re.M)
     for target in args:
-        if target not in targets:
+        if "=" in target:  # NAME=VALUE sets a variable the Makefile must define
+            name = target.split("=")[0]
+            if not re.search(rf"^{re.escape(name)} *[?:]?=", makefile, flags=re.M):
+                checker.fail(cmd, f"the Makefile defines no variable {name!r}")
+        elif target not in targets:
             checker.fail(cmd, f"make has no target {target!r}")
 
 
