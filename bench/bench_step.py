@@ -254,7 +254,7 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
     per_rank = gather_per_rank({
         "fwd_bwd_ms_all": [1e3 * t for t in fwd_bwd], "boundary_ms_all": [1e3 * t for t in boundary],
         "full_gc_ms_all": full_gc, "method_ms_all": [1e3 * s["time/method_s"] for s in hook_stats],
-        "start_s_all": starts}, world)
+        "start_s_all": starts}, world) if world > 1 else None
     step_s = statistics.median(times)
     tokens = args.micro * args.seq * args.gas * world
     result = {
@@ -276,7 +276,7 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
         "fused_gradient_checks": hook.fused_checks,
         "device_allocs_per_step": allocs[0] / args.steps if cuda else None,
         "alloc_retries": allocs[1] if cuda else None,
-        **(rank_skew(per_rank) if world > 1 else {}),
+        **(rank_skew(per_rank) if per_rank else {}),
     }
     if args.profile:  # after the timed steps and the peak-memory reading: neither sees the profiler
         summary = profile_steps(one_step, args.warmup + args.steps, args, method, rank, device)
@@ -291,9 +291,7 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
 
 
 def gather_per_rank(record: dict, world: int) -> list[dict]:
-    """Every rank's ``record``, in rank order (this rank's alone at world size 1)."""
-    if world == 1:
-        return [record]
+    """Every rank's ``record``, in rank order."""
     records = [None] * world
     torch.distributed.all_gather_object(records, record)
     return records
@@ -532,13 +530,13 @@ def print_ranks(report: dict) -> None:
               f"{max(skew):.1f} at most); rank 0's boundary {statistics.median(mine):.1f} ms (longest "
               f"{max(mine):.1f}), beyond its wait for the last rank {statistics.median(less):.1f} ms "
               f"(longest {max(less):.1f})")
-        last = [max(step) for step in zip(*(own["lag_ms_all"] for own in r["per_rank"]))]
         for rank, own in enumerate(r["per_rank"]):
             held = [t for t in own["full_gc_ms_all"] if t > 0]
-            latest = sum(lag == end for lag, end in zip(own["lag_ms_all"], last))
+            # the last rank's lag is the step's skew
+            latest = sum(lag == end for lag, end in zip(own["lag_ms_all"], skew))
             print(f"  rank {rank}: fwd+bwd {statistics.median(own['fwd_bwd_ms_all']):.1f} ms, boundary "
                   f"{statistics.median(own['boundary_ms_all']):.1f}, method "
-                  f"{statistics.median(own['method_ms_all']):.1f}; the last to arrive in {latest} of {len(last)} "
+                  f"{statistics.median(own['method_ms_all']):.1f}; the last to arrive in {latest} of {len(skew)} "
                   f"steps; full collections in {len(held)} steps ({sum(held):.0f} ms)")
 
 
