@@ -526,6 +526,10 @@ def check_make(checker, cmd, program, args, env):
                 checker.fail(cmd, f"the Makefile defines no variable {name!r}")
         elif target not in targets:
             checker.fail(cmd, f"make has no target {target!r}")
+    # and make itself reads the command line: a dry run (-n) prints what it would run, runs nothing
+    dry = subprocess.run(["make", "-n", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+    if dry.returncode != 0:
+        checker.fail(cmd, f"make -n fails: {dry.stderr.strip()[-300:]}")
 
 
 def check_docker(checker, cmd, program, args, env):
