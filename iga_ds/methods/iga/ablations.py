@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from iga_ds.methods.base import ModuleGrads, ModuleUpdate
-from iga_ds.methods.iga.method import MaskedProjectionMethod
+from iga_ds.methods.iga.common import DEFAULT_DAMPING, DEFAULT_FACTORS, DEFAULT_NORMALIZE, DEFAULT_PROJECTION
+from iga_ds.methods.iga.method import IGA, MaskedProjectionMethod
 from iga_ds.methods.iga.reference import mask_stats, normalize_variance
 
 
@@ -22,19 +23,26 @@ class IGANoProjection(MaskedProjectionMethod):
 
     name = "iga_no_projection"
     paper = "IGA ablation (Table 3: no SVD projection)"
-    projection = "chain"
+    fixed_projection = "chain"
 
 
-class MeanNoMask(MaskedProjectionMethod):
-    """The reconstructed mean projected to rank r, no mask: what IGA is at tau = 0.
+class MeanNoMask(IGA):
+    """The reconstructed mean projected back to the factors, no mask: what IGA is at tau = 0.
 
-    Differs from ERM by the projection (ERM's factor gradients need not come from a rank-r
-    truncation of their reconstruction).
+    With the default ``tangent`` projection this is ERM exactly; with ``projection: svd`` it
+    isolates what the rank-r truncation and the factor map do without the mask. It runs IGA's
+    paths (the fused one on GPUs) at tau = 0, where the mask is exactly one.
     """
 
     name = "mean_no_mask"
     paper = "IGA ablation (tau -> 0 with the projection kept)"
     mask_kind = "none"
+
+    def __init__(self, rank: int | None = None, svd: str = "randomized", oversample: int = 10, power_iters: int = 2,
+                 seed: int = 0, implementation: str = "auto", precision: str = "auto", factors: str = DEFAULT_FACTORS,
+                 projection: str = DEFAULT_PROJECTION, damping: float = DEFAULT_DAMPING):
+        super().__init__(0.0, DEFAULT_NORMALIZE, rank, svd, oversample, power_iters, seed, implementation, precision,
+                         factors, projection, damping)
 
 
 class IGALoRASpace(MaskedProjectionMethod):

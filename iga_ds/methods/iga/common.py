@@ -6,8 +6,20 @@ import torch
 NORMALIZATIONS = ("none", "mean", "snr")
 # snr: V / (Gbar^2 + eps), eps relative to the module's mean Gbar^2 so it means the same at any gradient scale
 SNR_EPS = 1e-6
-# how the rank-r matrix becomes factor gradients: the paper's SVD split, or the chain rule through dW = s B A
+# how the masked mean returns to the factors: the pseudo-inverse of the reconstruction (ERM at
+# tau = 0), or the paper's rank-r truncated SVD
+PROJECTIONS = ("tangent", "svd")
+# with the SVD: how the rank-r matrix becomes factor gradients, the paper's split or the chain rule
 FACTOR_MAPS = ("split", "chain_rule")
+
+# the one set of defaults: the registered method, iga_update and batched_iga all take these
+DEFAULT_TAU = 0.5
+DEFAULT_NORMALIZE = "snr"
+DEFAULT_PROJECTION = "tangent"
+DEFAULT_FACTORS = "chain_rule"
+# the pseudo-inverse's ridge, relative to the factors' mean squared singular value: it bounds
+# the gain on directions that pass through a small factor (B starts at zero)
+DEFAULT_DAMPING = 0.1
 
 
 def check_choice(value: str, choices: tuple[str, ...], name: str) -> None:
@@ -18,6 +30,15 @@ def check_choice(value: str, choices: tuple[str, ...], name: str) -> None:
 def check_tau(tau: float) -> None:
     if tau < 0:
         raise ValueError(f"tau must be >= 0, got {tau}")
+
+
+def check_options(*, normalize: str, projection: str, factors: str, tau: float, damping: float) -> None:
+    check_choice(normalize, NORMALIZATIONS, "normalize")
+    check_choice(projection, PROJECTIONS, "projection")
+    check_choice(factors, FACTOR_MAPS, "factors")
+    check_tau(tau)
+    if not damping >= 0:
+        raise ValueError(f"damping must be >= 0, got {damping}")
 
 
 def check_module(A: torch.Tensor, B: torch.Tensor, gA: torch.Tensor, gB: torch.Tensor, rank: int | None,

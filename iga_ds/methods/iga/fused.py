@@ -57,8 +57,10 @@ import torch
 from iga_ds.methods.base import ModuleGrads, StableModules, StatsTable, TiledResults, host_to_device, stacked_view
 from iga_ds.methods.iga import jacobi, triton_kernels
 from iga_ds.methods.iga.common import (
-    FACTOR_MAPS, NORMALIZATIONS, SNR_EPS, check_choice, check_module, check_tau,
+    DEFAULT_DAMPING, DEFAULT_FACTORS, DEFAULT_NORMALIZE, DEFAULT_PROJECTION, DEFAULT_TAU, NORMALIZATIONS, SNR_EPS,
+    check_choice, check_module, check_options,
 )
+from iga_ds.methods.iga.reference import tangent_from_products
 from iga_ds.methods.iga.rsvd import canonical_signs, single_pass_widths
 from iga_ds.methods.iga.sketch import SketchKey, SketchKeys, gaussian, gaussian_stack
 
@@ -159,11 +161,9 @@ def stack_modules(modules: Sequence[ModuleGrads], generators, batch_bytes: int,
 
 
 def _check(modules: Sequence[ModuleGrads], generators, normalize: str, tau: float, factors: str, svd: str,
-           precision: str) -> None:
-    check_choice(normalize, NORMALIZATIONS, "normalize")
+           precision: str, projection: str, damping: float) -> None:
+    check_options(normalize=normalize, projection=projection, factors=factors, tau=tau, damping=damping)
     check_choice(precision, triton_kernels.PRECISIONS, "triton_precision")
-    check_tau(tau)
-    check_choice(factors, FACTOR_MAPS, "factors")
     if svd not in ("randomized", "single_pass"):
         raise ValueError(f"svd must be 'randomized' or 'single_pass' (the fused forms), got {svd!r}")
     if len(generators) != len(modules):
@@ -635,6 +635,77 @@ def _factor_gradients(st: Stack, proj: Projected, small64: torch.Tensor, eig):
     return gA_new, gB_new, energy_kept
 
 
+def tangent_stack(st: Stack, *, tau, normalize, damping, tile_elements, use_triton, triton_precision):
+    """The ``tangent`` projection on one stack: the tile pass stores the masked matrices and
+    takes ``masked @ A^T``; one more pass takes ``B^T @ masked``. What the mask removed is that
+    minus the same products of Gbar, which come from the factors. Returns
+    ``(gA_new, gB_new, stats, energy_kept)`` in the work dtype.
+
+    At tau = 0 the mask is one and the update is ERM's mean, exactly: the products are not
+    subtracted (their rounding would be all that is left)."""
+    M, N, r, d_in = st.gA.shape
+    d_out, numel = st.B.shape[1], st.B.shape[1] * d_in
+    low = use_triton and triton_precision == "bf16" and normalize != "mean"
+    left_mean, right_mean, left_dev, right_dev = _factors(st, use_triton, torch.bfloat16 if low else None)
+    mean_sq = mean_square(left_mean, right_mean, numel, exact=not low)
+    mean_var = mean_variance(left_dev, right_dev, numel) if normalize == "mean" else None
+    omega = st.A.mT  # the "first sketch" of the tile pass is masked @ A^T
+    kwargs = dict(tau=tau, normalize=normalize, mean_var=mean_var, mean_sq=mean_sq, precision=triton_precision)
+    if use_triton:
+        masked, GAt, stats, energy_total = triton_kernels.tile_pass_triton(
+            left_mean, right_mean, left_dev, right_dev, omega.contiguous(), **kwargs)
+    else:
+        masked, GAt, stats, energy_total = tile_pass_torch(
+            left_mean, right_mean, left_dev, right_dev, omega, tile_elements=tile_elements, **kwargs)
+    if mean_var is None:
+        mean_var = mean_variance(left_dev, right_dev, numel, exact=False)
+    stats["gir"] = mean_var * numel
+    work = st.A.dtype
+    gA_mean, gB_mean = st.gA.mean(dim=1), st.gB.mean(dim=1)
+    s = st.scaling.view(-1, 1, 1)
+    if tau == 0:
+        gA_new, gB_new = gA_mean, gB_mean
+    else:
+        skinny = use_triton and masked.dtype in triton_kernels.SKINNY_DTYPES
+        BtG = _times(masked, st.B.to(masked.dtype), True, skinny, False).mT.to(work)  # r x in
+        # the same products of Gbar = s (gB_mean A + B gA_mean), from the factors
+        GAt_mean = s * (gB_mean @ (st.A @ st.A.mT) + st.B @ (gA_mean @ st.A.mT))
+        BtG_mean = s * ((st.B.mT @ gB_mean) @ st.A + (st.B.mT @ st.B) @ gA_mean)
+        dA, dB = tangent_from_products(st.A, st.B, GAt.to(work) - GAt_mean, BtG - BtG_mean, s, damping)
+        gA_new, gB_new = gA_mean + dA, gB_mean + dB
+    return gA_new, gB_new, stats, _reconstruction_energy(st, gA_new, gB_new) / energy_total.clamp_min(
+        torch.finfo(torch.float64).tiny)
+
+
+def _reconstruction_energy(st: Stack, gA: torch.Tensor, gB: torch.Tensor) -> torch.Tensor:
+    """||s (gB A + B gA)||_F^2 per module, float64, from r x r Grams."""
+    A, B, gA, gB = (t.double() for t in (st.A, st.B, gA, gB))
+    s2 = st.scaling.double() ** 2
+    cross = ((gB.mT @ B) * (gA @ A.mT).mT).sum(dim=(-2, -1))  # <gB A, B gA>
+    total = ((gB.mT @ gB) * (A @ A.mT)).sum(dim=(-2, -1)) + ((B.mT @ B) * (gA @ gA.mT)).sum(dim=(-2, -1))
+    return s2 * (total + 2 * cross)
+
+
+def _tangent_results(modules: Sequence[ModuleGrads], stacks: Sequence[Stack], outs: Sequence[tuple]) -> TiledResults:
+    """One ``(gA_new, gB_new, stats)`` per module in the caller's order from the stacks'
+    :func:`tangent_stack` results, cast to each module's dtype."""
+    device = modules[0].gA.device if modules else torch.device("cpu")
+    keys = [*outs[0][2], "energy_kept"] if outs else []
+    values = torch.empty(len(keys), len(modules), dtype=torch.float64, device=device)
+    outputs, start = [], 0
+    for st, (gA_new, gB_new, stats, energy_kept) in zip(stacks, outs):
+        dtype = modules[st.positions[0]].gA.dtype
+        outputs.append((start, gA_new.to(dtype), gB_new.to(dtype)))
+        values[:, start: start + len(st.positions)].copy_(
+            torch.stack([*(v.double() for v in stats.values()), energy_kept.double()]))
+        start += len(st.positions)
+    table = StatsTable(keys, values, send=False)
+    results = _in_caller_order(modules, stacks, outputs, table)
+    if modules:
+        table.send()
+    return TiledResults(results, [t for _, gA, gB in outputs for t in (gA, gB)])
+
+
 def _chain_rule_operands(st: Stack, proj: Projected):
     """``(s B^T Q, s small A^T, small)`` of a stack in the work dtype: the chain-rule products
     that do not need the eigendecomposition, queued before it waits for the device."""
@@ -679,8 +750,8 @@ def _energy_kept(proj: Projected, evals: torch.Tensor) -> torch.Tensor:
 def batched_iga(
     modules: Sequence[ModuleGrads],
     *,
-    tau: float = 0.5,
-    normalize: str = "snr",
+    tau: float = DEFAULT_TAU,
+    normalize: str = DEFAULT_NORMALIZE,
     rank: int | None = None,
     oversample: int = 10,
     power_iters: int = 2,
@@ -689,10 +760,15 @@ def batched_iga(
     tile_elements: int = DEFAULT_TILE_ELEMENTS,
     use_triton: bool | None = None,
     triton_precision: str = "ieee",
-    factors: str = "split",
+    factors: str = DEFAULT_FACTORS,
     svd: str = "randomized",
+    projection: str = DEFAULT_PROJECTION,
+    damping: float = DEFAULT_DAMPING,
 ) -> list[tuple[torch.Tensor, torch.Tensor, MutableMapping[str, float]]]:
-    """IGA (continuous mask, randomized SVD) for every module, in the order given.
+    """IGA (continuous mask) for every module, in the order given; the defaults are
+    :func:`iga_ds.methods.iga.reference.iga_update`'s. ``projection="tangent"``:
+    :func:`tangent_stack` (``damping`` its ridge; the sketch's settings unused), ``"svd"``: the
+    randomized SVD below.
 
     Returns one ``(gA_new, gB_new, stats)`` per module, as
     :func:`iga_ds.methods.iga.reference.iga_update` with the same ``svd`` and the module's
@@ -717,8 +793,12 @@ def batched_iga(
     iterations over the stored masked matrices) or ``single_pass`` (both sketches in the tile
     pass, nothing stored; as :func:`iga_ds.methods.iga.rsvd.single_pass_svd`).
     """
-    _check(modules, generators, normalize, tau, factors, svd, triton_precision)
+    _check(modules, generators, normalize, tau, factors, svd, triton_precision, projection, damping)
     device = modules[0].gA.device if modules else torch.device("cpu")
+    if projection == "tangent":
+        return _batched_tangent(modules, generators, tau=float(tau), normalize=normalize, damping=float(damping),
+                                batch_bytes=batch_bytes, tile_elements=int(tile_elements), use_triton=use_triton,
+                                triton_precision=triton_precision)
     # bf16 masked matrices take half the bytes: twice the modules per stack, half the launches
     element_bytes = triton_kernels.masked_dtype(triton_precision).itemsize
     stacks = _stacks(modules, generators, rank, resolve_batch_bytes(batch_bytes, device),
@@ -733,6 +813,20 @@ def batched_iga(
             triton_precision=triton_precision, svd=svd,
         ))
     return _finish_stacks(modules, stacks, projected, factors)
+
+
+def _batched_tangent(modules, generators, *, tau, normalize, damping, batch_bytes, tile_elements, use_triton,
+                     triton_precision) -> TiledResults:
+    device = modules[0].gA.device if modules else torch.device("cpu")
+    element_bytes = triton_kernels.masked_dtype(triton_precision).itemsize
+    stacks = _stacks(modules, generators, None, resolve_batch_bytes(batch_bytes, device),
+                     element_bytes if triton_precision == "bf16" else None)
+    outs = []
+    for st in stacks:
+        triton_ok = _triton_wanted(use_triton, st.A.device) and st.A.dtype == torch.float32
+        outs.append(tangent_stack(st, tau=tau, normalize=normalize, damping=damping, tile_elements=tile_elements,
+                                  use_triton=triton_ok, triton_precision=triton_precision))
+    return _tangent_results(modules, stacks, outs)
 
 
 def _finish_stacks(modules: Sequence[ModuleGrads], stacks: Sequence[Stack], projected: Sequence[Projected],

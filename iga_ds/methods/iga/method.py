@@ -10,7 +10,9 @@ from typing import ClassVar, Sequence
 import torch
 
 from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, Statistic, TiledResults
-from iga_ds.methods.iga.common import FACTOR_MAPS, NORMALIZATIONS, check_choice, check_tau
+from iga_ds.methods.iga.common import (
+    DEFAULT_DAMPING, DEFAULT_FACTORS, DEFAULT_NORMALIZE, DEFAULT_PROJECTION, DEFAULT_TAU, check_choice, check_options,
+)
 from iga_ds.methods.iga.fused import batched_iga
 from iga_ds.methods.iga.reference import Normalize, masked_projection
 from iga_ds.methods.iga.rsvd import SVD_METHODS
@@ -30,37 +32,40 @@ MASK_STATISTICS = (
 
 
 class MaskedProjectionMethod(GradientMethod):
-    """IGA and the ablations that share its parameters; subclasses pick mask and projection.
+    """IGA and the ablations that share its parameters; subclasses pick the mask and may fix
+    the projection.
 
-    ``factors``: how the rank-r matrix g~ becomes factor gradients. ``chain_rule`` (default)
-    maps g~ through dW = s B A like a gradient; ``split`` is the paper's (gB = U S^1/2,
-    gA = S^1/2 V^T, scaled so that s gB gA = g~). In this project's runs ``split`` made
-    training diverge on every seed (the loss rose after about 100 steps, also without the
-    mask) while ``chain_rule`` trained like ERM: see docs/METHOD_NOTES.md.
+    ``projection``: how the masked mean returns to the factors. ``tangent`` (default): ERM's
+    factor gradients plus the pseudo-inverse of the reconstruction applied to what the mask
+    removed (``damping`` its ridge), so that tau = 0 is ERM exactly. ``svd``: the paper's
+    rank-r truncation, then ``factors``: ``chain_rule`` maps it through dW = s B A like a
+    gradient (which applies the reconstruction a second time), ``split`` is the paper's
+    U S^1/2, S^1/2 V^T, which made training diverge (docs/METHOD_NOTES.md).
     """
 
     scope = "module"
     statistics = MASK_STATISTICS
     mask_kind: ClassVar[str] = "continuous"
-    projection: ClassVar[str] = "svd"
+    fixed_projection: ClassVar[str | None] = None  # an ablation that replaces the projection
 
     def __init__(
         self,
-        tau: float = 0.5,
-        normalize: Normalize = "snr",
+        tau: float = DEFAULT_TAU,
+        normalize: Normalize = DEFAULT_NORMALIZE,
         rank: int | None = None,
         svd: str = "randomized",
         oversample: int = 10,
         power_iters: int = 2,
         seed: int = 0,
-        factors: str = "chain_rule",
+        factors: str = DEFAULT_FACTORS,
+        projection: str = DEFAULT_PROJECTION,
+        damping: float = DEFAULT_DAMPING,
     ):
         super().__init__(seed)
-        check_choice(factors, FACTOR_MAPS, "factors")
-        check_choice(normalize, NORMALIZATIONS, "normalize")
+        check_options(normalize=normalize, projection=projection, factors=factors, tau=tau, damping=damping)
         check_choice(svd, SVD_METHODS, "svd")
-        check_tau(tau)
-        self.factors = factors
+        self.factors, self.damping = factors, float(damping)
+        self.projection = self.fixed_projection or projection
         self.tau, self.normalize, self.rank = float(tau), normalize, rank
         self.svd, self.oversample, self.power_iters = svd, int(oversample), int(power_iters)
 
@@ -72,12 +77,13 @@ class MaskedProjectionMethod(GradientMethod):
             module.A, module.B, module.gA, module.gB, scaling=module.scaling, tau=self.tau, rank=self.rank,
             normalize=self.normalize, svd=self.svd, oversample=self.oversample, power_iters=self.power_iters,
             generator=gen, mask_kind=self.mask_kind, projection=self.projection, factors=self.factors,
+            damping=self.damping,
         )
         return ModuleUpdate(gA, gB, stats)
 
 
 class IGA(MaskedProjectionMethod):
-    """Invariant Gradient Alignment: exp(-tau V') mask on reconstructed gradients, rank-r SVD projection.
+    """Invariant Gradient Alignment: exp(-tau V') mask on reconstructed gradients, projected back to the factors.
 
     ``implementation``: ``reference`` runs :func:`~iga_ds.methods.iga.reference.masked_projection`
     module by module; ``fused`` runs :func:`~iga_ds.methods.iga.fused.batched_iga` (same result up
@@ -100,10 +106,11 @@ class IGA(MaskedProjectionMethod):
     name = "iga"
     paper = "Invariant Gradient Alignment (IGA) for logical isomers (this package's paper)"
 
-    def __init__(self, tau: float = 0.5, normalize: Normalize = "snr", rank: int | None = None,
+    def __init__(self, tau: float = DEFAULT_TAU, normalize: Normalize = DEFAULT_NORMALIZE, rank: int | None = None,
                  svd: str = "randomized", oversample: int = 10, power_iters: int = 2, seed: int = 0,
-                 implementation: str = "auto", precision: str = "auto", factors: str = "chain_rule"):
-        super().__init__(tau, normalize, rank, svd, oversample, power_iters, seed, factors)
+                 implementation: str = "auto", precision: str = "auto", factors: str = DEFAULT_FACTORS,
+                 projection: str = DEFAULT_PROJECTION, damping: float = DEFAULT_DAMPING):
+        super().__init__(tau, normalize, rank, svd, oversample, power_iters, seed, factors, projection, damping)
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         check_choice(implementation, IMPLEMENTATIONS, "implementation")
@@ -131,5 +138,6 @@ class IGA(MaskedProjectionMethod):
         gens = sketch_keys(self.seed, step, [m.index for m in modules])
         out = batched_iga(modules, tau=self.tau, normalize=self.normalize, rank=self.rank,
                           oversample=self.oversample, power_iters=self.power_iters, generators=gens,
-                          triton_precision=self.precision_for(modules), factors=self.factors, svd=self.svd)
+                          triton_precision=self.precision_for(modules), factors=self.factors, svd=self.svd,
+                          projection=self.projection, damping=self.damping)
         return TiledResults([ModuleUpdate(gA, gB, stats) for gA, gB, stats in out], out.bases)

@@ -13,7 +13,10 @@ from typing import Literal
 
 import torch
 
-from iga_ds.methods.iga.common import FACTOR_MAPS, NORMALIZATIONS, SNR_EPS, check_choice, check_module, check_tau
+from iga_ds.methods.iga.common import (
+    DEFAULT_DAMPING, DEFAULT_FACTORS, DEFAULT_NORMALIZE, DEFAULT_PROJECTION, DEFAULT_TAU, NORMALIZATIONS, SNR_EPS,
+    check_module, check_options,
+)
 from iga_ds.methods.iga.rsvd import truncated_svd
 from iga_ds.methods.iga.sketch import SketchKey
 
@@ -103,14 +106,71 @@ def chain_rule_factors(A, B, gA_split, gB_split, scaling):
     return gA, gB
 
 
+def _safe_reciprocal(x: torch.Tensor) -> torch.Tensor:
+    """1/x where x is above rounding level (relative to the largest entry), else 0: the
+    pseudo-inverse's convention for directions the reconstruction does not reach."""
+    floor = x.amax(dim=-1, keepdim=True) * (x.shape[-1] * torch.finfo(x.dtype).eps)
+    ok = x > floor
+    return torch.where(ok, 1.0 / torch.where(ok, x, torch.ones_like(x)), torch.zeros_like(x))
+
+
+def tangent_from_products(A, B, GAt, BtG, scaling, damping: float = 0.0):
+    """:func:`tangent_factors` from the two products it needs, ``G @ A^T`` (out x r) and
+    ``B^T @ G`` (r x in): the fused path takes them in its one pass over G.
+
+    With the Grams A A^T = U2 diag(d2) U2^T and B^T B = U1 diag(d1) U1^T, the reconstruction
+    decouples into r x r blocks, and the ridge solution of min ||s (b A + B a) - G||^2 +
+    lam (||a||^2 + ||b||^2) is, with K = U1^T B^T G A^T U2, c = 1/(s^2 d + lam) and
+    D_ij = s^2 (d1_i + d2_j) + lam:
+        b = s (G A^T) U2 c2 U2^T - s^3 B U1 (K c2_j / D_ij) U2^T
+        a = s U1 c1 U1^T (B^T G) - s^3 U1 (K c1_i / D_ij) U2^T A.
+    lam = damping * s^2 * (tr(A A^T) + tr(B^T B)) / r; lam = 0 is the pseudo-inverse. The
+    small matrices are handled in float64. Batched over leading dimensions (``scaling`` a
+    number or a tensor that broadcasts like M x 1 x 1).
+    """
+    work = GAt.dtype
+    s = torch.as_tensor(scaling, dtype=torch.float64, device=A.device)
+    s = s.reshape(s.shape[:-2] if s.ndim >= 2 else s.shape)  # M x 1 x 1 -> M
+    A64, B64 = A.double(), B.double()
+    d2, U2 = torch.linalg.eigh(A64 @ A64.mT)
+    d1, U1 = torch.linalg.eigh(B64.mT @ B64)
+    d1, d2 = d1.clamp_min(0), d2.clamp_min(0)
+    s2 = (s * s)[..., None]
+    lam = damping * s2 * (d1.sum(-1, keepdim=True) + d2.sum(-1, keepdim=True)) / d1.shape[-1]
+    c1, c2 = _safe_reciprocal(s2 * d1 + lam), _safe_reciprocal(s2 * d2 + lam)
+    den = _safe_reciprocal(s2[..., None] * (d1[..., :, None] + d2[..., None, :]) + lam[..., None])
+    K = U1.mT @ (B64.mT @ GAt.double()) @ U2
+    s3 = (s2 * s[..., None])[..., None]
+    right_b = (U2 * c2[..., None, :]) @ U2.mT  # U2 c2 U2^T
+    inner_b = U1 @ (K * c2[..., None, :] * den) @ U2.mT
+    left_a = (U1 * c1[..., None, :]) @ U1.mT
+    inner_a = U1 @ (K * c1[..., :, None] * den) @ U2.mT
+    sc = s[..., None, None]
+    gB = (GAt @ (sc * right_b).to(work)) - B @ (s3 * inner_b).to(work)
+    gA = ((sc * left_a).to(work) @ BtG) - (s3 * inner_a).to(work) @ A
+    return gA, gB
+
+
+def tangent_factors(A, B, G, scaling, damping: float = 0.0):
+    """Factor gradients (gA, gB) whose reconstruction s (gB A + B gA) is the least-squares fit of
+    G (out x in), of least norm: the pseudo-inverse of the reconstruction, so that
+    ``reconstruct(gA, gB)`` is G's projection onto the tangent space at s B A of the rank-r
+    matrices. For G the reconstruction of gradients of a LoRA loss (gA = s B^T gW, gB =
+    s gW A^T), it returns them exactly. ``damping`` > 0 adds a ridge (see
+    :func:`tangent_from_products`)."""
+    return tangent_from_products(A, B, G @ A.mT, B.mT @ G, scaling, damping)
+
+
 def masked_projection(
     A, B, gA, gB, *, scaling, tau, rank, normalize, svd, oversample, power_iters, generator,
-    mask_kind: str = "continuous", binary_threshold: float = 0.5, projection: str = "svd",
-    factors: str = "split",
+    mask_kind: str = "continuous", binary_threshold: float = 0.5, projection: str = DEFAULT_PROJECTION,
+    factors: str = DEFAULT_FACTORS, damping: float = DEFAULT_DAMPING,
 ):
-    """IGA with the step that its ablations change made explicit: the mask (``continuous``,
-    ``binary`` or ``none``) and the projection (rank-r ``svd`` or the ``chain`` rule without
-    truncation). Returns (gA_new, gB_new, stats)."""
+    """IGA with the steps that its ablations change made explicit: the mask (``continuous``,
+    ``binary`` or ``none``) and the projection back to the factors: ``tangent`` (ERM's factor
+    gradients plus the pseudo-inverse of the reconstruction applied to what the mask removed),
+    rank-r ``svd`` then ``factors`` (``split`` or ``chain_rule``), or the ``chain`` rule without
+    truncation. Returns (gA_new, gB_new, stats)."""
     rank = check_module(A, B, gA, gB, rank)
     r = A.shape[0]
     mean, var = mean_and_variance(A, B, gA, gB, scaling)
@@ -120,9 +180,17 @@ def masked_projection(
         soft = torch.exp(-tau * normalize_variance(var, mean, normalize))
         mask = (soft >= binary_threshold).to(mean.dtype) if mask_kind == "binary" else soft
     stats = mask_stats(mask, var)
+    if projection == "tangent":
+        # what the mask removes, exactly zero where the mask is one: tau = 0 gives ERM bit for bit
+        removed = mean * (mask - 1)
+        masked_sq = float((mean * mask).pow(2).sum())
+        dA, dB = tangent_factors(A, B, removed, scaling, damping)
+        gA_new, gB_new = gA.mean(dim=0) + dA, gB.mean(dim=0) + dB
+        kept = float(reconstruct(A, B, gA_new, gB_new, scaling).pow(2).sum())
+        stats["energy_kept"] = kept / masked_sq if masked_sq > 0 else 1.0
+        return gA_new, gB_new, stats
     masked = mean * mask
     del mean, var
-
     total = float(masked.pow(2).sum())
     if projection == "chain":
         # Treat the masked matrix as dL/d(dW): chain rule through dW = s * B @ A.
@@ -147,31 +215,32 @@ def iga_update(
     gB: torch.Tensor,
     *,
     scaling: float,
-    tau: float = 0.5,
+    tau: float = DEFAULT_TAU,
     rank: int | None = None,
-    normalize: Normalize = "snr",
+    normalize: Normalize = DEFAULT_NORMALIZE,
+    projection: Literal["tangent", "svd"] = DEFAULT_PROJECTION,
+    damping: float = DEFAULT_DAMPING,
     svd: Literal["randomized", "single_pass", "exact"] = "randomized",
     oversample: int = 10,
     power_iters: int = 2,
     generator: SketchKey | torch.Generator | None = None,
-    factors: Literal["split", "chain_rule"] = "split",
+    factors: Literal["split", "chain_rule"] = DEFAULT_FACTORS,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """The IGA update of one LoRA module.
+    """The IGA update of one LoRA module; the defaults are the registered ``iga`` method's.
 
     A: r x in, B: out x r, gA: N x r x in, gB: N x out x r (per-domain mean gradients).
-    Returns (gA_new, gB_new, stats). With ``factors="split"`` (the paper's form)
-    ``scaling * gB_new @ gA_new`` equals the rank-``rank`` truncation g~ of
-    mean_n G[n] * exp(-tau * V'), G[n] = scaling * (gB[n] @ A + B @ gA[n]); with
-    ``"chain_rule"`` they are the factor gradients of g~ through dW = s B A
-    (:func:`chain_rule_factors`, what the registered ``iga`` method trains with).
-    Computes in the dtype it is given. ``generator``: the sketch's source, a
-    :class:`iga_ds.methods.iga.sketch.SketchKey` (the method's, one per module and step) or a
-    ``torch.Generator``.
+    Returns (gA_new, gB_new, stats). The masked mean is g = mean_n G[n] * exp(-tau * V'),
+    G[n] = scaling * (gB[n] @ A + B @ gA[n]). ``projection="tangent"``: the mean factor
+    gradients (ERM's) plus :func:`tangent_factors` of g - mean_n G[n], so that tau = 0 is ERM
+    exactly (``damping``: the ridge of that pseudo-inverse). ``"svd"``: the rank-``rank``
+    truncation g~ of g (``svd``, ``oversample``, ``power_iters``, ``generator``: how it is
+    computed), made factor gradients by ``factors``: ``"split"`` (the paper's, scaling *
+    gB_new @ gA_new = g~) or ``"chain_rule"`` (:func:`chain_rule_factors`).
+    Computes in the dtype it is given.
     """
-    check_choice(normalize, NORMALIZATIONS, "normalize")
-    check_choice(factors, FACTOR_MAPS, "factors")
-    check_tau(tau)
+    check_options(normalize=normalize, projection=projection, factors=factors, tau=tau, damping=damping)
     return masked_projection(
         A, B, gA, gB, scaling=scaling, tau=tau, rank=rank, normalize=normalize, svd=svd,
         oversample=oversample, power_iters=power_iters, generator=generator, factors=factors,
+        projection=projection, damping=damping,
     )
