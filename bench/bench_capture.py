@@ -10,8 +10,8 @@ nearly free (hidden 32, LoRA r 4 on q, k, v, o of every layer, 4 sequences of 8 
 CPU thread): what is left of a forward and backward is Python and operator dispatch, the work
 a host must do per micro-batch whatever the card. On a GPU each of the capture's operators is
 also a kernel launch, so this is a lower bound of its host cost there; when the host is the
-bottleneck (several ranks that wait for one another every micro-batch,
-docs/results/h200x2-2026-11-26-method-syncs/README.md), this is time the step pays.
+bottleneck (several ranks that wait for one another every micro-batch), this is time the step
+pays.
 
 ``--device cuda``: the LLaMA-2-7B shape (``--layers``/``--hidden`` shrink it) in bfloat16,
 adapters included (as DeepSpeed's bf16 engine casts them), with LoRA r 16 on q, k, v, o,

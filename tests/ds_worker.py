@@ -91,7 +91,7 @@ def run_scenario(s: dict, out_path: str, rank: int, world: int, timeout: float) 
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=make_optimizer(params, s),
                                            config=ds_config(s, world))
     cfg = HookConfig(method=s["method"], params=s.get("params", {}), domains=["a", "b", "c"], seed=7,
-                    timeout_s=timeout, overlap_waves=s.get("waves", HookConfig().overlap_waves))
+                    timeout_s=timeout)
     hook = attach(engine, cfg)
     checks = compare_gradient_checks(engine.optimizer) if s.get("compare_checks") else None
     straddles = any(
@@ -129,9 +129,8 @@ def run_scenario(s: dict, out_path: str, rank: int, world: int, timeout: float) 
             state[n] = (full if full is not None else p).detach().float().cpu().clone()
     if rank == 0:
         owns = hook.capture is not None and hook.capture.owns_gradients
-        waves = len(hook.layout.waves) if hook.capture is not None else 0
         torch.save({"params": state, "stats": stats, "straddles": straddles,
-                    "skipped": engine.skipped_steps, "owns_gradients": owns, "waves": waves,
+                    "skipped": engine.skipped_steps, "owns_gradients": owns,
                     "checks": checks, "fused_checks": hook.fused_checks,
                     "reused_zeros": owns and hook.reused_zeros}, out_path)
     hook.detach()

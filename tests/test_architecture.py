@@ -23,7 +23,8 @@ LAYERS = (
     ("metrics", "methods", "models"),
     ("data", "lora"),
     ("config",),
-    ("engine", "cluster"),
+    ("engine",),
+    ("cluster",),  # above engine: `iga-ds selfcheck` probes DeepSpeed's ops through engine.internals
     ("train", "evaluation"),
     ("experiments",),
     ("cli",),

@@ -19,8 +19,8 @@ comment lines of configs/, launch/ and slurm/. Each is checked by what it runs:
 
 Placeholders (``N``, ``OUT``, ``CFG.yaml``, ``[optional ...]``) are parsed but not run. Programs
 that are not this project's (``vllm``, ``lm_eval``, ``salloc``, ...) are listed in EXTERNAL with
-what they are; any other program fails the test until a rule covers it. Historical logs under
-docs/results/ record commands as they ran and are not checked.
+what they are; any other program fails the test until a rule covers it. results/ (archived runs)
+is not checked.
 """
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ EXTERNAL = {
     "tar": "the archiver",
     "touch": "coreutils",
     "pip": "the package installer",
+    ".": "the shell's source builtin (activates .venv, which make creates)",
 }
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*$")
 

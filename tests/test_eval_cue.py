@@ -28,3 +28,43 @@ def test_no_cue_no_conflict_block():
     items = isomer_items(recs)
     summary = summarize(score_items(items, {i.id: f"Answer: {i.answer}" for i in items}))
     assert summary["cue_conflict"] == {} and summary["ood_cue_follow"] is None
+
+
+def test_each_ood_item_is_scored_again_with_its_cue_rewritten_both_ways():
+    from iga_ds.evaluation.records import isomer_eval_items
+
+    recs = [r for r in generate_groups(40, seed=4, shortcut=0.9) if r["meta"]["split"] == "test"]
+    assert all("cue_counterfactual" in r["meta"] for r in recs)
+    items = isomer_eval_items(recs[:8], recs[8:], "synthetic")
+    ood = [i for i in items if i.split == "ood" and "counterfactual" not in i.meta]
+    rewrites = {i.id: i for i in items if "counterfactual" in i.meta}
+    assert len(rewrites) == 2 * len(ood) and not any(i.id.startswith("cf-") for i in items if i.split == "id")
+    for item, rec in zip(ood, recs[8:]):
+        for side in ("right", "wrong"):
+            cf = rewrites[f"cf-{side}/{item.id}"]
+            version = rec["meta"]["cue_counterfactual"][side]
+            assert cf.problem == version["problem"] and cf.meta["cue_answer"] == version["cue_answer"]
+            assert cf.meta["of"] == item.id and cf.meta["group_id"] == rec["group_id"] and cf.answer == item.answer
+        assert rewrites[f"cf-right/{item.id}"].meta["cue_answer"] == item.answer
+    # a model that always answers what the cue signals: every rewrite flips, the effect is 100 points
+    outputs = {i.id: f"Answer: {i.meta.get('cue_answer', i.answer)}" for i in items}
+    summary = summarize(score_items(items, outputs))
+    assert summary["n"] == len(items) - len(rewrites)  # the rewrites stay out of the accuracies
+    cf = summary["cue_counterfactual"]
+    assert cf["n"] == len(ood) and cf["flip_rate"] == 100.0 and cf["cue_effect"] == 100.0
+    assert cf["error_right"] == 0.0 and cf["groups"] == len({r["group_id"] for r in recs[8:]})
+    # a model that ignores the cue and is always right: no effect, no flip
+    summary = summarize(score_items(items, {i.id: f"Answer: {i.answer}" for i in items}))
+    assert summary["cue_counterfactual"]["cue_effect"] == 0.0 and summary["cue_counterfactual"]["flip_rate"] == 0.0
+    assert summary["ood_accuracy"] == 100.0
+
+
+def test_data_without_rewrites_keeps_the_older_fields():
+    recs = [r for r in generate_groups(20, seed=4, shortcut=0.9) if r["meta"]["split"] == "test"]
+    for r in recs:
+        r["meta"].pop("cue_counterfactual")
+    from iga_ds.evaluation.records import isomer_eval_items
+
+    items = isomer_eval_items(recs[:4], recs[4:], "synthetic")
+    assert not any("counterfactual" in i.meta for i in items)
+    assert "cue_counterfactual" not in summarize(score_items(items, {i.id: "Answer: yes" for i in items}))

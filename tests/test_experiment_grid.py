@@ -106,6 +106,16 @@ def test_ungrouped_training_keeps_the_number_of_sequences_per_step(tmp_path):
         (("lora_sft: {method: erm, domains: [math]}", "lora_sft: {method: erm, train: {lora: {r: 0}}}"),
          "methods.lora_sft: run config: lora.r"),
         (("seeds: [0, 7]", "seeds: [0]\nmodels: [a]"), "models: unknown key"),
+        (("id_groups: 2", "id_groups: 2, test_cue: sometimes"), "data.synthetic.test_cue"),
+        (("id_groups: 2", "id_groups: 2, shortcut_by_domain: {math: 1.0, medical: 0.9, legal: 0.7, art: 0.3}"),
+         "data.synthetic.shortcut_by_domain.art"),
+        (("id_groups: 2", "id_groups: 2, shortcut_by_domain: {math: 1.0, medical: 0.9, legal: 0.7, science: 2}"),
+         "data.synthetic.shortcut_by_domain.science"),
+        (("id_groups: 2", "id_groups: 2, shortcut_by_domain: {math: 1.0}"), "data.synthetic.shortcut_by_domain"),
+        (("seeds: [0, 7]", "seeds: [0]\nselection: {lr: [0.001, 0.001]}"), "selection.lr"),
+        (("seeds: [0, 7]", "seeds: [0]\nselection: {seeds: [0]}"), "selection.lr"),
+        (("seeds: [0, 7]", "seeds: [0]\nselection: {lr: [0.001], metric: ood_accuracy}"), "selection.metric"),
+        (("seeds: [0, 7]", "seeds: [0]\nselection: {lr: [0.001], max_steps: [0]}"), "selection.max_steps"),
     ],
 )
 def test_grid_errors_name_the_key(tmp_path, edit, key):
@@ -328,3 +338,95 @@ def test_dry_run_into_a_closed_pipe_stops_quietly(tmp_path):
     assert proc.stdout.startswith("erm-s0")
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
     assert proc.returncode in (0, 141)  # 141 when the pipe closed before the listing ended
+
+
+# -- the selection stage -----------------------------------------------------------------------
+
+SELECTING = GRID.replace("seeds: [0, 7]", "seeds: [0, 7]\nselection: {lr: [1.0e-3, 2.0e-3, 5.0e-4], seeds: [0, 1]}")
+
+
+def _scoring_run_cell(calls, score):
+    """A stand-in for training: its ID accuracy is ``score(variant key, lr)``."""
+    def run_cell(grid, cell, out, prepared, progress=True, launcher=None, validation_only=False):
+        calls.append((cell.name, validation_only, cell.variant.train.get("schedule", {}).get("lr")))
+        folder = out / cell.name
+        folder.mkdir(parents=True)
+        lr = cell.variant.train.get("schedule", {}).get("lr")
+        evals = {"synthetic": {"id_accuracy": score(cell.variant.key, lr), "ood_accuracy": None}}
+        info = {**cell.info(), "spec_hash": ex._spec_hash(grid.cell_spec(cell)), "evaluations": evals}
+        (folder / ex.MARKER).write_text(json.dumps(info))
+        return info
+
+    return run_cell
+
+
+def test_selection_runs_first_on_id_data_and_each_row_trains_at_its_choice(tmp_path, monkeypatch):
+    grid = ex.load_grid(write_grid(tmp_path, SELECTING))
+    assert grid.selection.candidates() == [{"lr": 5e-4}, {"lr": 1e-3}, {"lr": 2e-3}]
+    out, calls = tmp_path / "out", []
+    # erm: best at 2e-3; iga: 1e-3 and 2e-3 tie, so the smaller wins; the rest: all equal, the smallest
+    scores = {"erm": {5e-4: 50, 1e-3: 60, 2e-3: 70}, "iga": {5e-4: 50, 1e-3: 80, 2e-3: 80}}
+    score = lambda key, lr: scores.get(key.split("_lr")[0], {}).get(lr, 40.0)  # noqa: E731
+    monkeypatch.setattr(ex, "run_cell", _scoring_run_cell(calls, score))
+    monkeypatch.setattr(ex, "prepare_data", lambda grid, out, log=print: None)
+    assert ex.cell_status(grid, grid.cells()[0], out) == "todo"
+    ex.run_grid(grid, out, only=["erm-*", "iga-*"], report=False)
+    selected = [c for c in calls if c[1]]
+    assert {name for name, _, _ in selected} == {f"{k}_lr{lr:g}-s{s}" for k in ("erm", "iga")
+                                                   for lr in (5e-4, 1e-3, 2e-3) for s in (0, 1)}
+    assert calls.index(selected[-1]) < min(i for i, c in enumerate(calls) if not c[1])  # selection first
+    chosen = json.loads((out / ex.SELECTION_FILE).read_text())["rows"]
+    assert chosen["erm"]["chosen"] == {"lr": 2e-3} and chosen["iga"]["chosen"] == {"lr": 1e-3}
+    assert "chosen" not in chosen["lora_sft"]  # its candidates did not run
+    main = {name: lr for name, v, lr in calls if not v}
+    assert main == {"erm-s0": 2e-3, "erm-s7": 2e-3, "iga-s0": 1e-3, "iga-s7": 1e-3}
+    assert ex.cell_status(grid, grid.cells()[0], out) == "done"
+    assert ex.cell_status(grid, next(c for c in grid.cells() if c.variant.key == "lora_sft"), out) == "todo"
+    with pytest.raises(UserError, match="lora_sft has no selected schedule"):
+        ex.selected_grid(grid, out, ["lora_sft"])
+    # the candidates alone, by pattern; then the report lists every candidate tried
+    calls.clear()
+    ex.run_grid(grid, out, only=["selection/lora_sft_*"], report=False)
+    assert len(calls) == 6 and all(v for _, v, _ in calls)
+    assert json.loads((out / ex.SELECTION_FILE).read_text())["rows"]["lora_sft"]["chosen"] == {"lr": 5e-4}
+
+
+def test_selection_report_lists_every_candidate():
+    from iga_ds.experiments.paired import selection_section
+
+    text = "\n".join(selection_section({"metric": "id_accuracy", "seeds": [0], "rule": "highest",
+                                        "rows": {"erm": {"candidates": [{"lr": 5e-4, "id_accuracy": 50.0},
+                                                                        {"lr": 1e-3, "id_accuracy": None}],
+                                                         "chosen": {"lr": 5e-4}}}}))
+    assert "| erm | lr 0.0005 | 50.0 | chosen |" in text and "| erm | lr 0.001 | – |  |" in text
+
+
+def test_the_new_synthetic_keys_pass_through(tmp_path):
+    text = GRID.replace("id_groups: 2", "id_groups: 2, test_cue: adversarial, "
+                        "shortcut_by_domain: {science: 0.3, math: 1, medical: 0.9, legal: 0.7}")
+    synth = ex.load_grid(write_grid(tmp_path, text)).data["synthetic"]
+    assert synth["test_cue"] == "adversarial"
+    assert synth["shortcut_by_domain"] == {"math": 1.0, "medical": 0.9, "legal": 0.7, "science": 0.3}
+
+
+@pytest.mark.parametrize("name", ["shift_smollm2.yaml", "control_smollm2.yaml"])
+def test_shift_and_control_grids_hold_the_rows_and_state_the_rule_first(name):
+    path = REPO / "configs/experiments" / name
+    grid = ex.load_grid(path)
+    header = path.read_text().split("\ntrain:", 1)[0]
+    assert "in-distribution accuracy only" in header and "ties go to the smaller" in header
+    assert "Every candidate tried and every row is reported" in header
+    rows = {v.key: v for v in grid.variants}
+    assert rows["erm_sft"].grouping == "none" and rows["erm_sft"].label == "ERM-SFT"
+    assert rows["erm_grouped"].grouping == "groups" and rows["control"].cue == "neutral"
+    assert rows["control"].grouping == "none" and rows["lora_sft"].domains == ("math",)
+    assert {rows[k].params.get("tau", 0.5) for k in ("iga_tau0.25", "iga", "iga_tau1.0")} == {0.25, 0.5, 1.0}
+    assert rows["iga_chain_rule_svd"].params == {"projection": "svd", "factors": "chain_rule"}
+    assert rows["no_mask"].method == "mean_no_mask" and rows["no_mask"].params == rows["iga_chain_rule_svd"].params
+    assert grid.seeds == [0, 1, 2, 3, 4] and grid.selection.lr == (5e-4, 1e-3, 2e-3)
+    cue = grid.data["synthetic"]["shortcut_by_domain"]
+    assert grid.data["synthetic"]["test_cue"] == "independent"
+    assert (len(set(cue.values())) == 1) == (name == "control_smollm2.yaml")
+    sizes = {k: ex.cell_run_dict(grid, ex.Cell(rows[k], 0), REPO / "c", "t.jsonl")["data"]["groups_per_step"]
+             for k in ("erm_grouped_g16", "erm_sft_b64", "erm_sft")}
+    assert sizes == {"erm_grouped_g16": 16, "erm_sft_b64": 64, "erm_sft": 16}  # sequences: 64, 64, 16

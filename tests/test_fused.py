@@ -40,7 +40,7 @@ def generators(modules, base=100):
 def reference(m, base=100, **kw):
     kw.setdefault("svd", "randomized")
     return iga_update(m.A, m.B, m.gA, m.gB, scaling=m.scaling,
-                      generator=torch.Generator().manual_seed(base + m.index), **kw)
+                      generator=torch.Generator().manual_seed(base + m.index), **kw, projection="svd", factors="split")
 
 
 def product(gA, gB, s):
@@ -71,7 +71,7 @@ def assert_matches_reference(modules, results, dtype, loosen=1.0, **kw):
 def test_matches_iga_update(dtype, normalize, tau, shape):
     r, d_in, d_out = shape
     mods = [make_module(i, r=r, d_in=d_in, d_out=d_out, dtype=dtype) for i in range(3)]
-    out = batched_iga(mods, tau=tau, normalize=normalize, generators=generators(mods))
+    out = batched_iga(mods, tau=tau, normalize=normalize, generators=generators(mods), projection="svd", factors="split")
     assert_matches_reference(mods, out, dtype, tau=tau, normalize=normalize)
     # the mask acts in these settings, so the comparison is not of an unmasked mean
     assert all(s["mask_mean"] < 0.99 for _, _, s in out)
@@ -86,12 +86,12 @@ def test_single_pass_matches_iga_update(dtype, normalize, tau, shape):
     r, d_in, d_out = shape
     mods = [make_module(i, r=r, d_in=d_in, d_out=d_out, dtype=dtype) for i in range(3)]
     out = batched_iga(mods, tau=tau, normalize=normalize, generators=generators(mods), svd="single_pass",
-                      tile_elements=3 * 7 * d_in)
+                      tile_elements=3 * 7 * d_in, projection="svd", factors="split")
     # float32: the reference solves its least squares in float32 (the fused path in float64);
     # observed worst 2.5e-5 on the factors
     assert_matches_reference(mods, out, dtype, loosen=2.5 if dtype == torch.float32 else 1.0,
                              tau=tau, normalize=normalize, svd="single_pass")
-    randomized = batched_iga(mods, tau=tau, normalize=normalize, generators=generators(mods))
+    randomized = batched_iga(mods, tau=tau, normalize=normalize, generators=generators(mods), projection="svd", factors="split")
     # not the randomized path under another name: same sketch omega, a different answer
     assert any(rel(product(a[0], a[1], 1.0), product(b[0], b[1], 1.0)) > 1e-3 for a, b in zip(out, randomized))
 
@@ -108,10 +108,10 @@ def test_single_pass_stores_no_masked_matrix(monkeypatch):
         return real_empty(*shape, **kw)
 
     monkeypatch.setattr(fused.torch, "empty", spy)
-    batched_iga(mods, generators=generators(mods), svd="single_pass")
+    batched_iga(mods, generators=generators(mods), svd="single_pass", projection="svd", factors="split")
     assert (2, 40, 48) not in allocated  # M x out x in: the stored masked matrices
     allocated.clear()
-    batched_iga(mods, generators=generators(mods))
+    batched_iga(mods, generators=generators(mods), projection="svd", factors="split")
     assert (2, 40, 48) in allocated  # the randomized path does store them (the spy sees it)
 
 
@@ -122,7 +122,7 @@ def test_mixed_shapes_tiles_and_batches(dtype):
     mods = [make_module(i, r=r, d_in=a, d_out=b, dtype=dtype, scaling=1.0 + i / 4) for i, (r, a, b) in enumerate(shapes)]
     for tile, batch in ((300, 1), (5000, 2 * 48 * 40 * 8), (1 << 24, 1 << 30)):
         out = batched_iga(mods, tau=0.5, normalize="mean", generators=generators(mods),
-                          tile_elements=tile, batch_bytes=batch)
+                          tile_elements=tile, batch_bytes=batch, projection="svd", factors="split")
         assert_matches_reference(mods, out, dtype, tau=0.5, normalize="mean")
 
 
@@ -139,7 +139,7 @@ def test_auto_stack_size_takes_half_the_headroom_within_bounds():
 def test_bad_stack_size_is_refused(bad):
     m = make_module(0)
     with pytest.raises(ValueError, match="batch_bytes must be 'auto' or a positive number of bytes"):
-        batched_iga([m], generators=generators([m]), batch_bytes=bad)
+        batched_iga([m], generators=generators([m]), batch_bytes=bad, projection="svd", factors="split")
 
 
 def test_small_eigendecompositions_share_one_call_per_width(monkeypatch):
@@ -150,7 +150,7 @@ def test_small_eigendecompositions_share_one_call_per_width(monkeypatch):
     monkeypatch.setattr(torch.linalg, "eigh", lambda a, *args, **kw: calls.append(tuple(a.shape)) or real(a, *args, **kw))
     shapes = [(4, 48, 40)] * 3 + [(6, 30, 50)] * 2
     mods = [make_module(i, r=r, d_in=a, d_out=b) for i, (r, a, b) in enumerate(shapes)]
-    out = batched_iga(mods, tau=0.5, normalize="mean", generators=generators(mods), batch_bytes=1)  # one per stack
+    out = batched_iga(mods, tau=0.5, normalize="mean", generators=generators(mods), batch_bytes=1, projection="svd", factors="split")  # one per stack
     assert sorted(calls) == [(2, 16, 16), (3, 14, 14)]
     assert_matches_reference(mods, out, torch.float64, tau=0.5, normalize="mean")
 
@@ -162,7 +162,7 @@ def test_bases_that_feed_a_power_iteration_take_one_cholesky_pass_in_float32(mon
     real = torch.linalg.cholesky_ex
     monkeypatch.setattr(torch.linalg, "cholesky_ex", lambda a, *args, **kw: count.append(1) or real(a, *args, **kw))
     mods = [make_module(i, dtype=dtype) for i in range(2)]  # one stack
-    out = batched_iga(mods, tau=0.5, normalize="mean", generators=generators(mods), power_iters=2)
+    out = batched_iga(mods, tau=0.5, normalize="mean", generators=generators(mods), power_iters=2, projection="svd", factors="split")
     assert len(count) == calls
     assert_matches_reference(mods, out, dtype, tau=0.5, normalize="mean")
 
@@ -240,7 +240,7 @@ def test_cholesky_qr_solves_only_against_its_small_factor(monkeypatch):
     assert float((Q @ (Q.mT @ Y) - Y).abs().max()) < 1e-12  # the same span
     assert orthonormalize(Y.float(), final=False, out_dtype=torch.bfloat16).dtype == torch.bfloat16
     mods = [make_module(i) for i in range(2)]
-    out = batched_iga(mods, tau=0.5, normalize="snr", generators=generators(mods))
+    out = batched_iga(mods, tau=0.5, normalize="snr", generators=generators(mods), projection="svd", factors="split")
     assert_matches_reference(mods, out, torch.float64, tau=0.5, normalize="snr")
 
 
@@ -249,7 +249,7 @@ def test_rank_power_iterations_and_sketch_width(rank, power_iters, oversample):
     # oversample 100 makes the sketch as wide as the matrix: width = min(rank + p, out, in)
     mods = [make_module(i, r=4, d_in=36, d_out=30) for i in range(2)]
     kw = dict(tau=0.5, normalize="snr", rank=rank, power_iters=power_iters, oversample=oversample)
-    out = batched_iga(mods, generators=generators(mods), **kw)
+    out = batched_iga(mods, generators=generators(mods), **kw, projection="svd", factors="split")
     assert_matches_reference(mods, out, torch.float64, **kw)
     for gA, gB, _ in out:
         assert torch.linalg.matrix_rank(gB @ gA).item() == rank
@@ -259,7 +259,7 @@ def test_independent_float64_reference_when_sketch_is_exact():
     # tau = 0: the matrix is the mean reconstruction, rank <= 2r = 8 < sketch width 14, so the
     # randomized SVD is exact and the result is numpy's truncated SVD of the mean
     mods = [make_module(i, r=4, d_in=30, d_out=26) for i in range(2)]
-    out = batched_iga(mods, tau=0.0, normalize="mean", generators=generators(mods))
+    out = batched_iga(mods, tau=0.0, normalize="mean", generators=generators(mods), projection="svd", factors="split")
     for m, (gA, gB, stats) in zip(mods, out):
         ref, g, mask, var = iga_reference(m.A, m.B, m.gA, m.gB, m.scaling, 0.0, 4, "mean")
         np.testing.assert_allclose(product(gA, gB, m.scaling).numpy(), ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
@@ -272,7 +272,7 @@ def test_masked_matrix_and_stats_against_numpy(normalize):
     # the mask statistics against the independent numpy reference (not against iga_update)
     tau = 1e8 if normalize == "none" else 0.7
     m = make_module(0, r=3, d_in=20, d_out=22)
-    (_, _, stats), = batched_iga([m], tau=tau, normalize=normalize, generators=generators([m]), oversample=30)
+    (_, _, stats), = batched_iga([m], tau=tau, normalize=normalize, generators=generators([m]), oversample=30, projection="svd", factors="split")
     _, g, mask, var = iga_reference(m.A, m.B, m.gA, m.gB, m.scaling, tau, 3, normalize)
     assert stats["mask_mean"] == pytest.approx(mask.mean(), rel=1e-12)
     assert stats["mask_min"] == pytest.approx(mask.min(), rel=1e-12)
@@ -287,7 +287,7 @@ def test_identical_domains_and_zero_gradients():
     m = make_module(0)
     same = ModuleGrads("same", 1, m.A, m.B, m.gA[:1].expand(4, -1, -1).clone(), m.gB[:1].expand(4, -1, -1).clone(), 2.0)
     zero = ModuleGrads("zero", 2, m.A, m.B, torch.zeros_like(m.gA), torch.zeros_like(m.gB), 2.0)
-    out = batched_iga([same, zero], tau=5.0, normalize="mean", generators=generators([same, zero]))
+    out = batched_iga([same, zero], tau=5.0, normalize="mean", generators=generators([same, zero]), projection="svd", factors="split")
     (gA, gB, s1), (zA, zB, s2) = out
     assert s1["mask_mean"] == 1.0 and s1["gir"] == 0.0
     assert torch.isfinite(gA).all() and torch.isfinite(gB).all()
@@ -297,9 +297,9 @@ def test_identical_domains_and_zero_gradients():
 def test_low_precision_inputs_come_back_in_their_dtype():
     m64 = make_module(0)
     m16 = ModuleGrads("bf", 0, *(t.to(torch.bfloat16) for t in (m64.A, m64.B, m64.gA, m64.gB)), 2.0)
-    (gA, gB, _), = batched_iga([m16], generators=generators([m16]))
+    (gA, gB, _), = batched_iga([m16], generators=generators([m16]), projection="svd", factors="split")
     assert gA.dtype == gB.dtype == torch.bfloat16 and gA.shape == m16.A.shape
-    (gA32, gB32, _), = batched_iga([m16], generators=generators([m16]), tau=0.5)
+    (gA32, gB32, _), = batched_iga([m16], generators=generators([m16]), tau=0.5, projection="svd", factors="split")
     assert torch.isfinite(gA32.float()).all()
 
 
@@ -322,20 +322,20 @@ def test_fused_method_equals_registered_iga(factors, svd, dtype):
 def test_bad_input_is_refused():
     m = make_module(0)
     with pytest.raises(ValueError, match="one generator per module"):
-        batched_iga([m], generators=[])
+        batched_iga([m], generators=[], projection="svd", factors="split")
     with pytest.raises(ValueError, match="normalize"):
-        batched_iga([m], normalize="max", generators=generators([m]))
+        batched_iga([m], normalize="max", generators=generators([m]), projection="svd", factors="split")
     with pytest.raises(ValueError, match="rank"):
-        batched_iga([m], rank=9, generators=generators([m]))
+        batched_iga([m], rank=9, generators=generators([m]), projection="svd", factors="split")
     with pytest.raises(ValueError, match="factors"):
-        batched_iga([m], factors="transpose", generators=generators([m]))
+        batched_iga([m], factors="transpose", generators=generators([m]), projection="svd")
     with pytest.raises(ValueError, match="fused forms"):
-        batched_iga([m], svd="exact", generators=generators([m]))
+        batched_iga([m], svd="exact", generators=generators([m]), projection="svd", factors="split")
     bad = ModuleGrads("bad", 0, m.A, m.B, m.gA[:, :, :-1], m.gB, 2.0)
     with pytest.raises(ValueError, match="bad: shapes disagree"):
-        batched_iga([bad], generators=generators([bad]))
+        batched_iga([bad], generators=generators([bad]), projection="svd", factors="split")
     with pytest.raises(ValueError, match="CUDA"):
-        batched_iga([m], generators=generators([m]), use_triton=True)
+        batched_iga([m], generators=generators([m]), use_triton=True, projection="svd", factors="split")
 
 
 def _cuda_modules(dtype=torch.float32, count=3, r=16, d_in=512, d_out=384):
@@ -355,10 +355,10 @@ def test_cuda_paths_match_reference(use_triton, normalize):
     tau = 1e8 if normalize == "none" else 0.5
     mods = _cuda_modules()
     gens = [torch.Generator(device="cuda").manual_seed(100 + m.index) for m in mods]
-    out = batched_iga(mods, tau=tau, normalize=normalize, generators=gens, use_triton=use_triton)
+    out = batched_iga(mods, tau=tau, normalize=normalize, generators=gens, use_triton=use_triton, projection="svd", factors="split")
     for m, (gA, gB, stats) in zip(mods, out):
         ref = iga_update(m.A, m.B, m.gA, m.gB, scaling=m.scaling, tau=tau, normalize=normalize,
-                         generator=torch.Generator(device="cuda").manual_seed(100 + m.index))
+                         generator=torch.Generator(device="cuda").manual_seed(100 + m.index), projection="svd", factors="split")
         assert rel(product(gA, gB, m.scaling), product(ref[0], ref[1], m.scaling)) < 1e-4
         assert stats["mask_mean"] == pytest.approx(ref[2]["mask_mean"], rel=1e-5)
         assert stats["gir"] == pytest.approx(ref[2]["gir"], rel=1e-4)
@@ -372,7 +372,7 @@ def test_cuda_peak_memory_is_one_matrix_per_module_not_n():
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    batched_iga(mods, tau=0.5, normalize="mean", generators=gens, tile_elements=1 << 20)
+    batched_iga(mods, tau=0.5, normalize="mean", generators=gens, tile_elements=1 << 20, projection="svd", factors="split")
     extra = torch.cuda.max_memory_allocated() - base
     one_matrix = 2048 * 2048 * 4
     assert extra < 2.5 * one_matrix, f"peak {extra / one_matrix:.2f} out x in matrices (N = 4 would be >= 4)"
@@ -388,7 +388,7 @@ def test_cuda_auto_stacks_grow_into_the_room_below_the_peak(monkeypatch):
     def gens():
         return [torch.Generator(device="cuda").manual_seed(100 + m.index) for m in mods]
 
-    fixed = batched_iga(mods, tau=0.5, normalize="mean", generators=gens(), batch_bytes=64 << 20)  # 4 per stack
+    fixed = batched_iga(mods, tau=0.5, normalize="mean", generators=gens(), batch_bytes=64 << 20, projection="svd", factors="split")  # 4 per stack
     sizes = []
     real = fused.stack_modules
     monkeypatch.setattr(fused, "stack_modules", lambda m, g, b, e=None: sizes.append(b) or real(m, g, b, e))
@@ -397,7 +397,7 @@ def test_cuda_auto_stacks_grow_into_the_room_below_the_peak(monkeypatch):
     activations = torch.empty(6 << 30, dtype=torch.uint8, device="cuda")  # forward and backward's peak
     del activations
     peak = torch.cuda.max_memory_allocated()
-    auto = batched_iga(mods, tau=0.5, normalize="mean", generators=gens())
+    auto = batched_iga(mods, tau=0.5, normalize="mean", generators=gens(), projection="svd", factors="split")
     torch.cuda.synchronize()
     assert sizes == [3 << 30]  # half the 6 GiB below the peak: all 48 modules in one stack
     assert torch.cuda.max_memory_allocated() == peak, "the method raised the peak"
@@ -628,9 +628,9 @@ def test_cuda_keyed_sketches_are_drawn_as_the_reference_draws_them():
     _gaussian_draws_agree("cuda")
     mods = _cuda_modules()
     keys = [sketch_key(3, 4, m.index) for m in mods]
-    out = batched_iga(mods, tau=0.5, normalize="snr", generators=keys, rank=12)
+    out = batched_iga(mods, tau=0.5, normalize="snr", generators=keys, rank=12, projection="svd", factors="split")
     for m, key, (gA, gB, _) in zip(mods, keys, out):
-        ref = iga_update(m.A, m.B, m.gA, m.gB, scaling=m.scaling, tau=0.5, normalize="snr", rank=12, generator=key)
+        ref = iga_update(m.A, m.B, m.gA, m.gB, scaling=m.scaling, tau=0.5, normalize="snr", rank=12, generator=key, projection="svd", factors="split")
         assert rel(product(gA, gB, m.scaling), product(ref[0], ref[1], m.scaling)) < 1e-4
 
 
@@ -687,9 +687,9 @@ def test_cuda_bf16_method_is_float32_up_to_bfloat16_rounding():
     def gens():
         return [torch.Generator(device="cuda").manual_seed(100 + m.index) for m in mods]
 
-    ref = batched_iga(mods, normalize="snr", generators=gens())
-    got = batched_iga(mods, normalize="snr", generators=gens(), triton_precision="bf16")
-    torch_path = batched_iga(mods, normalize="snr", generators=gens(), triton_precision="bf16", use_triton=False)
+    ref = batched_iga(mods, normalize="snr", generators=gens(), projection="svd", factors="split")
+    got = batched_iga(mods, normalize="snr", generators=gens(), triton_precision="bf16", projection="svd", factors="split")
+    torch_path = batched_iga(mods, normalize="snr", generators=gens(), triton_precision="bf16", use_triton=False, projection="svd", factors="split")
     for (gA, gB, stats), (rA, rB, rstats), (tA, tB, _), m in zip(got, ref, torch_path, mods):
         want = product(rA, rB, m.scaling)
         err_kernel = rel(product(gA.double(), gB.double(), m.scaling), want)
@@ -791,7 +791,8 @@ def test_bench_method_precision_rule_on_a_saved_model(tmp_path):
 
 @pytest.mark.slow
 def test_profile_method_small_runs_on_cpu():
-    proc = subprocess.run([sys.executable, os.path.join(BENCH, "profile_method.py"), "--small", "--rows", "3",
+    tool = os.path.join(os.path.dirname(BENCH), "tools", "profile_method.py")
+    proc = subprocess.run([sys.executable, tool, "--small", "--rows", "3",
                            "--reps", "1", "--batch-bytes", "auto", "--power-iters", "1", "--oversample", "16"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -808,9 +809,9 @@ def test_bf16_precision_is_float64_up_to_bfloat16_rounding(normalize):
     mods = [make_module(i, r=4, d_in=96, d_out=80, dtype=torch.float32, scaling=1.5) for i in range(3)]
     wide = [ModuleGrads(m.name, m.index, m.A.double(), m.B.double(), m.gA.double(), m.gB.double(), m.scaling)
             for m in mods]
-    ref = batched_iga(wide, normalize=normalize, generators=generators(wide))
-    got = batched_iga(mods, normalize=normalize, generators=generators(mods), triton_precision="bf16")
-    f32 = batched_iga(mods, normalize=normalize, generators=generators(mods))
+    ref = batched_iga(wide, normalize=normalize, generators=generators(wide), projection="svd", factors="split")
+    got = batched_iga(mods, normalize=normalize, generators=generators(mods), triton_precision="bf16", projection="svd", factors="split")
+    f32 = batched_iga(mods, normalize=normalize, generators=generators(mods), projection="svd", factors="split")
     for (gA, gB, stats), (rA, rB, rstats), (fA, fB, _), m in zip(got, ref, f32, mods):
         want = product(rA, rB, m.scaling)
         err32 = rel(product(fA.double(), fB.double(), m.scaling), want)
@@ -934,7 +935,7 @@ def test_results_tile_the_stacks_buffers_they_name():
 
     shapes = [(4, 24, 20), (4, 24, 20), (3, 16, 18), (4, 24, 20)]
     mods = [make_module(i, r=r, d_in=a, d_out=b, dtype=torch.float32) for i, (r, a, b) in enumerate(shapes)]
-    out = batched_iga(mods, generators=generators(mods), batch_bytes=2 * 24 * 20 * 4)  # stacks of at most 2
+    out = batched_iga(mods, generators=generators(mods), batch_bytes=2 * 24 * 20 * 4, projection="svd", factors="split")  # stacks of at most 2
     assert isinstance(out, TiledResults) and len(out.bases) == 2 * 3
     base_of = {b.untyped_storage().data_ptr(): b for b in out.bases}
     assert len(base_of) == len(out.bases)
@@ -954,8 +955,8 @@ def test_modules_that_are_views_of_one_buffer_give_the_same_result():
     flat = torch.cat([t.flatten() for t in parts])
     views = [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in parts]), parts)]
     in_buffer = [ModuleGrads(m.name, m.index, *views[4 * i: 4 * i + 4], m.scaling) for i, m in enumerate(mods)]
-    want = batched_iga(mods, generators=generators(mods))
-    got = batched_iga(in_buffer, generators=generators(in_buffer))
+    want = batched_iga(mods, generators=generators(mods), projection="svd", factors="split")
+    got = batched_iga(in_buffer, generators=generators(in_buffer), projection="svd", factors="split")
     for (gA, gB, stats), (wA, wB, wstats) in zip(got, want):
         assert torch.equal(gA, wA) and torch.equal(gB, wB) and stats == wstats
 
@@ -981,9 +982,9 @@ def test_stable_modules_keep_their_stacks_and_follow_new_values(monkeypatch):
     stable = StableModules(in_buffer)
     copied = StableModules(mods)  # separate tensors: stacking copies them
     for step in range(3):
-        got = batched_iga(stable, generators=generators(stable), rank=3)
-        got_copied = batched_iga(copied, generators=generators(copied), rank=3)
-        fresh = batched_iga(list(stable), generators=generators(stable), rank=3)
+        got = batched_iga(stable, generators=generators(stable), rank=3, projection="svd", factors="split")
+        got_copied = batched_iga(copied, generators=generators(copied), rank=3, projection="svd", factors="split")
+        fresh = batched_iga(list(stable), generators=generators(stable), rank=3, projection="svd", factors="split")
         for (gA, gB, stats), (fA, fB, fstats), (cA, cB, _) in zip(got, fresh, got_copied):
             assert torch.equal(gA, fA) and torch.equal(gB, fB) and stats == fstats
             assert torch.allclose(cA, fA, rtol=1e-5, atol=1e-12)

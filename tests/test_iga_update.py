@@ -47,7 +47,7 @@ def test_reconstruction_is_the_first_order_change_of_merged_weight():
 def test_matches_float64_reference(normalize, tau):
     A, B, gA, gB = make_module(seed=1)
     s = 2.0
-    gA_new, gB_new, stats = iga_update(A, B, gA, gB, scaling=s, tau=tau, normalize=normalize, svd="exact")
+    gA_new, gB_new, stats = iga_update(A, B, gA, gB, scaling=s, tau=tau, normalize=normalize, svd="exact", projection="svd", factors="split")
     ref, g, mask, var = iga_reference(A, B, gA, gB, s, tau, A.shape[0], normalize)
     np.testing.assert_allclose(product(gA_new, gB_new, s).numpy(), ref, rtol=1e-9, atol=1e-12)
     assert stats["mask_mean"] == pytest.approx(mask.mean(), rel=1e-9)
@@ -60,16 +60,16 @@ def test_matches_float64_reference(normalize, tau):
 def test_raw_tau_is_a_no_op_at_llm_gradient_scale():
     # The reason "none" is not the default: with gradients near 1e-4, V is ~1e-10.
     A, B, gA, gB = make_module(seed=2)
-    _, _, stats = iga_update(A, B, gA * 1e-4, gB * 1e-4, scaling=2.0, normalize="none", svd="exact")
+    _, _, stats = iga_update(A, B, gA * 1e-4, gB * 1e-4, scaling=2.0, normalize="none", svd="exact", projection="svd", factors="split")
     assert stats["mask_mean"] > 1 - 1e-6
-    _, _, stats = iga_update(A, B, gA * 1e-4, gB * 1e-4, scaling=2.0, normalize="mean", svd="exact")
+    _, _, stats = iga_update(A, B, gA * 1e-4, gB * 1e-4, scaling=2.0, normalize="mean", svd="exact", projection="svd", factors="split")
     assert stats["mask_mean"] < 0.9
 
 
 def test_truncation_equals_linalg_svd_truncation():
     A, B, gA, gB = make_module(r=6, seed=3)
     for rank in (1, 3, 6):
-        gA_new, gB_new, _ = iga_update(A, B, gA, gB, scaling=1.0, tau=0.0, rank=rank, svd="exact")
+        gA_new, gB_new, _ = iga_update(A, B, gA, gB, scaling=1.0, tau=0.0, rank=rank, svd="exact", projection="svd", factors="split")
         mean = reconstruct(A, B, gA, gB, 1.0).mean(0)
         U, S, Vh = torch.linalg.svd(mean)
         torch.testing.assert_close(product(gA_new, gB_new, 1.0), (U[:, :rank] * S[:rank]) @ Vh[:rank])
@@ -122,7 +122,7 @@ def _truncation(module, tau, svd):
     A, B, gA, gB = module
     gen = torch.Generator().manual_seed(11)
     return product(*iga_update(A, B, gA, gB, scaling=1.0, tau=tau, normalize="mean", svd=svd,
-                                   generator=gen)[:2], 1.0)
+                                   generator=gen, projection="svd", factors="split")[:2], 1.0)
 
 
 def test_single_pass_in_iga_update_close_to_exact():
@@ -156,10 +156,10 @@ def test_randomized_in_iga_update_close_to_exact():
 
 def test_permutation_invariance_over_domains():
     A, B, gA, gB = make_module(seed=6)
-    base = iga_update(A, B, gA, gB, scaling=1.5, svd="exact")
+    base = iga_update(A, B, gA, gB, scaling=1.5, svd="exact", projection="svd", factors="split")
     for perm in itertools.islice(itertools.permutations(range(4)), 1, 6):
         p = list(perm)
-        other = iga_update(A, B, gA[p], gB[p], scaling=1.5, svd="exact")
+        other = iga_update(A, B, gA[p], gB[p], scaling=1.5, svd="exact", projection="svd", factors="split")
         torch.testing.assert_close(other[0], base[0])
         torch.testing.assert_close(other[1], base[1])
 
@@ -169,14 +169,14 @@ def test_identical_domains_give_mask_one():
     gA = gA[:1].expand(4, -1, -1).clone()
     gB = gB[:1].expand(4, -1, -1).clone()
     for normalize in ("none", "mean", "snr"):
-        _, _, stats = iga_update(A, B, gA, gB, scaling=1.0, tau=5.0, normalize=normalize, svd="exact")
+        _, _, stats = iga_update(A, B, gA, gB, scaling=1.0, tau=5.0, normalize=normalize, svd="exact", projection="svd", factors="split")
         assert stats["mask_mean"] == 1.0 and stats["gir"] == 0.0
 
 
 def test_tau_zero_exact_equals_truncated_mean_and_b_zero_start():
     # B = 0 is PEFT's initialisation: only gB carries signal, G[n] = s * gB[n] @ A.
     A, B, gA, gB = make_module(seed=8, b_zero=True)
-    gA_new, gB_new, _ = iga_update(A, B, gA, gB, scaling=2.0, tau=0.0, svd="exact")
+    gA_new, gB_new, _ = iga_update(A, B, gA, gB, scaling=2.0, tau=0.0, svd="exact", projection="svd", factors="split")
     mean = 2.0 * gB.mean(0) @ A
     U, S, Vh = torch.linalg.svd(mean)
     r = A.shape[0]
@@ -186,7 +186,7 @@ def test_tau_zero_exact_equals_truncated_mean_and_b_zero_start():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_shapes_and_dtypes(dtype):
     A, B, gA, gB = (t.to(dtype) for t in make_module(seed=9))
-    gA_new, gB_new, stats = iga_update(A, B, gA, gB, scaling=2.0, generator=torch.Generator().manual_seed(0))
+    gA_new, gB_new, stats = iga_update(A, B, gA, gB, scaling=2.0, generator=torch.Generator().manual_seed(0), projection="svd", factors="split")
     assert gA_new.shape == A.shape and gB_new.shape == B.shape
     assert gA_new.dtype == dtype and gB_new.dtype == dtype
     assert set(stats) >= {"mask_mean", "mask_frac_below_half", "gir", "energy_kept"}
@@ -194,19 +194,19 @@ def test_shapes_and_dtypes(dtype):
 
 def test_float32_close_to_float64():
     A, B, gA, gB = make_module(seed=10)
-    ref = product(*iga_update(A, B, gA, gB, scaling=2.0, svd="exact")[:2], 2.0)
+    ref = product(*iga_update(A, B, gA, gB, scaling=2.0, svd="exact", projection="svd", factors="split")[:2], 2.0)
     f32 = [t.float() for t in (A, B, gA, gB)]
-    got = product(*iga_update(*f32, scaling=2.0, svd="exact")[:2], 2.0)
+    got = product(*iga_update(*f32, scaling=2.0, svd="exact", projection="svd", factors="split")[:2], 2.0)
     assert (got.double() - ref).norm() / ref.norm() < 1e-5
 
 
 def test_bad_arguments_are_clear():
     A, B, gA, gB = make_module()
     with pytest.raises(ValueError, match="normalize"):
-        iga_update(A, B, gA, gB, scaling=1.0, normalize="zscore")
+        iga_update(A, B, gA, gB, scaling=1.0, normalize="zscore", projection="svd", factors="split")
     with pytest.raises(ValueError, match="rank"):
-        iga_update(A, B, gA, gB, scaling=1.0, rank=99)
+        iga_update(A, B, gA, gB, scaling=1.0, rank=99, projection="svd", factors="split")
     with pytest.raises(ValueError, match="shapes"):
-        iga_update(A, B, gA[:, :, :-1], gB, scaling=1.0)
+        iga_update(A, B, gA[:, :, :-1], gB, scaling=1.0, projection="svd", factors="split")
     with pytest.raises(ValueError, match="svd"):
-        iga_update(A, B, gA, gB, scaling=1.0, svd="lanczos")
+        iga_update(A, B, gA, gB, scaling=1.0, svd="lanczos", projection="svd", factors="split")

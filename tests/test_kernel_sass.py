@@ -1,4 +1,4 @@
-"""bench/kernel_sass.py: the tile kernel's machine code counted without a GPU."""
+"""tools/kernel_sass.py: the tile kernel's machine code counted without a GPU."""
 from __future__ import annotations
 
 import importlib.util
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-import kernel_sass  # bench/ is on the path: pytest's pythonpath option (pyproject.toml)
+import kernel_sass  # tools/ is on the path: pytest's pythonpath option (pyproject.toml)
 
 SASS = """Function:k
 --:-:-:-:1\tMOV R1, c[0x0][0x28];

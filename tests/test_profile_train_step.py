@@ -1,9 +1,9 @@
-"""bench/profile_train_step.py on the CPU: the real trainer on a grid's cells, under torch.profiler."""
+"""tools/profile_train_step.py on the CPU: the real trainer on a grid's cells, under torch.profiler."""
 from __future__ import annotations
 
 import yaml
 
-import profile_train_step  # bench/ is on the path: pytest's pythonpath option (pyproject.toml)
+import profile_train_step  # tools/ is on the path: pytest's pythonpath option (pyproject.toml)
 from test_train_support import tiny_base, write_isomer_jsonl
 
 

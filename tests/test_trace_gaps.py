@@ -1,11 +1,11 @@
-"""bench/trace_gaps.py on a hand-made Chrome trace whose gaps are known by construction."""
+"""tools/trace_gaps.py on a hand-made Chrome trace whose gaps are known by construction."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-import trace_gaps  # bench/ is on the path: pytest's pythonpath option (pyproject.toml)
+import trace_gaps  # tools/ is on the path: pytest's pythonpath option (pyproject.toml)
 
 
 def _event(cat, name, ts, dur, tid=1, **args):

@@ -1,6 +1,6 @@
 """What the tile kernel costs per output element in machine instructions, read without a GPU.
 
-    python bench/kernel_sass.py [--arch 90] [--domains 4] [--normalize snr] [--json FILE]
+    python tools/kernel_sass.py [--arch 90] [--domains 4] [--normalize snr] [--json FILE]
 
 Compiles the tile kernel for a CUDA architecture (``--arch 90``: H100 and H200) with Triton's
 own compiler, as it runs on LLaMA-like modules (bf16, 64 x 64 tiles, strips of 32 tiles),
@@ -9,7 +9,7 @@ the strip's loop (one tile per iteration) and prints its instructions per output
 of them, those of the float32 pipe (FMUL, FADD, FFMA, FMNMX, FSETP, FSET, F2FP), those of the
 special-function unit (MUFU: reciprocal and exp2), and the tensor-core products and their
 waits per tile. The tile kernel's time follows its elementwise instructions (6 fewer of 29 per
-element took 13% off it on an H200, docs/results/h200-2026-11-28-tile-division/), so the count
+element took 13% off it on an H200), so the count
 weighs a change before any device time is spent on it; the device's timings
 (``tune_method.py``) decide.
 

@@ -1,6 +1,6 @@
 """Would the method hide under backward? Forward+backward and the fused method on two streams.
 
-    python bench/probe_overlap.py [--layers 32] [--reps 6] [--out probe_overlap.json]
+    python tools/probe_overlap.py [--layers 32] [--reps 6] [--out probe_overlap.json]
 
 The per-domain sums of the top layers are final before the last micro-batch's backward
 reaches the bottom ones, so the method could in principle start on a second CUDA stream while
@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # bench/common.py: the shared shapes and timers
 from common import LLAMA2_7B, environment, environment_line, llama_config, lora_shapes, make_modules, spread, time_ms
 from iga_ds.files import atomic_write_json
 from iga_ds.methods.iga import triton_kernels

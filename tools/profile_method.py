@@ -1,6 +1,6 @@
 """Where the IGA method's time goes: a torch.profiler table of the fused path on LLaMA-2-7B shapes.
 
-    python bench/profile_method.py [--rows 30] [--precision ieee|tf32|bf16] [--batch-bytes 4294967296]
+    python tools/profile_method.py [--rows 30] [--precision ieee|tf32|bf16] [--batch-bytes 4294967296]
         [--power-iters 2] [--oversample 10] [--factors chain_rule|split] [--trace FILE]
 
 Prints the CUDA kernels (or CPU ops without CUDA) sorted by total device time, for one
@@ -9,17 +9,19 @@ time against the device's busy time (median of ``--reps`` calls): when the wall 
 larger, the host issues launches slower than the device runs them. ``--trace FILE`` also writes
 the profiled call's Chrome trace, its call inside the range ``method``, for ``trace_gaps.py``:
 
-    python bench/profile_method.py --precision bf16 --trace method_trace.json
-    python bench/trace_gaps.py method_trace.json --range method
+    python tools/profile_method.py --precision bf16 --trace method_trace.json
+    python tools/trace_gaps.py method_trace.json --range method
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # bench/common.py: the shared shapes and timers
 from common import (
     SMALL, batch_bytes_option, environment, environment_line, gpu_busy_ms, lora_shapes, make_modules, model_config,
     synchronize, time_ms,

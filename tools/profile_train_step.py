@@ -1,6 +1,6 @@
 """Where a small model's training step goes: the real trainer on a grid's cell, under torch.profiler.
 
-    python bench/profile_train_step.py --grid configs/experiments/replication_smollm2.yaml --out runs/profile-step --methods erm,iga --steps 40
+    python tools/profile_train_step.py --grid configs/experiments/replication_smollm2.yaml --out runs/profile-step --methods erm,iga --steps 40
 
 For each method (a key of the grid's methods or ablations) it trains seed 0 of that cell for
 ``--steps`` steps with the cell's exact run config, profiles ``--active`` steps after

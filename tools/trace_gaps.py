@@ -1,7 +1,7 @@
 """Where the device waits inside a profiled range: its idle gaps between kernels, and what the host did.
 
-    python bench/trace_gaps.py prof/iga_bf16_q1p16_rank0_trace.json --range boundary/method
-    python bench/trace_gaps.py method_trace.json --range method --json gaps.json
+    python tools/trace_gaps.py prof/iga_bf16_q1p16_rank0_trace.json --range boundary/method
+    python tools/trace_gaps.py method_trace.json --range method --json gaps.json
 
 Reads a Chrome trace of ``torch.profiler`` (``bench_step.py --profile DIR --profile-trace``,
 ``profile_method.py --trace FILE``). The range is a ``record_function`` name (its last

@@ -1,6 +1,6 @@
 """The fused method's GPU parts one at a time, against the card's measured ceilings.
 
-    python bench/tune_method.py [--out tune_method.json]
+    python tools/tune_method.py [--out tune_method.json]
 
 On one stack of 16 modules of LLaMA-2-7B shape (4096 x 4096, r 16, N 4, sketch width 26):
 
@@ -29,8 +29,8 @@ On one stack of 16 modules of LLaMA-2-7B shape (4096 x 4096, r 16, N 4, sketch w
   peak memory each adds and the device's busy time (summed kernel time) against the wall time.
 
 Variants measured once and not kept (a row-sweep tile kernel, a first Triton kernel for the
-skinny products on float32 matrices, CholeskyQR2 through the inverted factor) are in docs/results/h200x2-2026-11-26-method-syncs/README.md,
-not here.
+skinny products on float32 matrices, CholeskyQR2 through the inverted factor) are in the git
+history, not here.
 
 Medians of CUDA-event timings (``triton.testing.do_bench``). Needs CUDA and Triton.
 """
@@ -40,10 +40,12 @@ import argparse
 import functools
 import json
 import sys
+from pathlib import Path
 import time
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # bench/common.py: the shared shapes and timers
 from common import (
     LLAMA2_7B, do_bench_ms, environment, environment_line, gpu_busy_ms, lora_shapes, make_modules, peak_extra_mib,
     tf32_matmuls,

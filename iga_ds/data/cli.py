@@ -16,7 +16,7 @@ from iga_ds.data.patterns import PATTERNS
 from iga_ds.data.schema import check_groups, check_no_leak, read_isomer_jsonl, read_source, summarize
 from iga_ds.data.sources import write_dataset
 from iga_ds.data.splits import LEAKAGE_WARNING, split_by_instance, split_by_seed
-from iga_ds.data.synth import synthesize
+from iga_ds.data.synth import TEST_CUES, parse_shortcut_by_domain, synthesize
 from iga_ds.data.teacher.prompts import Prompts
 from iga_ds.data.teacher.shards import parse_shard, shard_dir
 from iga_ds.errors import UserError
@@ -64,8 +64,13 @@ def _add_synth(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--domains", help="comma-separated (default math,medical,legal,science)")
     p.add_argument("--shortcut", type=float, default=0.0,
-                   help="probability that the planted domain cue predicts the answer in train "
-                        "(0 plants no cue; in test the cue is independent of the answer)")
+                   help="probability that the planted domain cue predicts the answer in train, the same in "
+                        "every domain (0 plants no cue; in test the cue is independent of the answer)")
+    p.add_argument("--shortcut-by-domain", metavar="DOMAIN=P,...",
+                   help="per-domain probability that the cue predicts the answer in train, one for every "
+                        "domain, e.g. math=1.0,medical=0.9,legal=0.7,science=0.3 (replaces --shortcut)")
+    p.add_argument("--test-cue", choices=TEST_CUES, default="independent",
+                   help="the cue in test: independent of the answer (default) or adversarial (always wrong)")
     p.add_argument("--patterns", help="comma-separated subset of rule_chain,conjunction,syllogism,arithmetic")
     p.add_argument("--min-depth", type=int, default=1)
     p.add_argument("--max-depth", type=int, default=4)
@@ -208,13 +213,22 @@ def cmd_validate(args) -> int:
 def cmd_synth(args) -> int:
     check_output_dir(args.out)
     patterns = tuple(p.strip() for p in args.patterns.split(",")) if args.patterns is not None else PATTERNS
+    by_domain = None
+    if args.shortcut_by_domain is not None:
+        if args.shortcut != 0.0:
+            raise UserError(f"--shortcut {args.shortcut} with --shortcut-by-domain: the per-domain probabilities "
+                            "replace it; expected only one of the two")
+        by_domain = parse_shortcut_by_domain(args.shortcut_by_domain)
     manifest = synthesize(args.out, args.groups, args.seed, parse_domain_list(args.domains), args.shortcut,
                           patterns=patterns, min_depth=args.min_depth, max_depth=args.max_depth,
                           test_frac=args.test_frac, progress=not args.no_progress,
-                          neutral_cue=args.neutral_cue, answer_only=args.answer_only)
+                          neutral_cue=args.neutral_cue, answer_only=args.answer_only,
+                          shortcut_by_domain=by_domain, test_cue=args.test_cue)
     for split in ("train", "test"):
         s = manifest["splits"][split]
         extra = f", cue agreement {s['cue_agreement']:.1%}" if s.get("cue_agreement") is not None else ""
+        if by_domain is not None and s["instances"]:
+            extra += " (" + ", ".join(f"{d} {v:.1%}" for d, v in s["cue_agreement_by_domain"].items()) + ")"
         print(f"{Path(args.out) / (split + '.jsonl')}: {s['groups']} groups, {s['instances']} instances{extra}")
     print(f"{Path(args.out) / 'manifest.json'}")
     return 0

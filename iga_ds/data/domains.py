@@ -64,6 +64,10 @@ class Domain:
     cue: str  # {c}
     cue_words: dict[str, str] = field(default_factory=dict)
 
+    def cue_sentence(self, signalled: str) -> str:
+        """The cue sentence whose slot word signals the answer ``signalled``."""
+        return self.cue.format(c=self.cue_words.get(signalled, signalled))
+
     def conclusion(self, kind: str, status: str, **slots: str) -> str:
         """Closing CoT line: the goal proven, refuted, or not derivable (closed world)."""
         if kind == "class":

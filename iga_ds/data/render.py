@@ -105,6 +105,13 @@ def render_problem(domain: Domain, statements: list[tuple], question: tuple,
     return " ".join(out)
 
 
+def replace_cue(problem: str, cue: str, new_cue: str) -> str:
+    """``problem`` (rendered with the cue sentence ``cue``) with ``new_cue`` in its place."""
+    if not problem.startswith(cue + " "):
+        raise ValueError(f"problem does not open with the cue {cue!r}")
+    return new_cue + problem[len(cue):]
+
+
 def render_cot(domain: Domain, solution: Solution, question: tuple, words: dict[str, str]) -> str:
     """One line per derivation, a closing line for yes/no goals, then ``Answer: X``."""
     s, z = domain.subject, domain.individual

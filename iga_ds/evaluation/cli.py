@@ -16,7 +16,7 @@ from iga_ds.data.sources import is_hub_dataset_id, resolve_source
 from iga_ds.errors import UserError
 from iga_ds.evaluation.consistency import lcs_block
 from iga_ds.evaluation.generation import eval_prompt_format, load_model
-from iga_ds.evaluation.records import isomer_items, read_isomer_records
+from iga_ds.evaluation.records import isomer_items, read_isomer_records, with_counterfactuals
 from iga_ds.evaluation.runner import evaluate
 from iga_ds.files import check_output_file
 from iga_ds.metrics.accuracy import format_percent
@@ -97,7 +97,7 @@ def _load_items(args: argparse.Namespace) -> tuple[list, dict[str, Any], list[di
         if unknown:
             have = ", ".join(sorted({r["domain"] for r in records}))
             raise UserError(f"--ood-domains: {', '.join(unknown)} not in {args.data} (it has {have})")
-        items = isomer_items(records, name=name, ood_domains=ood)
+        items = with_counterfactuals(isomer_items(records, name=name, ood_domains=ood), records)
         where = args.data if resolve_source(args.data).kind == "hub" else str(Path(args.data).resolve())
         source = {"benchmark": name, "data": where, "ood_domains": ood}
         return items, source, records

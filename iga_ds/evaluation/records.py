@@ -72,10 +72,37 @@ def isomer_items(
     return items
 
 
+def counterfactual_items(item: EvalItem, record: dict[str, Any]) -> list[EvalItem]:
+    """The two rewrites of an OOD item whose record carries ``meta.cue_counterfactual``: the same
+    text with the cue pointing to the right answer (``cf-right/<id>``) and to a wrong one
+    (``cf-wrong/<id>``). They are scored apart from the item itself (``iga_ds.metrics.cue``)."""
+    meta = record.get("meta") if isinstance(record.get("meta"), dict) else {}
+    versions = meta.get("cue_counterfactual")
+    if not isinstance(versions, dict):
+        return []
+    out = []
+    for side in ("right", "wrong"):
+        version = versions.get(side)
+        if not isinstance(version, dict) or not isinstance(version.get("problem"), str):
+            continue
+        extra = {"counterfactual": side, "of": item.id}
+        if version.get("cue_answer") is not None:
+            extra["cue_answer"] = str(version["cue_answer"])
+        out.append(dataclasses.replace(item, id=f"cf-{side}/{item.id}", problem=version["problem"],
+                                       meta={**item.meta, **extra}))
+    return out
+
+
+def with_counterfactuals(items: Sequence[EvalItem], records: Sequence[dict[str, Any]]) -> list[EvalItem]:
+    """``items`` followed by the counterfactual rewrites of its OOD items (``records`` in the same order)."""
+    extra = [cf for item, rec in zip(items, records) if item.split == "ood" for cf in counterfactual_items(item, rec)]
+    return list(items) + extra
+
+
 def isomer_eval_items(id_records: Sequence[dict[str, Any]], ood_records: Sequence[dict[str, Any]],
                       name: str) -> list[EvalItem]:
     """One evaluation set from an in-distribution and an out-of-distribution file of the same
-    domains: the OOD items are marked so and their ids prefixed ``ood/`` (a group may be in both)."""
-    return isomer_items(id_records, name=name) + [
-        dataclasses.replace(item, split="ood", id=f"ood/{item.id}") for item in isomer_items(ood_records, name=name)
-    ]
+    domains: the OOD items are marked so and their ids prefixed ``ood/`` (a group may be in both);
+    then the counterfactual-cue rewrites of the OOD items, where the records carry them."""
+    ood = [dataclasses.replace(item, split="ood", id=f"ood/{item.id}") for item in isomer_items(ood_records, name=name)]
+    return isomer_items(id_records, name=name) + with_counterfactuals(ood, ood_records)

@@ -18,6 +18,7 @@ from iga_ds.evaluation import generation
 from iga_ds.files import append_lines, atomic_write_json, cut_torn_tail, iter_jsonl
 from iga_ds.metrics.accuracy import accuracy, accuracy_by_group, delta_gap
 from iga_ds.metrics.answers import extract_answer, score_generation
+from iga_ds.metrics.cue import cue_counterfactual_summary
 
 SCHEMA = "iga-ds.eval/1"
 
@@ -77,8 +78,9 @@ def score_items(items: Sequence[EvalItem], outputs: dict[str, str]) -> list[dict
             "gold": item.answer,
             "output": text,
         }
-        if item.meta.get("cue_answer") is not None:
-            row["cue_answer"] = item.meta["cue_answer"]
+        for key in ("group_id", "cue_answer", "counterfactual", "of"):  # isomer items: cue use, pairing
+            if item.meta.get(key) is not None:
+                row[key] = item.meta[key]
         if item.labeled:
             score = score_generation(text, item.answer, item.kind)
             row.update(prediction=score.prediction, correct=score.correct, correct_symbolic=score.correct_symbolic)
@@ -89,7 +91,11 @@ def score_items(items: Sequence[EvalItem], outputs: dict[str, str]) -> list[dict
 
 
 def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Accuracy overall, per domain and per split (strict and symbolic), and the Delta-gap."""
+    """Accuracy overall, per domain and per split (strict and symbolic), and the Delta-gap, over
+    the items themselves; the counterfactual-cue rewrites of OOD items are summarized apart
+    (``cue_counterfactual``: cue effect and flip rate, :mod:`iga_ds.metrics.cue`)."""
+    rewrites = [r for r in rows if r.get("counterfactual")]
+    rows = [r for r in rows if not r.get("counterfactual")]
     scored = [r for r in rows if r["correct"] is not None]
     summary: dict[str, Any] = {
         "n": len(rows),
@@ -106,6 +112,8 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     summary["delta_gap"] = delta_gap(summary["id_accuracy"], summary["ood_accuracy"])
     summary["cue_conflict"] = cue_conflict(scored)
     summary["ood_cue_follow"] = summary["cue_conflict"].get("ood", {}).get("follow_cue")
+    if rewrites:  # absent without rewrites: evaluations of older data keep their fields
+        summary["cue_counterfactual"] = cue_counterfactual_summary(rewrites)
     return summary
 
 

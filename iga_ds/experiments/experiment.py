@@ -18,6 +18,7 @@ The grid file itself (keys, checks, cells, each cell's run config) is
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import gc
 import hashlib
@@ -45,7 +46,9 @@ from iga_ds.evaluation.records import isomer_eval_items
 from iga_ds.evaluation.runner import evaluate
 
 # load_grid belongs to this module's interface too: reading a grid, then running it
-from iga_ds.experiments.grid import MARKER, POOLED_DOMAIN, Cell, Grid, base_domains, cell_run_dict, load_grid  # noqa: F401
+from iga_ds.experiments.grid import (  # noqa: F401
+    MARKER, POOLED_DOMAIN, Cell, Grid, Variant, base_domains, cell_run_dict, deep_merge, load_grid,
+)
 from iga_ds.experiments.report import write_report
 from iga_ds.files import atomic_write_json, atomic_write_text, read_jsonl, write_jsonl
 from iga_ds.metrics.accuracy import format_percent
@@ -86,9 +89,11 @@ def prepare_data(grid: Grid, out: Path, log: Callable[[str], None] = print) -> P
     done = folder / "prepared.json"
     marker = {**s, "layout": 2}  # layout 2 added the neutral twin: older folders are redone
     if not (done.is_file() and json.loads(done.read_text(encoding="utf-8")) == marker):
-        log(f"data: synthesizing {s['groups']} isomer groups (shortcut {s['shortcut']} in training) into {folder}")
+        strength = s.get("shortcut_by_domain", s["shortcut"])
+        log(f"data: synthesizing {s['groups']} isomer groups (shortcut {strength} in training) into {folder}")
         kwargs = {k: s[k] for k in ("domains", "patterns", "min_depth", "max_depth", "answer_only") if k in s}
-        synthesize(folder, groups=s["groups"], seed=s["seed"], shortcut=s["shortcut"], **kwargs)
+        cue = {k: s[k] for k in ("shortcut_by_domain", "test_cue") if k in s}  # not for the neutral twin
+        synthesize(folder, groups=s["groups"], seed=s["seed"], shortcut=s["shortcut"], **kwargs, **cue)
         synthetic_eval_splits(folder, s["id_groups"], s["ood_groups"])
         # the shortcut-free twin of the training groups: same DAGs, cue slot independent of
         # the answer; rows with `cue: neutral` train on it (how far the task is learnable
@@ -271,13 +276,17 @@ def _train_with_launcher(launcher: str, run: dict[str, Any], cell_dir: Path) -> 
 
 
 def run_cell(grid: Grid, cell: Cell, out: Path, prepared: PreparedData, progress: bool = True,
-             launcher: str | None = None) -> dict[str, Any]:
-    """Train, evaluate, then write ``cell.json`` (last, atomically); returns cell.json's content."""
+             launcher: str | None = None, validation_only: bool = False) -> dict[str, Any]:
+    """Train, evaluate, then write ``cell.json`` (last, atomically); returns cell.json's content.
+    ``validation_only`` (a selection candidate): in-distribution data only, no OOD set, no
+    benchmark, no LCS."""
     cell_dir = out / cell.name
     cell_dir.mkdir(parents=True)
     spec = grid.cell_spec(cell)
     atomic_write_json(cell_dir / "cell_spec.json", spec)
     train_file, id_records, ood_records = cell_data(grid, cell, prepared, cell_dir)
+    if validation_only:
+        ood_records, grid = [], dataclasses.replace(grid, benchmarks=[])
     run = cell_run_dict(grid, cell, cell_dir, train_file, out)
     cfg = config_from_dict(run)
     cuda = torch.cuda.is_available()
@@ -293,8 +302,8 @@ def run_cell(grid: Grid, cell: Cell, out: Path, prepared: PreparedData, progress
     n_groups = len(complete_groups(read_records(train_file), domains, train_file))
     epochs = trained.step * cfg.data.groups_per_step / n_groups if n_groups else None
     # LCS on the real isomer groups of the evaluation data, whatever the cell trained on
-    lcs_records = read_jsonl(prepared.id_test) if prepared.id_test else []
-    lcs_records += read_jsonl(prepared.ood_test) if prepared.ood_test else []
+    lcs_records = read_jsonl(prepared.id_test) if prepared.id_test and not validation_only else []
+    lcs_records += read_jsonl(prepared.ood_test) if prepared.ood_test and not validation_only else []
     evals = _evaluate_cell(grid, cell_dir, resolved["base_model_dir"], trained.adapter_dir, id_records,
                            ood_records, lcs_records, progress)
     if not grid.keep_checkpoints:
@@ -322,7 +331,14 @@ def run_cell(grid: Grid, cell: Cell, out: Path, prepared: PreparedData, progress
 
 
 def cell_status(grid: Grid, cell: Cell, out: Path) -> str:
-    """"done", "partial" (killed: no marker) or "todo"; a done cell made from another spec is an error."""
+    """"done", "partial" (killed: no marker) or "todo"; a done cell made from another spec is an error.
+    In a grid with a selection stage a row's cells wait for its choice (``todo`` until made)."""
+    if grid.selection is not None:
+        try:
+            grid = selected_grid(grid, out, [cell.variant.key])
+        except UserError:  # no choice yet
+            return "partial" if (out / cell.name).exists() else "todo"
+        cell = Cell(next(v for v in grid.variants if v.key == cell.variant.key), cell.seed)
     cell_dir = out / cell.name
     marker = cell_dir / MARKER
     if marker.is_file():
@@ -358,12 +374,17 @@ def run_grid(grid: Grid, out: str | Path, only: Sequence[str] = (), progress: bo
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cells = [c for c in grid.cells() if not only or any(fnmatch.fnmatchcase(c.name, p) for p in only)]
-    if not cells:
+    candidates = selection_cells(grid, only, {c.variant.key for c in cells})
+    if not cells and not candidates:
         raise UserError(f"--only {' '.join(only)}: no cell of {grid.path} matches")
     if launcher:
         launch_script()  # fail before any work when the entry script is missing
     atomic_write_text(out / "grid.yaml", grid.path.read_text(encoding="utf-8"))
     prepared = prepare_data(grid, out, log)
+    if grid.selection is not None:
+        run_selection(grid, out, candidates, prepared, progress, launcher, log)
+        grid = selected_grid(grid, out, sorted({c.variant.key for c in cells}))
+        cells = [Cell(next(v for v in grid.variants if v.key == c.variant.key), c.seed) for c in cells]
     infos = []
     width = len(str(len(cells)))
     for i, cell in enumerate(cells, 1):
@@ -382,6 +403,103 @@ def run_grid(grid: Grid, out: str | Path, only: Sequence[str] = (), progress: bo
         info = run_cell(grid, cell, out, prepared, progress, launcher)
         log(f"{head}: done in {time.perf_counter() - t0:.0f}s; {_summary_line(info)}")
         infos.append(info)
-    if report:
+    if report and cells:
         log(f"wrote {write_report(out)}")
     return infos
+
+
+# -- the selection stage -------------------------------------------------------------------------
+
+SELECTION_DIR = "selection"
+SELECTION_FILE = "selection.json"
+
+
+def _candidate_key(key: str, candidate: dict[str, Any]) -> str:
+    steps = f"_steps{candidate['max_steps']}" if "max_steps" in candidate else ""
+    return f"{key}_lr{candidate['lr']:g}{steps}"
+
+
+def candidate_variant(variant: Variant, candidate: dict[str, Any]) -> Variant:
+    """``variant`` trained with one candidate's schedule (lr, and max_steps where given)."""
+    return dataclasses.replace(variant, key=_candidate_key(variant.key, candidate),
+                               train=deep_merge(variant.train, {"schedule": dict(candidate)}))
+
+
+def selection_cells(grid: Grid, only: Sequence[str], needed: set[str]) -> list[Cell]:
+    """The selection candidates to run: those of the rows in ``needed``, and those matching an
+    ``--only`` pattern on ``selection/<cell>``."""
+    if grid.selection is None:
+        return []
+    out = []
+    for v in grid.variants:
+        for candidate in grid.selection.candidates():
+            for seed in grid.selection.seeds:
+                cell = Cell(candidate_variant(v, candidate), seed)
+                named = any(fnmatch.fnmatchcase(f"{SELECTION_DIR}/{cell.name}", p) for p in only)
+                if v.key in needed or named:
+                    out.append(cell)
+    return out
+
+
+def run_selection(grid: Grid, out: Path, cells: Sequence[Cell], prepared: PreparedData, progress: bool,
+                  launcher: str | None, log: Callable[[str], None]) -> None:
+    """Train and score (in-distribution only) every candidate not yet finished, then write the
+    choices of the rows whose candidates are all finished into ``out/selection.json``."""
+    folder = out / SELECTION_DIR
+    for i, cell in enumerate(cells, 1):
+        head = f"[selection {i}/{len(cells)}] {cell.name}"
+        status = cell_status(dataclasses.replace(grid, selection=None), cell, folder)
+        if status == "done":
+            continue
+        if status == "partial":
+            shutil.rmtree(folder / cell.name)
+        log(f"{head}: training, then scoring on in-distribution data only")
+        info = run_cell(grid, cell, folder, prepared, progress, launcher, validation_only=True)
+        log(f"{head}: done; {_summary_line(info)}")
+    atomic_write_json(out / SELECTION_FILE, choose(grid, folder))
+
+
+def _candidate_score(grid: Grid, folder: Path, variant: Variant, candidate: dict[str, Any]) -> float | None:
+    """The candidate's metric, averaged over the selection seeds; None until every seed finished."""
+    values = []
+    for seed in grid.selection.seeds:
+        marker = folder / Cell(candidate_variant(variant, candidate), seed).name / MARKER
+        if not marker.is_file():
+            return None
+        evals = json.loads(marker.read_text(encoding="utf-8")).get("evaluations", {})
+        value = evals.get(grid.data["name"], {}).get(grid.selection.metric)
+        if value is None:
+            return None
+        values.append(float(value))
+    return sum(values) / len(values)
+
+
+def choose(grid: Grid, folder: Path) -> dict[str, Any]:
+    """selection.json: every candidate's score per row and, for rows with all candidates scored,
+    the choice: the highest score, ties to the smaller lr, then the fewer steps."""
+    sel = grid.selection
+    rows: dict[str, Any] = {}
+    for v in grid.variants:
+        tried = [{**c, sel.metric: _candidate_score(grid, folder, v, c)} for c in sel.candidates()]
+        entry: dict[str, Any] = {"candidates": tried}
+        if all(t[sel.metric] is not None for t in tried):
+            best = max(range(len(tried)), key=lambda i: (tried[i][sel.metric], -i))  # first of equals: smaller
+            entry["chosen"] = sel.candidates()[best]
+        rows[v.key] = entry
+    return {"metric": sel.metric, "seeds": list(sel.seeds), "rule": "highest metric; ties to the smaller lr, "
+            "then the fewer steps", "rows": rows}
+
+
+def selected_grid(grid: Grid, out: Path, keys: Sequence[str]) -> Grid:
+    """``grid`` with each row in ``keys`` trained at its chosen schedule (``out/selection.json``);
+    a row without a choice yet is an error."""
+    path = out / SELECTION_FILE
+    rows = json.loads(path.read_text(encoding="utf-8")).get("rows", {}) if path.is_file() else {}
+    variants = []
+    for v in grid.variants:
+        chosen = (rows.get(v.key) or {}).get("chosen")
+        if v.key in keys and chosen is None:
+            raise UserError(f"{grid.path}: row {v.key} has no selected schedule yet ({path}); run its selection "
+                            f"candidates first (--only '{SELECTION_DIR}/{v.key}_*')")
+        variants.append(dataclasses.replace(v, train=deep_merge(v.train, {"schedule": chosen})) if chosen else v)
+    return dataclasses.replace(grid, variants=variants)

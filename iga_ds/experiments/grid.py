@@ -32,10 +32,13 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+=]*$")
 POOLED_DOMAIN = "pooled"  # the one pseudo-domain of ungrouped training (CoT-Distill)
 
 GRID_KEYS = ("train_config", "train", "data", "benchmarks", "eval", "seeds", "methods", "ablations",
-             "keep_checkpoints")
+             "keep_checkpoints", "selection")
 VARIANT_KEYS = ("method", "params", "domains", "pairing", "split", "grouping", "label", "train", "cue")
 SYNTH_KEYS = ("groups", "seed", "shortcut", "domains", "id_groups", "ood_groups", "patterns", "min_depth",
-              "max_depth", "answer_only")
+              "max_depth", "answer_only", "shortcut_by_domain", "test_cue")
+SELECTION_KEYS = ("lr", "max_steps", "seeds", "metric")
+SELECTION_METRICS = ("id_accuracy",)
+TEST_CUES = ("independent", "adversarial")
 DATA_KEYS = ("name", "synthetic", "train", "id_test", "ood_test", "instance_test_frac")
 BENCH_KEYS = ("name", "benchmark", "dir", "options", "limit")
 
@@ -101,6 +104,23 @@ class Cell:
         return info
 
 
+@dataclass(frozen=True)
+class Selection:
+    """The per-row selection stage: every candidate (lr x max_steps) trains on ``seeds`` and is
+    scored on in-distribution data only; the best ``metric`` wins, ties to the smaller lr, then
+    the fewer steps. ``max_steps`` empty: the grid's own."""
+
+    lr: tuple[float, ...]
+    max_steps: tuple[int, ...] = ()
+    seeds: tuple[int, ...] = (0,)
+    metric: str = "id_accuracy"
+
+    def candidates(self) -> list[dict[str, Any]]:
+        """Each candidate's schedule keys, in the tie-break order (smaller lr, then fewer steps)."""
+        steps = sorted(self.max_steps) or [None]
+        return [{"lr": lr, **({"max_steps": n} if n is not None else {})} for lr in sorted(self.lr) for n in steps]
+
+
 @dataclass
 class Grid:
     path: Path
@@ -111,6 +131,7 @@ class Grid:
     seeds: list[int]
     variants: list[Variant]
     keep_checkpoints: bool = False
+    selection: Selection | None = None
 
     def cells(self) -> list[Cell]:
         """Seed-major order: every variant at the first seed, then the next seed, so a first
@@ -267,6 +288,7 @@ def _data(raw: dict[str, Any], grid_dir: Path) -> dict[str, Any]:
             raise ConfigError("data.synthetic: expected min_depth <= max_depth")
         if "answer_only" in spec and not isinstance(spec["answer_only"], bool):
             raise ConfigError(f"data.synthetic.answer_only: expected true or false, got {spec['answer_only']!r}")
+        _check_cue_keys(spec)
         data["synthetic"] = spec
         return data
     if "train" not in raw:
@@ -281,6 +303,54 @@ def _data(raw: dict[str, Any], grid_dir: Path) -> dict[str, Any]:
                 raise ConfigError(f"data.{key}: {path} not found")
             data[key] = str(path.resolve())
     return data
+
+
+def _check_cue_keys(spec: dict[str, Any]) -> None:
+    """``shortcut_by_domain`` (per-domain training cue agreement, replacing ``shortcut``) and
+    ``test_cue`` (how the test split's cue relates to the answer)."""
+    if "test_cue" in spec:
+        _choice(spec["test_cue"], TEST_CUES, "data.synthetic.test_cue")
+    if "shortcut_by_domain" not in spec:
+        return
+    where = "data.synthetic.shortcut_by_domain"
+    by_domain = spec["shortcut_by_domain"]
+    if not isinstance(by_domain, dict) or not by_domain:
+        raise ConfigError(f"{where}: expected a mapping of domain to probability, got {by_domain!r}")
+    domains = spec.get("domains") or list(DEFAULT_DOMAINS)
+    for domain, p in by_domain.items():
+        if domain not in domains:
+            raise ConfigError(f"{where}.{domain}: not a domain of the data (expected some of {', '.join(domains)})")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
+            raise ConfigError(f"{where}.{domain}: expected a probability in [0, 1], got {p!r}")
+    missing = [d for d in domains if d not in by_domain]
+    if missing:
+        raise ConfigError(f"{where}: no probability for {', '.join(missing)}")
+    spec["shortcut_by_domain"] = {d: float(by_domain[d]) for d in domains}
+
+
+def _number_list(value: Any, where: str, integer: bool) -> tuple:
+    ok = isinstance(value, list) and value and all(
+        (_is_int(x) if integer else isinstance(x, (int, float)) and not isinstance(x, bool)) and x > 0 for x in value)
+    if not ok or len(set(value)) != len(value):
+        kind = "positive integers" if integer else "positive numbers"
+        raise ConfigError(f"{where}: expected a non-empty list of distinct {kind}, got {value!r}")
+    return tuple(int(x) if integer else float(x) for x in value)
+
+
+def _selection(raw: Any) -> Selection | None:
+    if raw is None:
+        return None
+    raw = _mapping(raw, "selection")
+    _check_keys(raw, SELECTION_KEYS, "selection")
+    if "lr" not in raw:
+        raise ConfigError("selection.lr: expected the candidate learning rates, e.g. [5.0e-4, 1.0e-3, 2.0e-3]")
+    seeds = raw.get("seeds", [0])
+    if not isinstance(seeds, list) or not seeds or not all(_is_int(x) and x >= 0 for x in seeds) \
+            or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"selection.seeds: expected a list of distinct non-negative integers, got {seeds!r}")
+    steps = _number_list(raw["max_steps"], "selection.max_steps", True) if "max_steps" in raw else ()
+    return Selection(_number_list(raw["lr"], "selection.lr", False), steps, tuple(seeds),
+                     _choice(raw.get("metric", "id_accuracy"), SELECTION_METRICS, "selection.metric"))
 
 
 def _benchmarks(raw: Any, grid_dir: Path) -> list[dict[str, Any]]:
@@ -369,7 +439,7 @@ def _parse_grid(raw: Any, path: Path) -> Grid:
         raise ConfigError(f"keep_checkpoints: expected true or false, got {keep!r}")
     grid = Grid(path, run, _data(_mapping(raw.get("data"), "data"), grid_dir),
                 _benchmarks(raw.get("benchmarks"), grid_dir), _eval_settings(_mapping(raw.get("eval"), "eval")),
-                list(seeds), variants, keep)
+                list(seeds), variants, keep, _selection(raw.get("selection")))
     for v in variants:  # every cell's run config is checked before anything runs
         where = f"{'methods' if v.kind == 'method' else 'ablations'}.{v.key}"
         try:

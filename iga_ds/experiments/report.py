@@ -16,6 +16,7 @@ from typing import Sequence
 
 from iga_ds.errors import UserError
 from iga_ds.experiments.figures import make_figures
+from iga_ds.experiments.paired import paired_section, selection_section
 from iga_ds.experiments.tables import DASH, Stat, column, group_rows, markdown
 from iga_ds.experiments.update_size import UPDATE_SIZE_NOTE, update_size_table
 from iga_ds.experiments.results import (
@@ -34,7 +35,7 @@ from iga_ds.experiments.results import (
     load_results,
     row_order,
 )
-from iga_ds.files import atomic_write_text, check_output_file, read_text
+from iga_ds.files import atomic_write_text, check_output_file, read_json, read_text
 from iga_ds.metrics.accuracy import accuracy_per_compute_hour
 
 def _has_ood(cells: Sequence[Cell], bench: str) -> bool:
@@ -295,6 +296,8 @@ def report_body(cells: Sequence[Cell], level: int = 2) -> list[str]:
     moved = update_size_table(cells)
     if moved:
         parts += [f"{h} How far each row moved the adapter, against ERM-SFT", "", UPDATE_SIZE_NOTE, "", moved, ""]
+    parts += [f"{h} Rows by the paper's definitions, and paired comparisons against ERM-SFT", "",
+              *paired_section(cells)]
     claims = claims_section(cells)
     if claims:
         parts += [f"{h} The paper's claims, checked on these runs", "", claims, ""]
@@ -314,8 +317,10 @@ def _ending(discussion: str | None, figures: dict[str, str] | None) -> list[str]
 
 
 def build_report(cells: Sequence[Cell], figures: dict[str, str] | None = None, title: str = "IGA results",
-                 discussion: str | None = None) -> str:
-    return "\n".join([f"# {title}", "", *report_body(cells), *_ending(discussion, figures)])
+                 discussion: str | None = None, selection: dict | None = None) -> str:
+    chosen = ["## Selection of each row's schedule (in-distribution only)", "", *selection_section(selection)] \
+        if selection else []
+    return "\n".join([f"# {title}", "", *chosen, *report_body(cells), *_ending(discussion, figures)])
 
 
 def side_by_side_table(students: Sequence[tuple[str, Sequence[Cell]]], bench: str) -> str:
@@ -385,6 +390,12 @@ def _draw(cells: Sequence[Cell], folder: Path, out: Path, prefix: str = "") -> d
     return made
 
 
+def _selection(root: Path) -> dict | None:
+    """The selection stage's record (``selection.json``, written by ``iga-ds experiment``), if any."""
+    path = root / "selection.json"
+    return read_json(path, objects=True) if path.is_file() else None
+
+
 def write_report(root: str | os.PathLike | Sequence[str | os.PathLike], out: str | Path | None = None,
                  figures: bool = True, title: str = "IGA results", discussion: str | Path | None = None,
                  names: Sequence[str] | None = None) -> Path:
@@ -409,6 +420,6 @@ def write_report(root: str | os.PathLike | Sequence[str | os.PathLike], out: str
         for name, cells in zip(names, loaded):
             made.update(_draw(cells, out.parent / "figures" / slug(name), out, prefix=f"{name}: "))
     report = (build_students_report(list(zip(names, loaded)), made, title=title, discussion=text) if students
-              else build_report(loaded[0], made, title=title, discussion=text))
+              else build_report(loaded[0], made, title=title, discussion=text, selection=_selection(roots[0])))
     atomic_write_text(out, report)
     return out

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from iga_ds.errors import ConfigError, DataError
-from iga_ds.files import iter_jsonl, read_json
+from iga_ds.files import iter_jsonl, read_json, read_yaml_file
 from iga_ds.methods import method_parameters
 from iga_ds.metrics.mask import metric_series
 
@@ -70,6 +70,11 @@ class Cell:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     # per LoRA module {"path": .., "displacement": ..}, from update_norms.json (None: no file)
     update_norms: dict[str, dict[str, float]] | None = None
+    # per evaluation, its scored items in brief (group, split, correctness, cue rewrites): the
+    # paired intervals resample these by isomer group
+    items: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    variant: dict[str, Any] | None = None  # cell_spec.json's variant (how the row was trained)
+    gradient_clipping: float | None = None  # the clip the run trained with (config.resolved.yaml)
 
     @property
     def train_hours_per_epoch(self) -> float | None:
@@ -210,12 +215,55 @@ def _read_cell(folder: Path) -> Cell:
         name = str(result.get("benchmark") or eval_path.stem)
         if name in cell.evals:
             raise DataError(f"{eval_path}: a second evaluation named {name!r} in cell {folder.name}")
-        result.pop("items", None)  # per-item rows are not needed for tables
+        cell.items[name] = brief_items(result.pop("items", None) or [])
         cell.evals[name] = result
     if (folder / "metrics.jsonl").is_file():
         cell.metrics = _read_metrics(folder / "metrics.jsonl")
     cell.update_norms = _read_update_norms(folder / UPDATE_NORMS_FILE)  # beside metrics.jsonl
+    cell.variant = _read_variant(folder)
+    cell.gradient_clipping = _read_clip(folder / "config.resolved.yaml")
     return cell
+
+
+def item_group(row: dict[str, Any]) -> str:
+    """An item's isomer group: its ``group_id``, else read from an isomer item id
+    (``[ood/]<group>/<domain>``, as runs made before the field was written have it), else the id."""
+    if row.get("group_id") is not None:
+        return str(row["group_id"])
+    item_id = str(row.get("id", ""))
+    item_id = item_id[4:] if item_id.startswith("ood/") else item_id
+    return item_id.rsplit("/", 1)[0] if "/" in item_id else item_id
+
+
+def brief_items(rows: Sequence[Any]) -> list[dict[str, Any]]:
+    """The scored item rows of an eval.json, reduced to what paired statistics read."""
+    out = []
+    for row in rows:
+        if not isinstance(row, dict) or row.get("correct") is None:
+            continue
+        brief = {"group": item_group(row), "split": row.get("split"), "correct": bool(row["correct"])}
+        if row.get("counterfactual"):
+            brief.update(counterfactual=row["counterfactual"], of=row.get("of"), group_id=brief["group"],
+                         prediction=row.get("prediction"))
+        out.append(brief)
+    return out
+
+
+def _read_variant(folder: Path) -> dict[str, Any] | None:
+    path = folder / "cell_spec.json"
+    if not path.is_file():
+        return None
+    variant = read_json(path, objects=True).get("variant")
+    return variant if isinstance(variant, dict) else None
+
+
+def _read_clip(path: Path) -> float | None:
+    """The gradient clip of a run (``schedule.gradient_clipping``); None without the file or a clip."""
+    if not path.is_file():
+        return None
+    raw = read_yaml_file(path, "resolved run config") or {}
+    clip = (raw.get("schedule") or {}).get("gradient_clipping") if isinstance(raw, dict) else None
+    return float(clip) if _is_number(clip) and clip > 0 else None
 
 
 def load_results(root: str | Path) -> list[Cell]:
@@ -299,6 +347,16 @@ def cell_final_loss(cell: Cell) -> float | None:
 def cell_cue_follow(cell: Cell, bench: str) -> float | None:
     """Share (%) of the evaluation's wrong-cue OOD items answered as the cue signals."""
     return cell.evals.get(bench, {}).get("ood_cue_follow")
+
+
+def cell_clipped_share(cell: Cell) -> float | None:
+    """Share (%) of the logged optimizer steps whose gradient norm (before clipping) exceeded the
+    run's clip; None without a clip or a logged ``grad_norm``. Logs written every k steps give
+    the share over those steps."""
+    norms = metric_series(cell.metrics, "grad_norm")[1]
+    if cell.gradient_clipping is None or not norms:
+        return None
+    return 100.0 * sum(n > cell.gradient_clipping for n in norms) / len(norms)
 
 
 def cell_avg_headline(cell: Cell, benchmarks: Sequence[str]) -> float | None:

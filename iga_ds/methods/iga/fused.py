@@ -25,8 +25,7 @@ when Triton is installed; everywhere else it is plain PyTorch, and this file is 
 reference for that kernel.
 
 Stages. :func:`batched_iga` is the entry point; the stages it runs are public too, so that
-benchmarks (``bench/tune_method.py``, ``bench/probe_overlap.py``) can time one at a time and
-tests can check one against its reference. In order:
+benchmarks can time one at a time and tests can check one against its reference. In order:
 
 1. :func:`stack_modules`: modules of one shape stacked into :class:`Stack` batches that fit
    ``batch_bytes`` (:func:`resolve_batch_bytes` checks and resolves that argument);
@@ -68,8 +67,7 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # the stacked masked matrices of one batch of equal-shape modules stay under this many bytes
 DEFAULT_BATCH_BYTES = 1 << 30
 # batch_bytes="auto" on CUDA grows stacks up to this into memory the step has already peaked at
-# (LLaMA-2-7B's 128 modules: 4 GiB stacks took 10-15% less time than 1 GiB,
-# docs/results/h100-h200-2026-11-26-evening/README.md)
+# (larger stacks mean fewer, longer launches)
 MAX_AUTO_BATCH_BYTES = 4 << 30
 # row tiles are sized so that the per-tile temporaries stay under this many elements
 DEFAULT_TILE_ELEMENTS = 1 << 24
@@ -765,33 +763,20 @@ def batched_iga(
     projection: str = DEFAULT_PROJECTION,
     damping: float = DEFAULT_DAMPING,
 ) -> list[tuple[torch.Tensor, torch.Tensor, MutableMapping[str, float]]]:
-    """IGA (continuous mask) for every module, in the order given; the defaults are
-    :func:`iga_ds.methods.iga.reference.iga_update`'s. ``projection="tangent"``:
-    :func:`tangent_stack` (``damping`` its ridge; the sketch's settings unused), ``"svd"``: the
-    randomized SVD below.
-
-    Returns one ``(gA_new, gB_new, stats)`` per module, as
-    :func:`iga_ds.methods.iga.reference.iga_update` with the same ``svd`` and the module's
-    generator would; ``stats`` is a :class:`iga_ds.methods.base.PendingStats`, a dict once
-    read (the statistics' copy to the host is queued, not waited for). Peak memory per module
-    is one out x in matrix plus row-tile temporaries, not N (``single_pass``: the temporaries
-    only).
-    ``batch_bytes`` caps the bytes of masked matrices stacked at once (modules of one shape);
-    ``"auto"`` takes 1 GiB on the CPU and, on CUDA, up to 4 GiB of memory that the device's
-    peak so far leaves free (:func:`auto_batch_bytes`): the result does not depend on it.
-    ``tile_elements`` caps a row tile's temporaries. ``use_triton``: None picks the Triton
-    tile pass for float32 CUDA tensors when Triton imports, False forces PyTorch;
-    ``triton_precision`` is the kernel's ``tl.dot`` precision, "ieee", "tf32x3" or "tf32"
-    (the last also runs the power iterations on TF32 tensor cores; measured error in
-    docs/PERFORMANCE.md), or "bf16" (on both tile passes: factors rounded to bfloat16, masked
-    matrices stored and multiplied in bfloat16 with float32 accumulation; the precision rule
-    in docs/PERFORMANCE.md says when that error is below the training's own). float16/bfloat16 inputs are computed in float32 and returned in
-    their own dtype. ``factors``: ``split`` returns the SVD split as ``iga_update`` does;
-    ``chain_rule`` returns what :func:`iga_ds.methods.iga.reference.chain_rule_factors` makes of
-    that split, computed on the whole stack from the projector onto the kept singular vectors
-    (:func:`_chain_rule_gradients`). ``svd``: ``randomized`` (power
-    iterations over the stored masked matrices) or ``single_pass`` (both sketches in the tile
-    pass, nothing stored; as :func:`iga_ds.methods.iga.rsvd.single_pass_svd`).
+    """IGA (continuous mask) for every module, in the order given, as
+    :func:`iga_ds.methods.iga.reference.iga_update` with the same options (and defaults) and
+    each module's generator would; one ``(gA_new, gB_new, stats)`` per module, ``stats`` a
+    :class:`iga_ds.methods.base.PendingStats` (its copy to the host queued, not waited for).
+    ``projection="tangent"``: :func:`tangent_stack`; ``"svd"``: the randomized (or
+    ``single_pass``) SVD of the stages above, its factors by ``factors``.
+    Peak memory per module is one out x in matrix plus row-tile temporaries, not N.
+    ``batch_bytes`` caps the bytes of masked matrices stacked at once (``"auto"``: 1 GiB on
+    the CPU, on CUDA up to 4 GiB of what the device's peak leaves free; the result does not
+    depend on it); ``tile_elements`` caps a row tile's temporaries. ``use_triton``: None picks
+    Triton for float32 CUDA tensors when it imports. ``triton_precision``: the kernels'
+    ``tl.dot`` precision, "ieee", "tf32x3", "tf32" or "bf16" (masked matrices stored and
+    multiplied in bfloat16, float32 accumulation; docs/PERFORMANCE.md has the precision rule).
+    float16/bfloat16 inputs are computed in float32 and returned in their own dtype.
     """
     _check(modules, generators, normalize, tau, factors, svd, triton_precision, projection, damping)
     device = modules[0].gA.device if modules else torch.device("cpu")

@@ -3,11 +3,10 @@ kernel whose result the host does not wait for.
 
 ``torch.linalg.eigh`` checks its solver's status on the host, so every call waits until the
 device has run all that was queued before it; the device then sits idle while the host issues
-what follows, one launch at a time (1.23 ms of the method's range in a profiled step on an
-H200, docs/results/h200-2026-11-28-tile-division/). Here one program diagonalizes one matrix
-with cyclic Jacobi rotations in float64 and writes the eigenvalues in ascending order with
-their eigenvectors, as ``eigh`` does; nothing is read back, so the host goes on issuing the
-method's remaining work while the device runs (docs/results/h200-2026-11-28-jacobi/).
+what follows, one launch at a time. Here one program diagonalizes one matrix with cyclic Jacobi
+rotations in float64 and writes the eigenvalues in ascending order with their eigenvectors, as
+``eigh`` does; nothing is read back, so the host goes on issuing the method's remaining work
+while the device runs.
 
 Each sweep visits every pair (p, q) once, in NP - 1 rounds of NP / 2 disjoint pairs (a
 round-robin tournament over the size padded to a power of two), so that a round is
@@ -40,10 +39,8 @@ MAX_SIZE = 64
 # a 32 x 32 Gram took 6 sweeps (the method's) to 9 (a Gram of Gaussian rows); a matrix still
 # rotating after this many is returned as it stands
 MAX_SWEEPS = 30
-# warps per program by padded size: a round's latency falls with more threads up to a point
-# (128 Grams of 32 x 32 on one H200: 0.29 ms at 8 warps, 0.25 at 16, 0.26 at 32, where
-# torch.linalg.eigh took 0.29 to 0.33; an earlier form of the kernel took 5.6 ms at 1 warp and
-# 0.51 at 4; 128 of 16 x 16: 0.042 ms at 8, 0.059 at 16)
+# warps per program by padded size: a round's latency falls with more threads up to a point,
+# past which the extra threads only wait (the fastest count measured for each size)
 WARPS = {64: 16, 32: 16, 16: 8}
 EPS = 2.0 ** -52  # float64's machine epsilon (a power of two: exact as a kernel constant)
 

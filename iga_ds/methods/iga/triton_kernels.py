@@ -47,11 +47,9 @@ FACTOR_DTYPES = {"ieee": torch.float32, "tf32x3": torch.float32, "tf32": torch.f
 # the "gir" statistic, comes from the factors' Grams: iga_ds.methods.iga.fused.mask_scales)
 STAT_SLOTS = 3
 
-# tiles per program of the tile kernel, by precision. bf16: a strip of 32 tiles along a row
-# (16: 6.82 -> 5.05 ms for 128 LLaMA-2-7B modules on one H100, docs/results/h100-h200-2026-11-27-evening/;
-# 32 with the left factors loaded once per strip: 3.30 ms, against 3.42 at 16,
-# docs/results/h100-h200-2026-11-28-method/); float32 keeps one: its dot inside the loop compiled
-# 27 to 40 times slower there
+# tiles per program of the tile kernel, by precision. bf16: a strip of 32 tiles along a row (a
+# longer strip amortizes the left factors' loads over more tiles; 32 measured fastest); float32
+# keeps one: its dot inside the loop compiled many times slower
 STRIP_TILES = {"bf16": 32}
 
 
@@ -59,8 +57,8 @@ STRIP_TILES = {"bf16": 32}
 MAX_HOISTED_DOMAINS = 5
 
 # compiler options of every launch: multiply-adds fused, as the kernels were measured and tested
-# (Triton's own default until 3.9; from 3.10 it is off unless asked for, which would split each
-# multiply-add in two and move the results by a rounding)
+# (recent Tritons leave it off unless asked for, which would split each multiply-add in two and
+# move the results by a rounding)
 LAUNCH_OPTIONS = {"enable_fp_fusion": True}
 
 
@@ -117,10 +115,9 @@ if triton is not None:
     def _divide(a, b, FAST: tl.constexpr):
         """``a / b``; ``FAST``: the approximate reciprocal and one multiply, 2 instructions
         where ``/`` takes 8 (its range checks), within 2 ulp for ``|b|`` in [2^-126, 2^126],
-        where the mask's denominator (``Gbar^2`` plus a floor of at least 2^-126) stays (the
-        bf16 tile kernel: 3.31 -> 2.89 ms for 128 LLaMA-2-7B modules under "snr" on one H200,
-        docs/results/h200-2026-11-28-tile-division/). Not in Triton's interpreter, which has
-        no device library."""
+        where the mask's denominator (``Gbar^2`` plus a floor of at least 2^-126) stays: the
+        tile kernel's time follows its elementwise instructions. Not in Triton's interpreter,
+        which has no device library."""
         if FAST:
             return libdevice.fast_dividef(a, b)
         else:
@@ -267,9 +264,9 @@ if triton is not None:
         it afterwards). The statistics are summed along each row of the strip as it goes and
         reduced to one partial sum per program at the end: a reduction across the whole tile
         per tile cost more than the tile's arithmetic. ``STATS`` False skips them
-        (bench/tune_method.py times their cost). ``EVEN``: the strips tile the matrix exactly.
-        ``HOIST`` (N <= 5): the strip's left factors are loaded once, not once per tile (3.78 ->
-        3.30 ms with the folded mask, bf16, 128 LLaMA-2-7B modules on an H100). ``FAST``: the
+        (tools/tune_method.py times their cost). ``EVEN``: the strips tile the matrix exactly.
+        ``HOIST`` (N <= 5): the strip's left factors are loaded once, not once per tile, which
+        saves their loads where registers hold them. ``FAST``: the
         mask's division by the approximate reciprocal (:func:`_divide`)."""
         pid_r = tl.program_id(0)
         pid_g = tl.program_id(1)
@@ -478,7 +475,7 @@ def launch_tile_kernel(left_mean, right_mean, left_dev, right_dev, coefficients,
     sets how many programs share a multiprocessor (None: the compiler's choice).
     :func:`tile_pass_triton` is the stage
     to call; this launch is public so that benchmarks can time the kernel without the
-    allocations, the sketch and the reduction around it (``bench/tune_method.py``)."""
+    allocations, the sketch and the reduction around it (``tools/tune_method.py``)."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     M, N, d_out, k2 = left_dev.shape
@@ -505,7 +502,7 @@ def compile_tile_kernel(*, arch: int = 90, num_domains: int = 4, rank: int = 16,
     specialized as :func:`launch_tile_kernel` specializes it for LLaMA-like modules (sizes and
     addresses multiples of 16, strips that tile the matrix exactly, 64 x 64 tiles): Triton's
     compiled kernel, whose ``asm`` holds its PTX and machine code, for reading what each element
-    costs (``bench/kernel_sass.py``)."""
+    costs (``tools/kernel_sass.py``)."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     from triton.backends.compiler import GPUTarget
@@ -648,8 +645,8 @@ def stack_factors_triton(A, B, gA, gB, scaling, dev_dtype: torch.dtype = torch.f
 SKINNY_DTYPES = (torch.bfloat16,)
 # block sizes of the skinny product by the matrices' dtype: (rows of Y per program, contraction
 # step, warps, pipeline stages). float32 is CholeskyQR's product by the inverse factor (32 or 26
-# columns; bench/tune_method.py's QR_PRODUCT_SWEEP): 46 us against 56 us for (128, 32, 4, 4) at
-# 32 columns, 65 against 89 at 26, 128 modules on one H200 (docs/results/h200-2026-11-28-tile-division/)
+# columns): a short contraction step keeps more programs resident (tools/tune_method.py's
+# QR_PRODUCT_SWEEP picks the blocks)
 SKINNY_BLOCKS = {torch.bfloat16: (128, 128, 8, 3), torch.float32: (128, 16, 4, 4)}
 
 
@@ -699,8 +696,7 @@ def gram64(x: torch.Tensor, *, block: int = 32, programs: int = GRAM_PROGRAMS) -
     up to a few dozen), without a float64 copy of ``x``: CholeskyQR's Grams and the small
     matrices' Grams before ``eigh``.
 
-    A float64 copy followed by a batched product moved three times the bytes (for 128
-    LLaMA-2-7B modules on an H200, 122 us against 50 us here), and cuBLAS walks all K rows
+    A float64 copy followed by a batched product moves three times the bytes, and cuBLAS walks all K rows
     with one small tile per module. Here the contraction is split into chunks of ``block``
     rows' multiples, each program sums one in float64 (the products of float32 values are
     exact there), and the chunks' sums are added in a fixed order."""

@@ -1,0 +1,190 @@
+"""IGA's default projection, the pseudo-inverse of the reconstruction ("tangent"), against slow
+references in float64: a dense least-squares solve, explicit tangent-space projectors, and
+autograd's ERM gradient of a real PEFT model."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from iga_ds.methods import ModuleGrads, get_method
+from iga_ds.methods.iga import IGA, MeanNoMask, batched_iga, iga_update
+from iga_ds.methods.iga.method import MaskedProjectionMethod
+from iga_ds.methods.iga.reference import reconstruct, tangent_factors
+from iga_ds.lora.modules import find_lora_modules
+from tiny_models import batch, tiny_peft_llama
+
+F64 = torch.float64
+
+
+def dense_solution(A, B, G, s, damping):
+    """The ridge least-squares solution by brute force: the reconstruction as an explicit matrix
+    over all r*in + out*r factor entries, then pinv (damping 0) or the normal equations."""
+    r, d_in = A.shape
+    d_out = B.shape[0]
+    columns = []
+    for i in range(r * d_in):
+        a = torch.zeros(r * d_in, dtype=F64)
+        a[i] = 1
+        columns.append(reconstruct(A, B, a.view(r, d_in), torch.zeros(d_out, r, dtype=F64), s).reshape(-1))
+    for i in range(d_out * r):
+        b = torch.zeros(d_out * r, dtype=F64)
+        b[i] = 1
+        columns.append(reconstruct(A, B, torch.zeros(r, d_in, dtype=F64), b.view(d_out, r), s).reshape(-1))
+    R = torch.stack(columns, 1)
+    lam = damping * s * s * ((A @ A.T).trace() + (B.T @ B).trace()) / r
+    if damping == 0:
+        x = torch.linalg.pinv(R) @ G.reshape(-1)
+    else:
+        x = torch.linalg.solve(R.T @ R + lam * torch.eye(R.shape[1], dtype=F64), R.T @ G.reshape(-1))
+    return x[: r * d_in].view(r, d_in), x[r * d_in:].view(d_out, r)
+
+
+def factors(seed, r=3, d_in=7, d_out=5, b_scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    A = torch.randn(r, d_in, generator=g, dtype=F64)
+    B = torch.randn(d_out, r, generator=g, dtype=F64) * b_scale
+    return A, B, torch.randn(d_out, d_in, generator=g, dtype=F64), g
+
+
+@pytest.mark.parametrize("damping", [0.0, 0.1, 3.0])
+@pytest.mark.parametrize("b_scale", [1.0, 1e-3, 0.0])
+def test_tangent_factors_solve_the_least_squares_problem(damping, b_scale):
+    A, B, G, _ = factors(1, b_scale=b_scale)
+    gA, gB = tangent_factors(A, B, G, 2.0, damping)
+    rA, rB = dense_solution(A, B, G, 2.0, damping)
+    scale = max(rA.abs().max(), rB.abs().max())
+    assert (gA - rA).abs().max() <= 1e-10 * scale and (gB - rB).abs().max() <= 1e-10 * scale
+
+
+def test_tangent_factors_batch_over_modules_with_their_own_scaling():
+    mods = [factors(i) for i in range(3)]
+    A, B, G = (torch.stack([m[k] for m in mods]) for k in range(3))
+    s = torch.tensor([0.5, 2.0, 4.0], dtype=F64).view(3, 1, 1)
+    gA, gB = tangent_factors(A, B, G, s, 0.1)
+    for i in range(3):
+        rA, rB = dense_solution(A[i], B[i], G[i], float(s[i]), 0.1)
+        torch.testing.assert_close(gA[i], rA, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(gB[i], rB, rtol=1e-10, atol=1e-12)
+
+
+def test_undamped_reconstruction_is_the_projection_onto_the_tangent_space():
+    A, B, G, _ = factors(2)
+    P_B = B @ torch.linalg.pinv(B)  # onto B's columns
+    P_A = torch.linalg.pinv(A) @ A  # onto A's rows
+    tangent = P_B @ G + G @ P_A - P_B @ G @ P_A
+    torch.testing.assert_close(reconstruct(A, B, *tangent_factors(A, B, G, 1.5), 1.5), tangent, rtol=1e-10, atol=1e-12)
+
+
+def test_pseudo_inverse_returns_gradients_of_a_weight_gradient():
+    # LoRA's own gradients are the chain rule of a weight gradient: gA = s B^T gW, gB = s gW A^T
+    A, B, gW, _ = factors(3, r=4, d_in=9, d_out=6)
+    s = 2.0
+    gA, gB = s * B.T @ gW, s * gW @ A.T
+    got = tangent_factors(A, B, reconstruct(A, B, gA, gB, s), s)
+    torch.testing.assert_close(got[0], gA, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got[1], gB, rtol=1e-10, atol=1e-12)
+
+
+def per_domain_gradients(model, num_domains=3):
+    """Each domain's mean-loss LoRA gradients, by autograd in float64, and ERM's (the mean loss
+    over all sequences: every domain holds as many)."""
+    ids, attention, labels, domains = batch(seed=5, B=9, num_domains=num_domains)
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+    targets, mask = labels[:, 1:], labels[:, 1:] != -100
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.clamp_min(0).reshape(-1),
+                                           reduction="none").view(targets.shape)
+    losses = (ce * mask).sum(1) / mask.sum(1)
+    modules = find_lora_modules(model)
+    lora = [p for m in modules for p in (m.lora_A.weight, m.lora_B.weight)]
+    per_domain = [torch.autograd.grad(losses[domains == d].mean(), lora, retain_graph=True)
+                  for d in range(num_domains)]
+    erm = torch.autograd.grad(losses.mean(), lora)
+    grads = [ModuleGrads(m.name, m.index, m.lora_A.weight.detach(), m.lora_B.weight.detach(),
+                         torch.stack([per_domain[d][2 * i] for d in range(num_domains)]),
+                         torch.stack([per_domain[d][2 * i + 1] for d in range(num_domains)]), m.scaling)
+             for i, m in enumerate(modules)]
+    return grads, erm
+
+
+def float64_norms(model):
+    """LLaMA's RMSNorm computes in float32 whatever the model's dtype, which rounds every
+    gradient through it to float32: here it stays in float64."""
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.forward = lambda x, m=module: m.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
+                                                                             + m.variance_epsilon)
+    return model
+
+
+@pytest.fixture(scope="module")
+def real_gradients():
+    return per_domain_gradients(float64_norms(tiny_peft_llama(seed=0, dtype=F64)))
+
+
+@pytest.mark.parametrize("normalize", ["snr", "mean", "none"])
+def test_tau_zero_is_erm_on_a_real_model(real_gradients, normalize):
+    grads, erm = real_gradients
+    for path in ("reference", "fused"):
+        updates = get_method("iga", tau=0.0, normalize=normalize, implementation=path).combine(grads, 0)
+        for i, u in enumerate(updates):
+            torch.testing.assert_close(u.gA, erm[2 * i], rtol=1e-12, atol=1e-15)
+            torch.testing.assert_close(u.gB, erm[2 * i + 1], rtol=1e-12, atol=1e-15)
+    for u, m in zip(get_method("mean_no_mask").combine(grads, 0), grads):
+        assert torch.equal(u.gA, m.gA.mean(0)) and torch.equal(u.gB, m.gB.mean(0))
+
+
+def test_real_gradients_leave_nothing_outside_the_pseudo_inverse(real_gradients):
+    # no gauge part: the undamped map sends each domain's reconstruction back to its gradients
+    grads, _ = real_gradients
+    for m in grads:
+        gA, gB = tangent_factors(m.A, m.B, reconstruct(m.A, m.B, m.gA, m.gB, m.scaling), m.scaling)
+        torch.testing.assert_close(gA, m.gA, rtol=1e-9, atol=1e-12 * float(m.gA.abs().max()))
+        torch.testing.assert_close(gB, m.gB, rtol=1e-9, atol=1e-12 * float(m.gB.abs().max()))
+
+
+def test_the_svd_maps_are_not_erm_at_tau_zero(real_gradients):
+    # why they are ablations: truncation drops part of the rank-2r mean, the chain rule maps it again
+    grads, erm = real_gradients
+    for factors_map in ("split", "chain_rule"):
+        updates = get_method("iga", tau=0.0, projection="svd", factors=factors_map, svd="exact").combine(grads, 0)
+        worst = max(float((u.gB - erm[2 * i + 1]).norm() / erm[2 * i + 1].norm()) for i, u in enumerate(updates))
+        assert worst > 0.05, factors_map
+
+
+@pytest.mark.parametrize("normalize", ["snr", "mean"])
+@pytest.mark.parametrize("damping", [0.0, 0.1])
+def test_fused_tangent_matches_the_reference(real_gradients, normalize, damping):
+    grads, _ = real_gradients
+    fused = batched_iga(grads, tau=0.7, normalize=normalize, damping=damping, generators=[None] * len(grads))
+    for m, (gA, gB, stats) in zip(grads, fused):
+        rA, rB, rstats = iga_update(m.A, m.B, m.gA, m.gB, scaling=m.scaling, tau=0.7, normalize=normalize,
+                                    damping=damping)
+        torch.testing.assert_close(gA, rA, rtol=1e-9, atol=1e-12 * float(rA.abs().max()))
+        torch.testing.assert_close(gB, rB, rtol=1e-9, atol=1e-12 * float(rB.abs().max()))
+        for key in ("mask_mean", "mask_min", "energy_kept", "gir"):
+            assert float(stats[key]) == pytest.approx(rstats[key], rel=1e-9), key
+
+
+def test_the_mask_changes_the_update(real_gradients):
+    grads, erm = real_gradients
+    updates = get_method("iga", tau=2.0).combine(grads, 0)
+    moved = [float((u.gB - erm[2 * i + 1]).norm() / erm[2 * i + 1].norm()) for i, u in enumerate(updates)]
+    assert max(moved) > 1e-3
+
+
+OPTIONS = ("tau", "normalize", "projection", "factors", "damping")
+
+
+def test_one_default_per_option():
+    sources = {"iga_update": iga_update, "batched_iga": batched_iga, "IGA": IGA.__init__,
+               "MaskedProjectionMethod": MaskedProjectionMethod.__init__, "MeanNoMask": MeanNoMask.__init__}
+    defaults: dict[str, dict] = {}
+    for where, fn in sources.items():
+        for name, p in inspect.signature(fn).parameters.items():
+            if name in OPTIONS:
+                defaults.setdefault(name, {})[where] = p.default
+    for name in OPTIONS:
+        assert len(set(defaults[name].values())) == 1, (name, defaults[name])
+    assert defaults["projection"]["IGA"] == "tangent" and defaults["factors"]["IGA"] == "chain_rule"

@@ -1,0 +1,60 @@
+"""docs/PERFORMANCE.md's table is the archived runs' JSON, as bench/perf_table.py renders it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import perf_table  # bench/ is on the path: pytest's pythonpath option (pyproject.toml)
+
+
+def test_the_table_in_the_doc_is_the_archive():
+    text = perf_table.DOC.read_text(encoding="utf-8")
+    assert perf_table.render(text, perf_table.table()) == text, "run python bench/perf_table.py --write"
+
+
+def _step_run(card: str, ratio: float) -> dict:
+    return {"env": {"card": card}, "settings": {"rounds": 2, "steps": 8},
+            "results": [{"method": "erm", "step_ms": 800.0},
+                        {"method": "iga_bf16_q1p16", "step_ms": 800.0 * ratio, "ratio_step": ratio,
+                         "ratio_step_interval90": [0.9, 1.1], "ratio_peak": 1.0111, "method_ms": 14.96,
+                         "boundary_other_ms": 2.04}]}
+
+
+def _archive(root, index_rows: list[str], files: dict[str, dict]):
+    root.mkdir()
+    (root / "README.md").write_text("| campaign | archived | commit | what | feeds |\n|---|---|---|---|---|\n"
+                                    + "".join(f"{row}\n" for row in index_rows))
+    for name, content in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(json.dumps(content))
+
+
+def test_the_latest_campaign_per_card_and_benchmark_gives_the_rows(tmp_path):
+    results = tmp_path / "results"
+    _archive(results, ["| [old](old/) | 2026-01-01 10:00 | aaaaaaa | x | y |",
+                       "| [new](new/) | 2026-01-02 10:00 | bbbbbbb | x | y |"],
+             {"old/machine-A-bench_step_1gpu.json": _step_run("Card X", 0.5),
+              "old/machine-A-bench_step_2gpu.json": _step_run("Card X", 0.7),
+              "new/machine-B-bench_step_1gpu.json": _step_run("Card X", 1.01532),
+              "new/machine-C-bench_step_1gpu.json": _step_run("Card X", 0.99),
+              "new/machine-C-bench_step_1gpu_variant.json": _step_run("Card X", 3.0),  # not the benchmark's name
+              "new/machine-D-bench_step_1gpu.json": _step_run("Card Y", 0.98)})
+    lines = perf_table.table(results).splitlines()
+    assert lines[0] == perf_table.HEADER and len(lines) == 6
+    assert lines[2] == ("| Card X | step, 1 GPU | `iga_bf16_q1p16`: step / ERM 1.015 (0.900-1.100), peak / ERM 1.011, "
+                        "method 15.0 ms, other 2.0 ms (2 x 8 steps) | [new](../results/new/) | 2026-01-02 10:00, bbbbbbb |")
+    assert "step / ERM 0.990" in lines[3]
+    assert lines[4].startswith("| Card X | step, 2 GPUs | `iga_bf16_q1p16`: step / ERM 0.700") and "[old]" in lines[4]
+    assert lines[5].startswith("| Card Y | step, 1 GPU |")
+    doc = f"intro\n{perf_table.BEGIN}\nold table\n{perf_table.END}\nrest\n"
+    fresh = perf_table.render(doc, "\n".join(lines))
+    assert fresh == f"intro\n{perf_table.BEGIN}\n" + "\n".join(lines) + f"\n{perf_table.END}\nrest\n"
+    assert perf_table.render(fresh, "\n".join(lines)) == fresh
+
+
+def test_a_run_outside_the_index_is_refused(tmp_path):
+    results = tmp_path / "results"
+    _archive(results, [], {"unlisted/bench_step_1gpu.json": _step_run("Card X", 1.0)})
+    with pytest.raises(SystemExit, match="unlisted"):
+        perf_table.table(results)
