@@ -1,6 +1,6 @@
-"""``iga-ds experiment``, ``iga-ds report``, ``iga-ds pack`` and ``iga-ds demo``.
+"""``iga-ds experiment``, ``iga-ds report``, ``iga-ds pack``, ``iga-ds demo`` and ``iga-ds diagnose``.
 
-``experiment``, ``report`` and ``demo`` import what they run when they run, not when the parser
+``experiment``, ``report``, ``demo`` and ``diagnose`` import what they run when they run, not when the parser
 is built: it loads torch, which would slow ``iga-ds --help`` and every other command's
 start-up. ``pack`` loads no heavy library and is imported at the top.
 """
@@ -13,11 +13,12 @@ from typing import Any
 
 from iga_ds.errors import ConfigError, UserError
 from iga_ds.experiments import pack as archive
-from iga_ds.files import check_output_dir
+from iga_ds.files import check_output_dir, check_output_file
 
 
 def register(subparsers: Any) -> None:
     _register_report(subparsers)
+    _register_diagnose(subparsers)
 
     pk = subparsers.add_parser(
         "pack",
@@ -150,3 +151,67 @@ def run_demo(args: argparse.Namespace) -> int:
     check_output_dir(args.out)
     demo(args.out, methods=methods, steps=args.steps)
     return 0
+
+
+def _register_diagnose(subparsers: Any) -> None:
+    dg = subparsers.add_parser(
+        "diagnose",
+        help="how much of the task and of a planted cue each method's update keeps, as shares of ERM's",
+        description="On a run's adapter (or a base with a fresh adapter) and the first K isomer groups of --data "
+        "(records with meta.cue): per-domain LoRA gradients of the cue records and of their no-cue twins; the task "
+        "direction t (no-cue mean) and the cue direction c (cue mean minus t); each method's update U of the cue "
+        "gradients, and <U, d> / <U_erm, d>, cosines and spreads in weight and factor space (docs/DIAGNOSE.md).",
+    )
+    dg.add_argument("--run", required=True, help="a training run's folder, an adapter folder, or a base model "
+                    "(builtin:tiny, a folder, a hub id, a .gguf file) given a fresh adapter")
+    dg.add_argument("--data", required=True, help="isomer records whose problems carry their meta.cue sentence")
+    dg.add_argument("--groups", type=int, required=True, metavar="K", help="use the first K complete groups")
+    dg.add_argument("--method", action="append", default=[], metavar="NAME[:KEY=VALUE,...]",
+                    help="a method and its parameters, e.g. iga:tau=0.5 or sand_mask (repeatable; erm, the "
+                    "reference, is always measured)")
+    dg.add_argument("--out", required=True, help="JSON file to write")
+    dg.add_argument("--batch-size", type=int, default=4, help="instances per backward (one domain at a time)")
+    dg.add_argument("--max-length", type=int, help="tokens per instance (default: the run's, else 512)")
+    dg.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    dg.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    dg.add_argument("--lora-r", type=int, help="fresh adapter only: the LoRA rank (default 16)")
+    dg.add_argument("--lora-alpha", type=float, help="fresh adapter only: LoRA alpha (default 32)")
+    dg.add_argument("--target-modules", help="fresh adapter only: comma-separated layer names (default q,k,v,o_proj)")
+    dg.add_argument("--init-b-std", type=float, default=0.0,
+                    help="fresh adapter only: draw B from N(0, STD^2) (PEFT starts B at zero: no A gradient)")
+    dg.add_argument("--seed", type=int, default=0, help="fresh adapter only: the seed of its initialization")
+    dg.add_argument("--no-progress", action="store_true")
+    dg.set_defaults(func=run_diagnose)
+
+
+def run_diagnose(args: argparse.Namespace) -> int:
+    from iga_ds.experiments import diagnose as dg
+
+    for flag, value in (("--groups", args.groups), ("--batch-size", args.batch_size), ("--max-length", args.max_length),
+                        ("--lora-r", args.lora_r)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} {value}: expected a positive integer")
+    if not args.init_b_std >= 0 or (args.lora_alpha is not None and not args.lora_alpha > 0):
+        raise UserError("--init-b-std must be >= 0 and --lora-alpha > 0")
+    given = [args.lora_r, args.lora_alpha, args.target_modules, args.init_b_std or None, args.seed or None]
+    fresh = _fresh_adapter(dg.FreshLora(seed=args.seed, init_b_std=args.init_b_std), args) \
+        if any(x is not None for x in given) else None  # None: none of them given, the run's adapter is welcome
+    check_output_file(args.out)
+    dg.build_methods(args.method)  # a bad --method fails before the data and the model are read
+    settings = dg.Settings(args.run, args.data, args.groups, args.method, args.out, args.batch_size,
+                           args.max_length, args.dtype, args.device, fresh, not args.no_progress)
+    result = dg.diagnose(settings)
+    print(dg.format_table(result))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _fresh_adapter(fresh: Any, args: argparse.Namespace) -> Any:
+    """The fresh adapter's settings with its rank, alpha and layers, where given."""
+    fresh.r = args.lora_r or fresh.r
+    fresh.alpha = args.lora_alpha or fresh.alpha
+    if args.target_modules is not None:
+        fresh.target_modules = [t.strip() for t in args.target_modules.split(",") if t.strip()]
+        if not fresh.target_modules:
+            raise UserError(f"--target-modules {args.target_modules!r}: expected comma-separated layer names")
+    return fresh
