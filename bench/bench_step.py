@@ -22,12 +22,8 @@ Methods: ``erm`` (DeepSpeed's own path: LoRA gradients reduced after every micro
 ``erm_captured`` (the same update through the hook's capture, reduced once per step),
 ``iga`` (the registered method, module by module), ``iga_fused``
 (the same method through :func:`iga_ds.methods.iga.fused.batched_iga`), ``iga_bf16`` (that
-path with ``precision: bf16``), ``iga_bf16_q1`` (bf16 with one power iteration) and
-``iga_bf16_q1p16`` (bf16, one power iteration, oversampling 16: the setting the precision rule
-of ``bench/bench_method.py --model`` holds two passes cheaper); ``iga-wK`` and
-``iga_fused-wK`` run the hook with ``overlap_waves`` K (the modules in K waves, so that one
-wave's collectives overlap another's method; the default is the hook's own), e.g.
-``--gpus 2 --methods erm,iga_fused-w1,iga_fused-w2,iga_fused-w4``.
+path with ``precision: bf16``) and ``iga_svd_bf16_q1p16`` (the rank-r SVD projection ablation
+in bf16, one power iteration, oversampling 16).
 Measured per method: median optimizer-step time over ``--steps`` steps after ``--warmup``
 (``torch.cuda.synchronize`` around each), tokens per second (all ranks), peak memory
 (``torch.cuda.max_memory_allocated``, max over ranks), each step's forward-and-backward and
@@ -43,7 +39,7 @@ self CPU time without CUDA) and ``DIR/<method>_rank<r>_summary.json`` (wall time
 steps, total self CPU and CUDA time, the top 25 ops, and the script's ranges ``forward``,
 ``loss``, ``backward`` and ``optimizer_step``); ``--profile-trace`` adds a Chrome trace
 ``DIR/<method>_rank<r>_trace.json`` (large; ``--profile-stack`` records Python stacks in it,
-which slows the host, and ``bench/trace_gaps.py`` reads it). Total self CUDA time well below the wall time
+which slows the host, and ``tools/trace_gaps.py`` reads it). Total self CUDA time well below the wall time
 means the GPU waits for the host; the ranges say in which phase:
 
     python bench/bench_step.py --gpus 1 --steps 5 --profile prof --out step.json
@@ -71,10 +67,10 @@ from iga_ds.engine.internals import disable_cpu_shm_comm_op
 from iga_ds.files import atomic_write_json
 from iga_ds.train.batching import sequence_losses
 
-METHODS = ("erm", "erm_captured", "iga", "iga_fused", "iga_bf16", "iga_bf16_q1", "iga_bf16_q1p16")
-# the fused variants that fix their precision (iga_fused takes --precision) and power iterations
-FIXED_VARIANTS = {"iga_bf16": {"precision": "bf16"}, "iga_bf16_q1": {"precision": "bf16", "power_iters": 1},
-                  "iga_bf16_q1p16": {"precision": "bf16", "power_iters": 1, "oversample": 16}}
+METHODS = ("erm", "erm_captured", "iga", "iga_fused", "iga_bf16", "iga_svd_bf16_q1p16")
+# the fused variants that fix their precision (iga_fused takes --precision) and projection
+FIXED_VARIANTS = {"iga_bf16": {"precision": "bf16"},
+                  "iga_svd_bf16_q1p16": {"precision": "bf16", "projection": "svd", "power_iters": 1, "oversample": 16}}
 DOMAINS = ["math", "medical", "legal", "science"]
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 PROFILE_STEPS = 2
@@ -123,17 +119,11 @@ def micro_batches(args, vocab: int, device, step: int):
         yield ids, torch.ones_like(ids), torch.arange(args.micro) % len(DOMAINS)
 
 
-def method_variant(name: str) -> tuple[str, int | None]:
-    """``iga_fused-w4`` -> (``iga_fused``, 4): a method of METHODS and the hook's overlap_waves
-    (None: the hook's default). Raises ValueError naming what was expected."""
-    base, sep, waves = name.partition("-w")
-    if base not in METHODS:
-        raise ValueError(f"unknown {name!r}; expected one of {', '.join(METHODS)}, optionally with -wK")
-    if not sep:
-        return base, None
-    if base == "erm" or not waves.isdigit() or int(waves) < 1:
-        raise ValueError(f"{name!r}: -wK takes a whole number of waves K >= 1, after an iga method")
-    return base, int(waves)
+def check_method(name: str) -> str:
+    """``name`` if it is one of METHODS; else ValueError naming what was expected."""
+    if name not in METHODS:
+        raise ValueError(f"unknown {name!r}; expected one of {', '.join(METHODS)}")
+    return name
 
 
 def optimizer_step(engine, hook, args, vocab: int, device, step: int, mark, clock: PhaseClock | None = None) -> None:
@@ -198,17 +188,15 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
     optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(args, world))
     # "iga" is the per-module reference path, "iga_fused" the batched fast path, "iga_bf16" that
-    # path in bf16 (and "_q1" with one power iteration, "_q1p16" also oversampling 16): one method
-    base, waves = method_variant(method)
+    # path in bf16: one method
+    base = check_method(method)
     iga_params = {} if base.startswith("erm") else {
         "tau": args.tau, "normalize": args.normalize,
         "implementation": "reference" if base == "iga" else "fused",
         **({"precision": args.precision} if base == "iga_fused" else FIXED_VARIANTS.get(base, {})),
     }
     hook = attach(engine, HookConfig(method=base if base.startswith("erm") else "iga", params=iga_params,
-                                    domains=list(DOMAINS), fused_gradient_checks=not args.deepspeed_checks,
-                                    freeze_gc=not args.python_gc,
-                                    **({"overlap_waves": waves} if waves else {})))
+                                    domains=list(DOMAINS)))
     one_step = functools.partial(optimizer_step, engine, hook, args, config["vocab_size"], device)
 
     # each timed step in two phases, split where engine.step() begins on the device (an event,
@@ -220,7 +208,7 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
 
     for step in tqdm(range(args.warmup + args.steps), desc=method, disable=rank != 0):
         if step == args.warmup:
-            # what a full collection scans, and what the hook froze out of it (iga.freeze_gc)
+            # what a full collection scans, and what the hook froze out of it
             tracked = {"gc_tracked": len(gc.get_objects()), "gc_frozen": gc.get_freeze_count()}
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
@@ -467,7 +455,7 @@ def summarize(results: list[dict], env: dict, args) -> dict:
                 r["boundary_other_ms"] = r["boundary_ms"] - erm["boundary_ms"] - r["method_ms"] - r["comm_ms"]
     settings = {k: getattr(args, k, None) for k in ("micro", "seq", "gas", "rank", "alpha", "dtype", "tau", "normalize",
                                                     "warmup", "steps", "rounds", "layers", "hidden", "config",
-                                                    "grad_ckpt", "deepspeed_checks", "python_gc")}
+                                                    "grad_ckpt")}
     return {"env": env, "settings": settings, "results": results}
 
 
@@ -475,9 +463,7 @@ def print_table(report: dict) -> None:
     env, s = report["env"], report["settings"]
     print("\n" + environment_line(env))
     print(f"micro-batch {s['micro']} x {s['seq']} tokens, accumulation {s['gas']}, "
-          f"LoRA r {s['rank']} alpha {s['alpha']}, {s['dtype']}, median of {s['steps']} steps after {s['warmup']}"
-          + (", DeepSpeed's own per-tensor gradient checks" if s.get("deepspeed_checks") else "")
-          + (", Python's own garbage collector" if s.get("python_gc") else ""))
+          f"LoRA r {s['rank']} alpha {s['alpha']}, {s['dtype']}, median of {s['steps']} steps after {s['warmup']}")
     head = ["method", "step ms", "tok/s", "tok/s/GPU", "peak GiB", "fwd+bwd ms", "boundary ms", "method ms",
             "comm ms", "capture ms", "other ms", "step x", "peak x"]
     print("".join(f"{h:>12}" for h in head))
@@ -649,7 +635,7 @@ def strip_profile_args(argv: list[str]) -> list[str]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--methods", default="erm,iga_fused,iga",
-                   help=f"comma-separated, from {', '.join(METHODS)}; iga and iga_fused take -wK: K overlap waves")
+                   help=f"comma-separated, from {', '.join(METHODS)}")
     p.add_argument("--gpus", type=int, default=1, help="processes per method when not under a launcher")
     p.add_argument("--config", help="Hugging Face config JSON (default: LLaMA-2-7B)")
     p.add_argument("--layers", type=int, help="keep this many layers (smoke tests)")
@@ -671,11 +657,6 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=1,
                    help="run the methods this many times, reversing their order every other round; steps pooled")
     p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing (non-reentrant)")
-    p.add_argument("--deepspeed-checks", action="store_true",
-                   help="DeepSpeed's own per-tensor NaN/Inf test and gradient norm (iga.fused_gradient_checks "
-                        "false), to compare with the hook's multi-tensor ones")
-    p.add_argument("--python-gc", action="store_true",
-                   help="Python's own garbage collector, not the hook's frozen one (iga.freeze_gc false)")
     p.add_argument("--out", default="bench_step.json")
     p.add_argument("--profile", metavar="DIR",
                    help=f"after the timed steps, profile {PROFILE_STEPS} more per method; tables, summaries to DIR")
@@ -688,7 +669,7 @@ def parse_args(argv=None):
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for name in args.methods:
         try:
-            method_variant(name)
+            check_method(name)
         except ValueError as exc:
             p.error(f"--methods: {exc}")
     if args.rounds < 1:

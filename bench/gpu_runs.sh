@@ -6,10 +6,10 @@
 #   capture: bench_capture.py's capture against PyTorch's own LoRA gradients, the 128 layers alone
 #           and in the 7B model
 #   targetsN: the step as docs/PERFORMANCE.md's targets read it: DeepSpeed's ERM against
-#           iga_bf16_q1p16, 2 rounds of 16 steps, on N GPUs
+#           iga_bf16 (the shipped method in bf16), 2 rounds of 16 steps, on N GPUs
 #   stepN:  bench_step.py on N GPUs (erm and the fused iga; add iga=reference with STEP_METHODS)
 #   tf32stepN: the fused iga with TF32 tensor cores on N GPUs
-#   bf16stepN: erm, the fused iga and its bf16 variants (iga_bf16, iga_bf16_q1p16) on N GPUs
+#   bf16stepN: erm, the fused iga, its bf16 form and the SVD ablation in bf16 on N GPUs
 #   rule:   bench_method with the precision rule on the model file or folder in RULE_MODEL
 # Each stage has its own time limit so one slow stage cannot eat the others' output.
 set -uo pipefail
@@ -36,7 +36,7 @@ for s in "$@"; do
     checks)
       IGA_DS_RESULTS="$out" stage gpu_tests 560 python3 -m pytest -q -s -p no:cacheprovider -m gpu \
         tests/test_ds_hook_gpu.py tests/test_fused.py tests/test_capture.py tests/test_bench_profile.py \
-        tests/test_jacobi.py
+        tests/test_jacobi.py tests/test_iga_tangent.py
       stage bench_method 240 python3 bench/bench_method.py --out "$out/bench_method.json"
       ;;
     capture)
@@ -47,7 +47,7 @@ for s in "$@"; do
     targets*)
       n=${s#targets}
       stage "bench_step_${n}gpu_targets" 560 python3 bench/bench_step.py --gpus "$n" \
-        --methods erm,iga_bf16_q1p16 --rounds 2 --steps 16 --out "$out/bench_step_${n}gpu_targets.json"
+        --methods erm,iga_bf16 --rounds 2 --steps 16 --out "$out/bench_step_${n}gpu_targets.json"
       ;;
     rule)
       stage bench_method_rule 420 python3 bench/bench_method.py --model "${RULE_MODEL:?set RULE_MODEL}" \
@@ -56,7 +56,7 @@ for s in "$@"; do
     bf16step*)
       n=${s#bf16step}
       stage "bench_step_${n}gpu_bf16" 560 python3 bench/bench_step.py --gpus "$n" \
-        --methods "${BF16_METHODS:-erm,iga_fused,iga_bf16,iga_bf16_q1p16}" --rounds "${STEP_ROUNDS:-2}" \
+        --methods "${BF16_METHODS:-erm,iga_fused,iga_bf16,iga_svd_bf16_q1p16}" --rounds "${STEP_ROUNDS:-2}" \
         --steps "${STEP_STEPS:-8}" --warmup 2 --out "$out/bench_step_${n}gpu_bf16.json"
       ;;
     tf32step*)

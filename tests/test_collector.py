@@ -97,14 +97,6 @@ def test_a_holder_stopped_after_the_exit_handler_unfroze_keeps_the_count_at_zero
     assert gc.get_freeze_count() == 0
 
 
-def test_disabled_leaves_the_collector_alone():
-    collector = FrozenCollector(enabled=False)
-    collector.start()
-    assert gc.get_freeze_count() == 0
-    collector.stop()
-    assert FrozenCollector._holders == 0
-
-
 EXIT_PROGRAM = """
 import gc
 from iga_ds.engine.collector import FrozenCollector
@@ -117,7 +109,7 @@ class Node:
         print("finalized", flush=True)
 
 node = Node()
-FrozenCollector(enabled={enabled}).start()  # never stopped
+FrozenCollector().start()  # never stopped
 del node
 """
 
@@ -125,8 +117,6 @@ del node
 def test_objects_left_frozen_are_finalized_at_exit():
     """A hook never detached: what it froze is unfrozen at exit, so the interpreter's last
     collection (which skips frozen objects) finalizes it, as it does without the freeze."""
-    for enabled in (True, False):
-        proc = subprocess.run([sys.executable, "-c", EXIT_PROGRAM.format(enabled=enabled)],
-                              capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 0, proc.stderr
-        assert proc.stdout.strip() == "finalized", (enabled, proc.stdout, proc.stderr)
+    proc = subprocess.run([sys.executable, "-c", EXIT_PROGRAM], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "finalized", (proc.stdout, proc.stderr)

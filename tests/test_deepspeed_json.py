@@ -226,6 +226,18 @@ def test_what_the_engine_hook_cannot_run_is_one_line_naming_the_key(raw, key):
     assert text.startswith(f"ds.json: {key}"), text
 
 
+@pytest.mark.parametrize("key, value", [("overlap_waves", 2), ("owner_balance", "round_robin"),
+                                        ("fused_gradient_checks", False), ("freeze_gc", False)])
+def test_a_removed_hook_setting_is_an_unknown_key(key, value):
+    # performance switches folded into the hook's one behaviour (docs/HOOK.md)
+    from iga_ds.engine import split_config
+
+    text = _one_line_error(_run(), {"zero_optimization": {"stage": 2}, "iga": {key: value}})
+    assert f"{key}: unknown key; expected one of: method, params" in text, text
+    with pytest.raises(ConfigError, match=rf"^iga\.{key}: unknown key; expected one of: method, params, "):
+        split_config({"iga": {key: value}})
+
+
 def test_reduce_bucket_size_auto_is_hidden_size_squared_as_the_hf_trainer_fills_it(tmp_path):
     from transformers import GPT2Config
 

@@ -12,7 +12,6 @@ import torch
 
 from dist_helpers import launch
 from ds_worker import global_batch, make_optimizer
-from iga_ds.engine import HookConfig
 from iga_ds.lora.modules import find_lora_modules
 from iga_ds.methods import ModuleGrads, available_methods, get_method
 from tiny_models import sequence_losses, tiny_peft_llama
@@ -124,9 +123,6 @@ class SharedRun:
 CASES = [
     ("iga", {"tau": 0.5, "normalize": "mean"}, 1, EVEN_2x1, {}),
     ("iga", {"tau": 0.5, "normalize": "snr"}, 2, UNEVEN_2x2, {"overlap_comm": True}),
-    # the method overlapped with its collectives: two waves, and one per module (the default is one)
-    ("iga", {"tau": 0.5, "normalize": "mean"}, 2, UNEVEN_2x2, {"waves": 2}),
-    ("iga", {"tau": 0.5, "normalize": "mean"}, 2, UNEVEN_2x2, {"waves": 50}),
     ("iga", {"tau": 1.0, "normalize": "mean"}, 2, EVEN_2x2, {"bucket": 200, "clip": 0.05}),
     ("erm", {}, 2, UNEVEN_2x2, {"overlap_comm": True, "bucket": 200}),
     ("erm", {}, 1, EVEN_2x1, {}),
@@ -140,7 +136,7 @@ CASES = [
 ]
 
 
-CASE_IDS = [f"{c[0]}-gas{c[2]}-{'-'.join(f'{k}{v}' if k in ('stage', 'waves') else k for k, v in c[4].items()) or 'plain'}"
+CASE_IDS = [f"{c[0]}-gas{c[2]}-{'-'.join(f'{k}{v}' if k == 'stage' else k for k, v in c[4].items()) or 'plain'}"
             for c in CASES]
 
 
@@ -176,14 +172,14 @@ def test_two_processes_match_single_process_reference(shared, case_id, method, p
     got = shared.result(f"case/{case_id}")
     if extra.get("stage", 2) > 0:  # ZeRO-0 partitions nothing
         assert got["straddles"], "the test model should have a LoRA tensor cut by the ZeRO partition boundary"
-    assert_params_close(got["params"], reference(s))
+    # IGA's pseudo-inverse (r x r solves on Grams) amplifies the float32 rounding of the two
+    # paths' gradient sums a little: 3 AdamW steps of 1e-2 move each parameter by up to 3e-2
+    assert_params_close(got["params"], reference(s), atol=3e-5 if method == "iga" else 1e-5)
     # methods that combine per-domain gradients own the LoRA factors' gradients under ZeRO-2
     # (backward leaves them to the capture); the others, and other stages, keep the plain path
     owns = get_method(method, **params).needs_domain_gradients and extra.get("stage", 2) == 2
     assert got["owns_gradients"] == owns
     assert got["reused_zeros"] == owns  # and ZeRO-2 is handed persistent zeros for them
-    if get_method(method, **params).scope == "module":  # the tiny model has 8 LoRA modules
-        assert got["waves"] == min(extra.get("waves", HookConfig().overlap_waves), 8)
     if method == "iga":
         assert 0 < got["stats"][-1]["mask_mean"] <= 1 and got["stats"][-1]["gir"] > 0
 

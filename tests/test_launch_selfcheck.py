@@ -44,6 +44,17 @@ def test_missing_op_fails_with_one_line_and_exit_1(single_process, capsys):
     assert "no_such_op" in err[0]
 
 
+def test_op_builders_moved_in_deepspeed_fail_with_one_line(single_process, monkeypatch, capsys):
+    # probed through engine.internals, the one seam on DeepSpeed's internals
+    import deepspeed
+
+    monkeypatch.setitem(sys.modules, "deepspeed.ops.op_builder.all_ops", None)  # its import fails
+    assert main(["selfcheck"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("iga-ds selfcheck: FAILED on rank 0/1")
+    assert f"deepspeed {deepspeed.__version__}: the op builders" in err[0]
+
+
 def test_memory_floor_and_bad_timeout(single_process, capsys):
     assert main(["selfcheck", "--skip-ops", "--min-free-gib", "1e9"]) == 1
     assert "host memory free" in capsys.readouterr().err

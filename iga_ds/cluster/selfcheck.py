@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from importlib import metadata
 
 from iga_ds.cluster.ranks import DistEnv, apply_dist_env, describe, resolve_dist_env
+from iga_ds.engine.internals import deepspeed_op_status
+from iga_ds.errors import UserError
 
 PACKAGES = ("torch", "deepspeed", "transformers", "peft", "iga-ds")
 EXIT_FAILED = 1
@@ -103,22 +105,16 @@ def accelerator_info() -> dict:
 def deepspeed_ops() -> dict[str, dict[str, bool]]:
     """For each op DeepSpeed knows: prebuilt into the install, and compatible (could JIT-build).
 
-    Uses the builders' own ``is_compatible`` probes (cheap: header and toolkit checks); DeepSpeed
-    prints warnings while probing, which are kept out of the report.
+    The op builders are DeepSpeed's internals, read through ``engine.internals``; DeepSpeed
+    prints warnings while probing, which are kept out of the report. A DeepSpeed whose builders
+    moved fails the check with the line naming them.
     """
     noise = io.StringIO()
     with contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise):
-        from deepspeed.git_version_info import installed_ops
-        from deepspeed.ops.op_builder.all_ops import ALL_OPS
-        from deepspeed.ops.op_builder.builder import probe_is_compatible
-
-        result = {}
-        for name, builder in sorted(ALL_OPS.items()):
-            result[name] = {
-                "installed": bool(installed_ops.get(name, False)),
-                "compatible": bool(probe_is_compatible(builder, False)),
-            }
-    return result
+        try:
+            return deepspeed_op_status()
+        except UserError as exc:
+            raise SelfcheckFailure(str(exc)) from None
 
 
 def memory_info(dist: DistEnv, kind: str) -> dict:

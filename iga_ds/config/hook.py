@@ -8,11 +8,7 @@ Example block (every field optional)::
       "domains": ["math", "medical", "legal", "science"],
       "seed": 0,
       "skip_nonfinite": true,
-      "timeout_s": 600,
-      "owner_balance": "out_x_in",
-      "overlap_waves": 1,
-      "fused_gradient_checks": true,
-      "freeze_gc": true
+      "timeout_s": 600
     }
 
 ``iga-ds train`` also takes ``method`` and ``domains`` from the run YAML (``method.name``,
@@ -22,7 +18,7 @@ value set differently in both files is an error naming both (:mod:`iga_ds.config
 from __future__ import annotations
 
 import copy
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import field_validator
 
@@ -55,20 +51,6 @@ class HookConfig(Section):
                                 "stops the others; also the trainer's peer timeout: a rank whose heartbeat is "
                                 "silent this long is named as lost and the others exit",
                                 expected="a positive number of seconds", gt=0)
-    owner_balance: Literal["out_x_in", "round_robin"] = setting(
-        "out_x_in", "how modules are assigned to the ranks that combine them: by their out x in size, or in turn")
-    overlap_waves: int = setting(1, "above 1: modules go in this many waves, one wave's collectives running while "
-                                 "another's method does (measured slower so far: docs/PERFORMANCE.md)",
-                                 expected="a whole number of waves, at least 1", ge=1)
-
-    fused_gradient_checks: bool = setting(
-        True, "DeepSpeed's per-step NaN/Inf test and gradient norm as a few multi-tensor kernels for all "
-        "gradients, not several kernels per tensor (the same results; false: DeepSpeed's own loops)")
-    freeze_gc: bool = setting(
-        True, "freeze the objects alive when the hook attaches (the libraries, the model) out of Python's garbage "
-        "collections until it detaches: IGA's capture otherwise brings on a full collection of every object "
-        "now and then (first near a run's sixth step), a third of a second (iga_ds/engine/collector.py; "
-        "false: Python's own collector)")
 
     @field_validator("domains")
     @classmethod

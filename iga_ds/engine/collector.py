@@ -16,7 +16,8 @@ freezes (garbage frozen would stay) and unfreezes at detach, or at exit for a ho
 detached (else objects left frozen are never finalized: no ``__del__``, and native bindings
 report them as leaked). With several hooks attached, the first to attach freezes and the last
 to detach unfreezes. Objects that something else froze before are unfrozen with the hook's:
-freezing changes when memory is scanned, never what a program computes.
+freezing changes when memory is scanned, never what a program computes, so the hook always
+does it (docs/results/h200-2026-11-28-collector/ measured it).
 """
 from __future__ import annotations
 
@@ -30,12 +31,11 @@ class FrozenCollector:
     # instances between start and stop: the first freezes, the last unfreezes
     _holders = 0
 
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
+    def __init__(self):
         self._holding = False
 
     def start(self) -> None:
-        if not self.enabled or self._holding:
+        if self._holding:
             return
         if FrozenCollector._holders == 0:
             gc.collect()  # garbage frozen now (an earlier model's cycles) would stay until detach

@@ -9,11 +9,12 @@ Flow of one optimizer step (K isomer groups over R ranks and G accumulation micr
    wraps: domain counts are summed over ranks; the buffer is reduce-scattered so that each
    module's N sums land on its owner; owners divide by the counts and run the method with a
    sketch seeded by (step, module index), so the result does not depend on the world size;
-   an all-gather brings every module's new factor gradients to every rank. With
-   ``overlap_waves`` above 1 this happens wave by wave, one wave's collectives in flight
-   while another's method runs (:func:`run_waves`).
+   an all-gather brings every module's new factor gradients to every rank.
 3. The new gradients replace the reduced ones in ZeRO's partitions, then the original step
    runs (clipping and AdamW see the method's gradient).
+
+Everything the hook does to DeepSpeed's objects goes through ``engine.internals``, which
+checks at attach that each internal it uses is there.
 """
 from __future__ import annotations
 
@@ -40,8 +41,10 @@ from iga_ds.engine.internals import (
     skip_optimizer_step,
     stop_reusing_zero_gradients,
     unfuse_gradient_checks,
+    unwrap_step,
+    wrap_step,
 )
-from iga_ds.engine.layout import Wave, build_layout, run_waves
+from iga_ds.engine.layout import build_layout
 from iga_ds.errors import ConfigError
 from iga_ds.lora.capture import DomainGradientCapture
 from iga_ds.lora.modules import LoraModule, find_lora_modules
@@ -60,7 +63,14 @@ class EngineHook:
         self.method = config.build_method()
         # the per-module statistics the method declares, carried back from owners in fixed slots
         self.stat_keys = tuple(stat.name for stat in self.method.statistics if stat.combine != "model")
-        check_engine(engine, self.method.needs_domain_gradients)
+        self.modules: list[LoraModule] = []
+        if self.method.needs_domain_gradients:
+            self.modules = find_lora_modules(engine.module)
+            if not self.modules:
+                raise ConfigError("the model has no trainable LoRA linear layers: wrap it with peft.get_peft_model "
+                                  "first")
+        # before anything is changed: every DeepSpeed internal used below is there
+        check_engine(engine, self.method.needs_domain_gradients, self._factors())
         self.num_domains = config.num_domains
         self.device = torch.device(engine.device)
         self._stats: dict = {}
@@ -70,31 +80,28 @@ class EngineHook:
         self._micro_batch_seconds = 0.0
         self.comm = Collectives(timeout_s=config.timeout_s)
         self.capture: DomainGradientCapture | None = None
-        self.modules: list[LoraModule] = []
         if self.method.needs_domain_gradients:
             self._setup_capture()
         # for every method, ERM included: a host-bound step pays for DeepSpeed's per-tensor checks
-        self.fused_checks = config.fused_gradient_checks and fuse_gradient_checks(engine.optimizer)
-        self._original_step = engine.optimizer.step
-        engine.optimizer.step = self._boundary_step
+        self.fused_checks = fuse_gradient_checks(engine.optimizer)
+        self._original_step = wrap_step(engine.optimizer, self._boundary_step)
         # IGA's capture would otherwise bring on full collections of every object in the process
-        self.collector = FrozenCollector(config.freeze_gc)
+        self.collector = FrozenCollector()
         self.collector.start()
 
     # -- setup -----------------------------------------------------------------------------
+    def _factors(self) -> list[torch.nn.Parameter]:
+        """The LoRA factors the method's gradient is written into: A then B of each module."""
+        return [w for m in self.modules for w in (m.lora_A.weight, m.lora_B.weight)]
+
     def _setup_capture(self) -> None:
-        self.modules = find_lora_modules(self.engine.module)
-        if not self.modules:
-            raise ConfigError("the model has no trainable LoRA linear layers: wrap it with peft.get_peft_model first")
         lora_ids = {id(p) for m in self.modules for p in (m.lora_A.weight, m.lora_B.weight)}
         others = [n for n, p in self.engine.module.named_parameters() if p.requires_grad and id(p) not in lora_ids]
         if others:
             log.warning("%s acts on LoRA factors only; %d other trainable tensors (e.g. %s) keep the plain gradient",
                         self.method.name, len(others), others[0])
         N, W = self.num_domains, self.comm.world_size
-        # waves overlap the method with collectives; one rank has none to overlap
-        waves = self.config.overlap_waves if W > 1 and self.method.scope == "module" else 1
-        self.layout = build_layout(self.modules, W, N, waves, self.config.owner_balance, num_stats=len(self.stat_keys))
+        self.layout = build_layout(self.modules, W, N, num_stats=len(self.stat_keys))
         self.flat_in = torch.zeros(self.layout.in_size, dtype=torch.float32, device=self.device)
         buffers = []
         for m in self.modules:
@@ -105,9 +112,9 @@ class EngineHook:
             buffers.append((gA, gB))
         self.buffers = buffers
         # the method takes the factors in float32; A then B of each module, in module order
-        self._weights = Float32Copies([w for m in self.modules for w in (m.lora_A.weight, m.lora_B.weight)])
+        self._weights = Float32Copies(self._factors())
         self._stable_grads: StableModules | None = None  # the modules of every step, where stable (bf16)
-        self._writer = FullGradWriter(self._weights.tensors)
+        self._writer = FullGradWriter(self._weights.tensors, self.engine.optimizer)
         # the capture owns the factors' gradients where DeepSpeed copes with none from backward:
         # the method's result replaces them at the boundary, so computing and reducing them
         # every micro-batch would be wasted
@@ -122,14 +129,8 @@ class EngineHook:
         self._stat_index = torch.tensor(
             [self.layout.out_offsets[m.index] + m.rank * m.in_features + m.out_features * m.rank + j
              for m in self.modules for j in range(S)], dtype=torch.long, device=self.device)
-        # the modules this rank combines, per wave: fixed for the hook's life
-        self._owned_by_wave = [[m for m in wave.modules if self.layout.owners[m.index] == self.comm.rank]
-                               for wave in self.layout.waves]
-
-    @property
-    def owned(self) -> list[LoraModule]:
-        """The modules this rank combines, in wave order."""
-        return [m for mine in self._owned_by_wave for m in mine]
+        # the modules this rank combines: fixed for the hook's life
+        self.owned = [m for m in self.modules if self.layout.owners[m.index] == self.comm.rank]
 
     # -- per micro-batch -------------------------------------------------------------------
     @contextlib.contextmanager
@@ -250,7 +251,7 @@ class EngineHook:
             with record_function("boundary/results"):
                 out.updates = self._results_direct(self.modules, out.results)
         else:
-            out.gathered = self._combine_in_waves(step, counts, out)
+            out.gathered = self._combine_across_ranks(step, counts, out)
             out.updates = self._unpack(out.gathered)
             clock.mark("gathered")
         return out
@@ -281,32 +282,18 @@ class EngineHook:
         out.finite.append(_finite_flag(tensors, self.device))
         return results
 
-    def _combine_in_waves(self, step: int, counts: torch.Tensor, out: "_Combined") -> torch.Tensor:
-        """Owners combine their modules wave by wave (:func:`run_waves`); returns the gathered
-        output (every module's new gradients and statistics), marking on ``out``'s clock when
-        the first wave's sums had arrived and the last wave's method had been run."""
+    def _combine_across_ranks(self, step: int, counts: torch.Tensor, out: "_Combined") -> torch.Tensor:
+        """Owners combine their modules: the sums reduce-scattered to them, their results
+        all-gathered back; returns the gathered output (every module's new gradients and
+        statistics), marking on ``out``'s clock when the sums had arrived and the method had
+        been run."""
         lay, W, rank = self.layout, self.comm.world_size, self.comm.rank
         gathered = torch.empty(lay.out_size, dtype=torch.float32, device=self.device)
-
-        def exchange(k: int):
-            wave = lay.waves[k]
-            return self.comm.start_reduce_scatter_sum(self.flat_in[wave.in_start: wave.in_start + W * wave.in_chunk])
-
-        def compute(k: int, summed: torch.Tensor) -> torch.Tensor:
-            if k == 0:  # wave 1's sums are in flight: the current stream waits for wave 0's alone
-                out.clock.mark("received")
-            wave, mine = lay.waves[k], self._owned_by_wave[k]
-            results = self._run_method(summed, mine, wave.in_start + rank * wave.in_chunk, counts, step, out)
-            return self._pack(wave, mine, results)
-
-        def gather(k: int, packed: torch.Tensor):
-            wave = lay.waves[k]
-            return self.comm.start_all_gather(packed, gathered[wave.out_start: wave.out_start + W * wave.out_chunk])
-
-        in_flight = run_waves(len(lay.waves), exchange, compute, gather)
+        summed = self.comm.start_reduce_scatter_sum(self.flat_in[: W * lay.in_chunk]).wait()
+        out.clock.mark("received")
+        results = self._run_method(summed, self.owned, rank * lay.in_chunk, counts, step, out)
         out.clock.mark("computed")
-        for pending in in_flight:
-            pending.wait()
+        self.comm.start_all_gather(self._pack(self.owned, results), gathered).wait()
         return gathered
 
     def _module_grads(self, summed: torch.Tensor, mine: list[LoraModule], base: int, counts: torch.Tensor):
@@ -362,14 +349,14 @@ class EngineHook:
         table = self._stat_table(results).tolist() if results else []
         return {m.name: self._stat_dict(vals) for m, vals in zip(mine, table)}
 
-    def _pack(self, wave: Wave, mine: list[LoraModule], results) -> torch.Tensor:
-        """This rank's chunk of a wave's output: its modules' new gradients and statistics
-        (zeros where the method did not run)."""
+    def _pack(self, mine: list[LoraModule], results) -> torch.Tensor:
+        """This rank's chunk of the output: its modules' new gradients and statistics (zeros
+        where the method did not run)."""
         lay, S = self.layout, len(self.stat_keys)
-        out = torch.zeros(wave.out_chunk, dtype=torch.float32, device=self.device)
+        out = torch.zeros(lay.out_chunk, dtype=torch.float32, device=self.device)
         if not results:
             return out
-        base = wave.out_start + self.comm.rank * wave.out_chunk
+        base = self.comm.rank * lay.out_chunk
         # statistics are host floats: one host-to-device copy for all of them
         table = host_to_device(self._stat_table(results), self.device)
         for j, (m, u) in enumerate(zip(mine, results)):
@@ -398,9 +385,8 @@ class EngineHook:
     def _report(self, out: _Combined) -> dict:
         """Statistics and phase times of the combination, read once the step is queued. The
         phases are timed on the device's own clock where there is one (CUDA events: no wait
-        while the step is prepared): the communication not hidden behind the method, until the
-        first wave's sums had arrived and after the last wave's method had been run, and the
-        method's time."""
+        while the step is prepared): the communication, until the sums had arrived and after the
+        method had been run, and the method's time."""
         if out.gathered is not None:
             per_module = self._unpack_stats(out.gathered)
         elif self.method.scope == "global":
@@ -451,7 +437,7 @@ class EngineHook:
             self.capture = None
             if self.reused_zeros:
                 stop_reusing_zero_gradients(self.engine.optimizer)
-        self.engine.optimizer.step = self._original_step
+        unwrap_step(self.engine.optimizer, self._original_step)
         if self.fused_checks:
             unfuse_gradient_checks(self.engine.optimizer)
         self.comm.destroy()

@@ -1,35 +1,140 @@
 """Every use of DeepSpeed's internals, in one place: the seam the rest of iga-ds goes through.
 
-- what the hook needs from an engine, checked once, with messages users can act on;
+- what the hook needs from an engine, checked once at attach (:func:`check_engine`): every
+  private attribute, method and signature used below that this engine's optimizer must have.
+  A missing or changed one stops the run with one line naming the installed DeepSpeed and the
+  attribute, never a quieter path that would train something else;
+- the optimizer's ``step`` wrapped by the hook, and restored;
 - writing a full gradient into ZeRO's partitions, leaving the LoRA factors' gradients out of
-  backward, and skipping a step as DeepSpeed's own overflow path does;
-- optimizer state that does not depend on the world size (for resuming at another size).
+  backward, skipping a step as DeepSpeed's own overflow path does, and DeepSpeed's per-tensor
+  gradient checks as multi-tensor kernels;
+- optimizer state that does not depend on the world size (for resuming at another size), and
+  the AdamW whose step DeepSpeed's elastic checkpoint can save;
+- DeepSpeed's globals the trainer resets, and the op builders ``iga-ds selfcheck`` probes.
 
 The private names used here (``_hp_mapping``, ``setup_buckets``, ``micro_step_id``, ...) are
-those of DeepSpeed's ZeRO-1/2 optimizer; the suite exercises each against the installed
-DeepSpeed, and ``MIN_DEEPSPEED`` is the oldest release with the public helpers used. DeepSpeed
-is imported inside the functions: on a CPU machine ``DS_ACCELERATOR`` must be set before its
-first import, which the trainer does when it starts.
+those of DeepSpeed's ZeRO-1/2 optimizer; ``tests/test_ds_internals.py`` removes each in turn
+from a real engine. ``TESTED_DEEPSPEED`` is the range pyproject.toml allows (a test holds the
+two together). DeepSpeed is imported inside the functions: on a CPU machine ``DS_ACCELERATOR``
+must be set before its first import, which the trainer does when it starts.
 """
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from iga_ds.errors import ConfigError
+from iga_ds.errors import ConfigError, UserError
 from iga_ds.methods.base import stacked_view
 
-MIN_DEEPSPEED = (0, 15, 3)  # safe_set_full_grad for ZeRO-1/2
+# the oldest and the newest release tested: pyproject.toml's bounds on deepspeed
+TESTED_DEEPSPEED = ((0, 17, 6), (0, 19, 8))
+MIN_DEEPSPEED = TESTED_DEEPSPEED[0]
 
 
-def check_engine(engine, needs_domain_gradients: bool) -> None:
+def _dotted(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
+
+
+def deepspeed_mismatch(what: str) -> UserError:
+    """The one line that stops a run whose DeepSpeed lacks, or changed, an internal used here."""
+    import deepspeed
+
+    low, high = map(_dotted, TESTED_DEEPSPEED)
+    return UserError(f"deepspeed {deepspeed.__version__}: {what} is missing or changed, and the engine hook "
+                     f"relies on it; install a deepspeed iga-ds is tested with ({low} to {high})")
+
+
+# -- what the hook relies on, checked at attach ----------------------------------------------------
+#
+# Each entry: (object, attribute, how a user reads it). A method's parameters are checked where
+# the hook calls it by keyword or replaces it with a function of the same signature.
+
+SIGNATURES = {
+    "get_grad_norm_direct": ("gradients", "params", "norm_type"),
+    "get_all_grad_tensors": ("tensor_list", "dtype"),
+}
+# DeepSpeedZeroOptimizer's, by what for: the step the hook wraps; a step skipped as DeepSpeed's
+# overflow path skips it; the multi-tensor gradient checks (and whether they apply)
+ZERO_STEP = ("step", "zero_grad", "micro_step_id", "overflow", "averaged_gradients", "all_grad_tensors")
+ZERO_CHECKS = ("cpu_offload", "model_parallel_world_size", "has_moe_layers", "bit16_groups", "device",
+               "dp_process_group", "_model_parallel_all_reduce", "has_overflow_partitioned_grads_serial",
+               "get_grad_norm_direct")
+# ZeRO-2 with the LoRA factors' gradients left out of backward, and persistent zeros for them
+ZERO2_OWNED = ("setup_buckets", "ready_for_gradients", "get_all_grad_tensors", "get_param_gradient_attribute",
+               "params_in_partition", "gradient_accumulation_dtype")
+# BF16_Optimizer's (ZeRO-1 in bf16 with fp32 accumulation, and ZeRO-0 under pipelines)
+BF16_STEP = ("step", "zero_grad", "overflow", "clear_hp_grads")
+# each LoRA factor's link to its fragment of ZeRO's flat partitions (None where this rank holds
+# none of it); where it holds one, the factor's place among its partition's gradients, and the
+# fragment's address and gradient
+PARAM_LINK = "_hp_mapping"
+IN_PARTITION = "_index_in_param_group"
+FRAGMENT = ("lp_fragment_address", "get_lp_grad_fragment")
+
+
+def optimizer_kind(optimizer) -> str:
+    """``zero`` (DeepSpeed's ZeRO-1/2 optimizer), ``bf16`` (its BF16_Optimizer: the parameters
+    linked to fp32 partitions as ZeRO's are) or ``plain`` (any other: gradients in param.grad)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        return "zero"
+    return "bf16" if isinstance(optimizer, BF16_Optimizer) else "plain"
+
+
+def required_internals(engine, params: list[torch.nn.Parameter], owns_gradients: bool) -> list[tuple]:
+    """(object, attribute, name) of every internal the hook will use on this engine:
+    ``params`` are the LoRA factors it writes (none for a method that captures nothing),
+    ``owns_gradients`` whether backward leaves their gradients to the capture."""
+    import deepspeed.runtime.utils as runtime_utils
+    import deepspeed.runtime.zero.utils as zero_utils
+
+    optimizer = engine.optimizer
+    kind = optimizer_kind(optimizer)
+    label = type(optimizer).__name__
+    found = [(optimizer, "step", f"{label}.step")]
+    if kind == "zero":
+        names = ZERO_STEP + ZERO_CHECKS + (ZERO2_OWNED if owns_gradients else ())
+        found += [(optimizer, n, f"{label}.{n}") for n in names]
+        found += [(runtime_utils, "mask_nan_or_inf_with_val_inplace", "deepspeed.runtime.utils."
+                   "mask_nan_or_inf_with_val_inplace"), (zero_utils, "get_norm_dtype",
+                                                         "deepspeed.runtime.zero.utils.get_norm_dtype")]
+    elif kind == "bf16":
+        found += [(optimizer, n, f"{label}.{n}") for n in BF16_STEP]
+    if kind != "plain":
+        for p in params:
+            found.append((p, PARAM_LINK, f"the LoRA parameter's {PARAM_LINK}"))
+            mapping = getattr(p, PARAM_LINK, None)
+            if mapping is not None:
+                found.append((p, IN_PARTITION, f"the LoRA parameter's {IN_PARTITION}"))
+                found += [(mapping, n, f"the LoRA parameter's {PARAM_LINK}.{n}") for n in FRAGMENT]
+    return found
+
+
+def check_internals(engine, params: list[torch.nn.Parameter], owns_gradients: bool) -> None:
+    """Raise :func:`deepspeed_mismatch` for the first internal of :func:`required_internals`
+    this engine lacks, or whose parameters changed."""
+    for obj, name, label in required_internals(engine, params, owns_gradients):
+        if not hasattr(obj, name):
+            raise deepspeed_mismatch(label)
+        expected = SIGNATURES.get(name)
+        if expected and list(inspect.signature(getattr(obj, name)).parameters)[:len(expected)] != list(expected):
+            raise deepspeed_mismatch(f"{label} with parameters ({', '.join(expected)})")
+
+
+def check_engine(engine, needs_domain_gradients: bool, params: list[torch.nn.Parameter] = ()) -> None:
+    """What the hook supports of this engine, then every internal it will use (one line each)."""
     import deepspeed
 
     version = tuple(int(p) for p in deepspeed.__version__.split("+")[0].split(".")[:3] if p.isdigit())
     if version < MIN_DEEPSPEED:
-        raise ConfigError(f"deepspeed {deepspeed.__version__} is too old: the engine hook needs >= 0.15.3")
+        raise UserError(f"deepspeed {deepspeed.__version__} is too old: the engine hook needs >= "
+                        f"{_dotted(MIN_DEEPSPEED)}")
     stage = engine.zero_optimization_stage()
     if stage == 3:
         raise ConfigError(
@@ -43,43 +148,64 @@ def check_engine(engine, needs_domain_gradients: bool) -> None:
                           "handled); use bf16")
     if needs_domain_gradients and getattr(engine, "pipeline_parallelism", False):
         raise ConfigError("pipeline parallelism is not supported by the engine hook")
+    kind = optimizer_kind(engine.optimizer)
+    if stage > 0 and kind == "plain":
+        raise UserError(f"deepspeed {deepspeed.__version__}: zero_optimization.stage {stage} made a "
+                        f"{type(engine.optimizer).__name__}, not one whose gradients the engine hook knows how to "
+                        "write (DeepSpeedZeroOptimizer, BF16_Optimizer)")
+    check_internals(engine, list(params), needs_domain_gradients and lora_gradients_can_be_left_out(engine))
+
+
+def wrap_step(optimizer, boundary: Callable) -> Callable:
+    """Make ``boundary`` the optimizer's ``step``, which DeepSpeed's engine calls at each
+    accumulation boundary; returns the step it replaces, for ``boundary`` to call and for
+    :func:`unwrap_step`."""
+    original = optimizer.step
+    optimizer.step = boundary
+    return original
+
+
+def unwrap_step(optimizer, original: Callable) -> None:
+    """Undo :func:`wrap_step`: the class's own ``step`` again where that was the one replaced."""
+    own = getattr(type(optimizer), "step", None)
+    if own is not None and original == own.__get__(optimizer, type(optimizer)):
+        vars(optimizer).pop("step", None)
+    else:
+        optimizer.step = original
 
 
 class FullGradWriter:
     """Writes full gradients (the same on every rank) into the optimizer's view of them.
 
-    ZeRO-1/2 keep gradients as fragments of flat partitions. DeepSpeed's tensor-fragment
-    mapping locates this rank's fragment of each parameter, and one multi-tensor copy writes
-    them all, without communication. ``param.set_full_hp_grad`` (what
+    ZeRO-1/2 (and BF16_Optimizer) keep gradients as fragments of flat partitions. DeepSpeed's
+    tensor-fragment mapping locates this rank's fragment of each parameter, and one
+    multi-tensor copy writes them all, without communication. ``param.set_full_hp_grad`` (what
     ``deepspeed.utils.safe_set_full_grad`` calls) writes the same fragment one parameter at a
     time and then tests the value for infinities, which waits for the device once per
     parameter: 256 waits a step for LLaMA-2-7B's LoRA factors, most of the boundary's host
-    time (docs/results/h100-h200-2026-11-27-evening/). That test only feeds CPU offload's overflow
-    tracking; the hook writes finite gradients only (a step with a non-finite one is skipped
-    before this), so with offload the per-parameter call stays, and elsewhere it is dropped.
-    Without ZeRO the gradient lives in ``param.grad``.
+    time (docs/results/h100-h200-2026-11-27-evening/). That test only feeds CPU offload's
+    overflow tracking, and the hook refuses CPU offload at attach. Only a plain optimizer
+    (ZeRO-0 in fp32) reads ``param.grad``: under ZeRO a gradient written there is dropped, so
+    a parameter without its link (checked at attach) is an error, never that path.
 
     Where each parameter's fragment sits (its mapping, index and slice) is fixed once ZeRO is
     set up, so it is worked out at the first write and only the fragments themselves, which
     ZeRO makes anew each step, are looked up after: the write runs while the device waits.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter]):
+    def __init__(self, params: list[torch.nn.Parameter], optimizer):
         self.params = list(params)
+        self.fragments = optimizer_kind(optimizer) != "plain"
         self._plan: list[tuple] | None = None
 
-    @staticmethod
-    def _target(param) -> tuple:
+    def _target(self, param) -> tuple:
         """(how, param, mapping, index, start, numel): ``fragment`` (one multi-tensor copy),
-        ``offload`` (DeepSpeed's per-parameter call), ``none`` (no fragment here) or ``grad``."""
-        if not hasattr(param, "_hp_mapping"):
+        ``none`` (this rank holds no fragment of it) or ``grad``."""
+        if not self.fragments:
             return ("grad", param, None, 0, 0, 0)
         mapping = param._hp_mapping
         if mapping is None:
-            return ("none", param, None, 0, 0, 0)  # this rank holds no fragment of the parameter
-        optimizer = getattr(param, "_zero_optimizer", None)
-        if getattr(optimizer, "cpu_offload", False) or not hasattr(param, "_index_in_param_group"):
-            return ("offload", param, None, 0, 0, 0)
+            return ("none", param, None, 0, 0, 0)
         address = mapping.lp_fragment_address
         return ("fragment", param, mapping, param._index_in_param_group, address.start, address.numel)
 
@@ -92,8 +218,6 @@ class FullGradWriter:
                 fragments.append(mapping.get_lp_grad_fragment(index))
                 # a parameter cut by the partition boundary: its part in this rank's partition
                 pieces.append(value if numel == value.numel() else value.reshape(-1).narrow(0, start, numel))
-            elif how == "offload":
-                param.set_full_hp_grad(value)
             elif how == "grad":
                 if param.grad is None:
                     param.grad = value.to(param.dtype).clone()
@@ -138,16 +262,12 @@ def _strided_pairs(targets: list[torch.Tensor], values: list[torch.Tensor], part
 def lora_gradients_can_be_left_out(engine) -> bool:
     """Whether the capture may own the LoRA factors' gradients, so that backward gives them none.
 
-    Checked for ZeRO-2's optimizer, which then fills the factors' partitions with zeros at the
-    boundary (the hook writes the method's result over them) but must be told to set up its
-    reduction buckets itself (:func:`prepare_backward`). Elsewhere the factors keep their plain
-    gradients: correct, only slower.
+    ZeRO-2's optimizer then fills the factors' partitions with zeros at the boundary (the hook
+    writes the method's result over them) but must be told to set up its reduction buckets
+    itself (:func:`prepare_backward`; what that needs is checked at attach). Elsewhere the
+    factors keep their plain gradients: the same result, only slower.
     """
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    optimizer = engine.optimizer
-    return (engine.zero_optimization_stage() == 2 and isinstance(optimizer, DeepSpeedZeroOptimizer)
-            and hasattr(optimizer, "setup_buckets") and hasattr(optimizer, "ready_for_gradients"))
+    return engine.zero_optimization_stage() == 2 and optimizer_kind(engine.optimizer) == "zero"
 
 
 def reuse_zero_gradients(optimizer, params: list[torch.nn.Parameter]) -> bool:
@@ -160,15 +280,10 @@ def reuse_zero_gradients(optimizer, params: list[torch.nn.Parameter]) -> bool:
     host-bound backward pays it in full). Here those parameters get views of one flat zero
     buffer, zeroed once per call (the boundary's fragments, which the hook's result is written
     into, are views of the same buffer, so a step's values never reach the next). The same
-    values as DeepSpeed's; False (nothing changed) where this optimizer has no such method."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    if not (isinstance(optimizer, DeepSpeedZeroOptimizer) and params
-            and callable(getattr(optimizer, "get_all_grad_tensors", None))
-            and callable(getattr(optimizer, "get_param_gradient_attribute", None))):
-        return False
+    values as DeepSpeed's, on a ZeRO-2 optimizer whose methods were checked at attach; False
+    (nothing changed) where this rank's partition holds none of ``params``."""
     # only this rank's partition is ever asked for
-    inside = {id(p) for group in getattr(optimizer, "params_in_partition", ()) for p in group}
+    inside = {id(p) for group in optimizer.params_in_partition for p in group}
     params = [p for p in params if id(p) in inside]
     if not params:
         return False
@@ -213,20 +328,27 @@ def prepare_backward(optimizer) -> None:
 
 def skip_optimizer_step(optimizer) -> None:
     """Discard the accumulated gradients as DeepSpeed's own overflow path does, so that the
-    engine counts a skipped step: parameters, optimizer state and LR schedule stay put."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+    engine counts a skipped step: parameters, optimizer state and LR schedule stay put. What
+    each kind of optimizer is written here was checked at attach (:data:`ZERO_STEP`,
+    :data:`BF16_STEP`)."""
+    kind = optimizer_kind(optimizer)
+    if kind == "zero":
         optimizer.micro_step_id = -1  # INITIAL_MICRO_STEP_ID, as step() sets it
         optimizer.overflow = True
         optimizer.zero_grad(set_to_none=True)
+        # DeepCompile's pre-flattened gradients (newer releases only; nothing to release without them)
         if hasattr(optimizer, "_release_preflattened_grad_buffers"):
             optimizer._release_preflattened_grad_buffers()
         for k in list(optimizer.averaged_gradients.keys()):
             optimizer.averaged_gradients[k] = None
             optimizer.all_grad_tensors[k] = None
-        return
-    optimizer.zero_grad(set_to_none=True)
+    elif kind == "bf16":
+        # its fp32 gradients accumulate until its own step clears them: cleared here instead
+        optimizer.overflow = True
+        optimizer.clear_hp_grads()
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        optimizer.zero_grad(set_to_none=True)
 
 
 # -- DeepSpeed's per-tensor gradient checks, as multi-tensor kernels ------------------------------
@@ -244,15 +366,12 @@ FUSED_CHECKS = ("has_overflow_partitioned_grads_serial", "get_grad_norm_direct")
 
 def fuse_gradient_checks(optimizer) -> bool:
     """Replace, on this ZeRO-1/2 optimizer only, its per-tensor overflow test and 2-norm with
-    multi-tensor versions of the same results; False (nothing changed) where they do not apply
-    (another optimizer, CPU offload, model or pipeline parallelism, or a DeepSpeed without them)."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    if not isinstance(optimizer, DeepSpeedZeroOptimizer) or getattr(optimizer, "cpu_offload", True):
+    multi-tensor versions of the same results (what they use was checked at attach:
+    :data:`ZERO_CHECKS`); False (nothing changed) where they do not apply: another optimizer,
+    CPU offload, model parallelism or mixture of experts, where DeepSpeed's own loops run."""
+    if optimizer_kind(optimizer) != "zero" or optimizer.cpu_offload:
         return False
-    if getattr(optimizer, "model_parallel_world_size", 2) != 1 or getattr(optimizer, "has_moe_layers", True):
-        return False
-    if not all(callable(getattr(optimizer, name, None)) for name in FUSED_CHECKS):
+    if optimizer.model_parallel_world_size != 1 or optimizer.has_moe_layers:
         return False
     original_norm = optimizer.get_grad_norm_direct
 
@@ -308,7 +427,10 @@ def disable_cpu_shm_comm_op() -> None:
     """
     import deepspeed
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if not isinstance(compatible, dict):
+        raise deepspeed_mismatch("deepspeed.ops.__compatible_ops__")
+    compatible["deepspeed_shm_comm"] = False
 
 
 def forget_world_group() -> None:
@@ -322,6 +444,8 @@ def forget_world_group() -> None:
     """
     from deepspeed.utils import groups
 
+    if not hasattr(groups, "_WORLD_GROUP"):
+        raise deepspeed_mismatch("deepspeed.utils.groups._WORLD_GROUP")
     groups._WORLD_GROUP = None
 
 
@@ -371,7 +495,8 @@ def load_full_optimizer_state(engine, file: Path) -> None:
     opt = zero.optimizer  # the torch AdamW over this rank's flat fp32 partitions
     link = getattr(zero, "_lazy_init_hp_params_optimizer_state", None)
     if link is None:
-        raise ConfigError("resume: this DeepSpeed version cannot change the world size on resume (ZeRO-1/2 only)")
+        raise deepspeed_mismatch(f"{type(zero).__name__}._lazy_init_hp_params_optimizer_state (to resume at "
+                                 "another world size; ZeRO-1/2 only)")
     with safe_open(str(file), framework="pt") as f:
         step = int(f.metadata()["adam_step"])
         # A fresh engine has no Adam state yet (torch creates it at the first step) and
@@ -389,3 +514,44 @@ def load_full_optimizer_state(engine, file: Path) -> None:
         for name, param in _trainable(engine):
             for key in ADAM_MOMENTS:
                 safe_set_full_optimizer_state(param, f.get_tensor(f"{name}/{key}").to(param.device), key)
+
+
+class GroupStepAdamW(torch.optim.AdamW):
+    """torch AdamW that also records the step count in each param group.
+
+    DeepSpeed's elastic ZeRO checkpoint (the one that resumes at another world size) stores
+    and restores the step from ``param_groups[0]["step"]``, where DeepSpeed's own Adam keeps
+    it; torch's AdamW keeps it per parameter only, so the elastic save would drop it.
+    """
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        for group in self.param_groups:
+            group.setdefault("step", 0)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for group in self.param_groups:
+            state = self.state.get(group["params"][0], {})
+            if "step" in state:
+                group["step"] = int(state["step"])
+        return loss
+
+
+# -- DeepSpeed's ops, as `iga-ds selfcheck` reports them ------------------------------------------
+
+
+def deepspeed_op_status() -> dict[str, dict[str, bool]]:
+    """For each op DeepSpeed knows: prebuilt into the install, and compatible (could JIT-build),
+    from the op builders' own ``is_compatible`` probes (header and toolkit checks: nothing is
+    built). DeepSpeed prints warnings while probing; the caller keeps them out of its report."""
+    try:
+        from deepspeed.git_version_info import installed_ops
+        from deepspeed.ops.op_builder.all_ops import ALL_OPS
+        from deepspeed.ops.op_builder.builder import probe_is_compatible
+    except ImportError as exc:
+        raise deepspeed_mismatch(f"the op builders ({exc.name or exc})") from None
+    return {name: {"installed": bool(installed_ops.get(name, False)),
+                   "compatible": bool(probe_is_compatible(builder, False))}
+            for name, builder in sorted(ALL_OPS.items())}
