@@ -30,10 +30,26 @@ pending() {  # unfinished cells, in grid order
   awk 'NF >= 4 && $2 != "done" {print $1}' <<< "$listing"
 }
 
+run_cells() {  # run the named cells JOBS at a time; returns non-zero if one failed
+  ((${#@} > 0)) || return 0
+  # shellcheck disable=SC2016  # the script is expanded by the bash that xargs starts
+  printf '%s\n' "$@" | awk 'NF {print NR - 1, $1}' | xargs -r -P "$jobs" -L 1 bash -c '
+    i=$0 cell=$1
+    read -r -a cli <<< "$IGA_DS_CLI_WORDS"
+    if ((ngpu > 0)); then export CUDA_VISIBLE_DEVICES=$((i % ngpu)); fi
+    if "${cli[@]}" experiment --grid "$grid" --out "$out" --only "$cell" --no-report --no-progress \
+        > "$out/logs/$cell.log" 2>&1; then
+      echo "grid_parallel: $cell done"
+    else
+      echo "grid_parallel: $cell FAILED (see $out/logs/$cell.log)" >&2
+      exit 1
+    fi'
+}
+
 listing=$(pending)
 todo=()
 [[ -z $listing ]] || mapfile -t todo <<< "$listing"
-mkdir -p "$out/logs"
+mkdir -p "$out/logs/selection"
 echo "grid_parallel: ${#todo[@]} cells to run, $jobs at a time"
 if ((${#todo[@]} > 0)); then
   # every core for it: pretraining a base on the CPU is one process's work
@@ -46,18 +62,25 @@ ngpu=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
 export grid out ngpu
 export IGA_DS_CLI_WORDS="${cli[*]}"
 status=0
-# shellcheck disable=SC2016  # the script is expanded by the bash that xargs starts
-printf '%s\n' "${todo[@]}" | awk 'NF {print NR - 1, $1}' | xargs -r -P "$jobs" -L 1 bash -c '
-  i=$0 cell=$1
-  read -r -a cli <<< "$IGA_DS_CLI_WORDS"
-  if ((ngpu > 0)); then export CUDA_VISIBLE_DEVICES=$((i % ngpu)); fi
-  if "${cli[@]}" experiment --grid "$grid" --out "$out" --only "$cell" --no-report --no-progress \
-      > "$out/logs/$cell.log" 2>&1; then
-    echo "grid_parallel: $cell done"
-  else
-    echo "grid_parallel: $cell FAILED (see $out/logs/$cell.log)" >&2
-    exit 1
-  fi' || status=$?
+# a grid with a selection stage: its candidates first, then the choices (selection.json), then
+# the cells, which train at the chosen schedule
+selection=()
+for cell in "${todo[@]}"; do [[ $cell == selection/* ]] && selection+=("$cell"); done
+if ((${#selection[@]} > 0)); then
+  run_cells "${selection[@]}" || status=$?
+  if ((status == 0)); then
+    "${cli[@]}" experiment --grid "$grid" --out "$out" --only 'selection/*' --no-report --no-progress \
+      > "$out/logs/selection.log" 2>&1 || status=$?
+  fi
+  listing=$(pending)
+  todo=()
+  [[ -z $listing ]] || mapfile -t todo <<< "$listing"
+fi
+if ((status == 0)); then
+  cells=()
+  for cell in "${todo[@]}"; do [[ $cell == selection/* ]] || cells+=("$cell"); done
+  run_cells "${cells[@]}" || status=$?
+fi
 left_cells=$(pending)
 left=$(grep -c . <<< "$left_cells" || true)
 if ((status != 0 || left > 0)); then

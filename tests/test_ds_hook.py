@@ -149,12 +149,16 @@ def every_method_scenario(name: str) -> dict:
 
 
 CAPTURED_ERM = {"method": "erm_captured", "params": {}, "gas": 2, "layout": UNEVEN_2x2, "steps": 3}
+# IGA at tau = 0 (the mask exactly one): the same layout and schedule as DeepSpeed's ERM case below
+IGA_TAU0 = {"method": "iga", "params": {"tau": 0.0}, "gas": 2, "layout": UNEVEN_2x2, "steps": 3,
+            "overlap_comm": True, "bucket": 200}
 NON_FINITE = {"method": "iga", "params": {"svd": "exact"}, "gas": 1, "layout": EVEN_2x1, "steps": 2, "nan_step": 0}
 # the scenarios of the tests below that need no launch of their own (all but the dead rank's)
 SHARED = {
     **{f"case/{i}": case_scenario(*c) for i, c in zip(CASE_IDS, CASES)},
     **{f"method/{name}": every_method_scenario(name) for name in available_methods()},
     "captured_erm": CAPTURED_ERM,
+    "iga_tau0": IGA_TAU0,
     "non_finite": NON_FINITE,
 }
 
@@ -209,6 +213,15 @@ def test_captured_erm_trains_like_deepspeeds_erm(shared):
     got = shared.result("captured_erm")
     assert got["owns_gradients"]
     assert_params_close(got["params"], reference(dict(s, method="erm")))
+
+
+def test_iga_at_tau_zero_trains_like_deepspeeds_erm(shared):
+    # the paper's "tau -> 0 recovers ERM", made exact by the tangent projection: under ZeRO-2 on
+    # two ranks, the adapter IGA trains equals the one DeepSpeed's own ERM trains (float32 rounding)
+    got = shared.result("iga_tau0")
+    deepspeed_erm = shared.result("case/erm-gas2-overlap_comm-bucket")
+    assert_params_close(got["params"], deepspeed_erm["params"])
+    assert_params_close(got["params"], reference(dict(IGA_TAU0, method="erm")))
 
 
 def test_non_finite_loss_skips_the_step_on_every_rank(shared):

@@ -99,19 +99,31 @@ def run_pack(args: argparse.Namespace) -> int:
     return 0
 
 
+def list_cells(grid, out: Path, candidates, cells) -> None:
+    """The --dry-run listing: selection candidates first (``selection/<cell>``), then the cells."""
+    import dataclasses
+
+    from iga_ds.experiments.experiment import SELECTION_DIR, cell_status
+
+    unselected = dataclasses.replace(grid, selection=None)
+    rows = [(f"{SELECTION_DIR}/{c.name}", cell_status(unselected, c, out / SELECTION_DIR), c) for c in candidates]
+    rows += [(c.name, cell_status(grid, c, out), c) for c in cells]
+    for name, status, cell in rows:
+        print(f"{name:<28} {status:<8} {cell.variant.kind:<9} method {cell.variant.method}")
+    print(f"{len(rows)} cells")
+
+
 def run_experiment(args: argparse.Namespace) -> int:
-    from iga_ds.experiments.experiment import cell_status, prepare_grid, run_grid
+    from iga_ds.experiments.experiment import prepare_grid, run_grid, selection_cells
     from iga_ds.experiments.grid import load_grid
 
     grid = load_grid(args.grid)
     cells = [c for c in grid.cells() if not args.only or any(fnmatch.fnmatchcase(c.name, p) for p in args.only)]
-    if not cells:
+    candidates = selection_cells(grid, args.only, {c.variant.key for c in cells})
+    if not cells and not candidates:
         raise UserError(f"--only {' '.join(args.only)}: no cell of {grid.path} matches")
     if args.dry_run:
-        for cell in cells:
-            v = cell.variant
-            print(f"{cell.name:<28} {cell_status(grid, cell, Path(args.out)):<8} {v.kind:<9} method {v.method}")
-        print(f"{len(cells)} cells")
+        list_cells(grid, Path(args.out), candidates, cells)
         return 0
     check_output_dir(args.out)  # before the data is generated or a cell trains
     if args.prepare:
