@@ -646,7 +646,7 @@ def test_commands_are_found_in_every_kind_of_place():
 def test_gpu_runs_commands_are_read_with_the_scripts_defaults():
     commands = {c.where: c.text for c in gpu_runs_commands()}
     assert commands["bench/gpu_runs.sh (targets*)"] == (
-        "python bench/bench_step.py --gpus 1 --methods erm,iga_bf16_q1p16 --rounds 2 --steps 16 "
+        "python bench/bench_step.py --gpus 1 --methods erm,iga_bf16 --rounds 2 --steps 16 "
         "--out OUT/bench_step_1gpu_targets.json")
     assert "--model RULE_MODEL" in commands["bench/gpu_runs.sh (rule)"]
     assert all("$" not in text for text in commands.values())

@@ -17,7 +17,7 @@ detached (else objects left frozen are never finalized: no ``__del__``, and nati
 report them as leaked). With several hooks attached, the first to attach freezes and the last
 to detach unfreezes. Objects that something else froze before are unfrozen with the hook's:
 freezing changes when memory is scanned, never what a program computes, so the hook always
-does it (docs/results/h200-2026-11-28-collector/ measured it).
+does it: full collections of the objects alive at attach would otherwise stall boundaries.
 """
 from __future__ import annotations
 

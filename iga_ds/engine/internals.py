@@ -182,8 +182,7 @@ class FullGradWriter:
     multi-tensor copy writes them all, without communication. ``param.set_full_hp_grad`` (what
     ``deepspeed.utils.safe_set_full_grad`` calls) writes the same fragment one parameter at a
     time and then tests the value for infinities, which waits for the device once per
-    parameter: 256 waits a step for LLaMA-2-7B's LoRA factors, most of the boundary's host
-    time (docs/results/h100-h200-2026-11-27-evening/). That test only feeds CPU offload's
+    parameter: 256 waits a step for LLaMA-2-7B's LoRA factors. That test only feeds CPU offload's
     overflow tracking, and the hook refuses CPU offload at attach. Only a plain optimizer
     (ZeRO-0 in fp32) reads ``param.grad``: under ZeRO a gradient written there is dropped, so
     a parameter without its link (checked at attach) is an error, never that path.
