@@ -409,6 +409,18 @@ def test_functions_are_short():
     assert not wrong, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(wrong)
 
 
+# the contract a new method implements, read in one sitting (docs/ARCHITECTURE.md, "Where to
+# add"); what the engine and the batched path share for speed lives in methods/tensors.py
+MAX_METHOD_CONTRACT_LINES = 120
+
+
+def test_the_method_contract_stays_short():
+    lines = len((PACKAGE / "methods" / "base.py").read_text(encoding="utf-8").splitlines())
+    assert lines <= MAX_METHOD_CONTRACT_LINES, (
+        f"methods/base.py is {lines} lines (at most {MAX_METHOD_CONTRACT_LINES}): keep the contract there, "
+        "move what serves speed to methods/tensors.py")
+
+
 @pytest.mark.parametrize("path", sorted((REPO / "bench").glob("*.py")), ids=lambda p: p.name)
 def test_benchmarks_use_public_names_only(path):
     tree = ast.parse(path.read_text(encoding="utf-8"))

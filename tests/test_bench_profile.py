@@ -369,7 +369,7 @@ def test_device_statistics_and_phase_clock_on_cuda():
     the copy was queued, even if the device overwrites it afterwards; the clock's marks time
     what the device ran between them."""
     from iga_ds.engine.hook import PhaseClock
-    from iga_ds.methods.base import StatsTable
+    from iga_ds.methods.tensors import StatsTable
 
     clock = PhaseClock(torch.device("cuda"))
     clock.mark("start")

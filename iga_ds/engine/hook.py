@@ -48,7 +48,8 @@ from iga_ds.engine.layout import build_layout
 from iga_ds.errors import ConfigError
 from iga_ds.lora.capture import DomainGradientCapture
 from iga_ds.lora.modules import LoraModule, find_lora_modules
-from iga_ds.methods.base import ModuleGrads, StableModules, TiledResults, flat_span, host_to_device
+from iga_ds.methods.base import ModuleGrads
+from iga_ds.methods.tensors import StableModules, TiledResults, flat_span, host_to_device
 from iga_ds.metrics.mask import aggregate_module_stats
 
 log = logging.getLogger(__name__)
@@ -489,7 +490,7 @@ class PhaseClock:
 def _finite_flag(tensors: list[torch.Tensor], device) -> torch.Tensor:
     """A device flag, true when every element of every tensor is finite, without waiting for
     the device: one multi-tensor norm. A batched method's results come as
-    :class:`iga_ds.methods.base.TiledResults`, whose few buffers are passed here in place of
+    :class:`iga_ds.methods.tensors.TiledResults`, whose few buffers are passed here in place of
     its per-module views."""
     if not tensors:
         return torch.ones((), dtype=torch.bool, device=device)
@@ -536,7 +537,7 @@ class Float32Copies:
         return self.copies
 
     def _source_span(self) -> torch.Tensor | None:
-        """:func:`iga_ds.methods.base.flat_span` of the tensors (DeepSpeed's ZeRO keeps the
+        """:func:`iga_ds.methods.tensors.flat_span` of the tensors (DeepSpeed's ZeRO keeps the
         trainable parameters back to back in one flat buffer): then one copy refreshes them all
         (for LLaMA-2-7B's 256 factors on an H100, one 54 us kernel where the multi-tensor copy
         ran four of 20 us, and no list of 256 tensors for the host to pass). Kept while the

@@ -36,7 +36,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from iga_ds.lora.modules import LoraModule
-from iga_ds.methods.base import host_to_device
+from iga_ds.methods.tensors import host_to_device
 
 
 @dataclass

@@ -10,7 +10,7 @@ from typing import Any
 
 from iga_ds.errors import ConfigError
 from iga_ds.methods.and_mask import ANDMask
-from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, StableModules, Statistic, TiledResults
+from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, Statistic
 from iga_ds.methods.erm import ERM, CapturedERM
 from iga_ds.methods.iga import IGA, IGABinaryMask, IGALoRASpace, IGANoProjection, MeanNoMask
 from iga_ds.methods.iga.sketch import sketch_key
@@ -18,6 +18,7 @@ from iga_ds.methods.irm import IRM
 from iga_ds.methods.pareto import ParetoGS
 from iga_ds.methods.pcgrad import PCGrad
 from iga_ds.methods.sand_mask import SANDMask
+from iga_ds.methods.tensors import StableModules, TiledResults
 from iga_ds.methods.vrex import VREx
 
 BUILTIN_METHODS: tuple[type[GradientMethod], ...] = (

@@ -1,23 +1,27 @@
-"""The one contract every method follows.
+"""The contract every method follows: what a new method implements, and what it may assume.
 
-A method turns per-domain LoRA gradients into the gradient the optimizer sees. It is pure
-tensor code: no process groups, no DeepSpeed. The engine hook (``iga_ds.engine``) collects the
-per-domain gradients, hands each method the modules it owns, and writes the result back.
+A method turns per-domain LoRA gradients into the gradient the optimizer sees: pure tensor
+code, no process groups, no DeepSpeed. Its ``scope`` picks the one hook it overrides:
+``"module"``, one module at a time (``combine_module``; IGA, AND-mask), so the engine hook can
+spread modules over ranks; ``"global"``, every module at once (``combine``; PCGrad, MGDA);
+``"loss"``, a new objective and no gradients (``objective``; ERM, IRM, V-REx). What the hook
+uses for speed, which no method needs, is in :mod:`iga_ds.methods.tensors`. The keyword
+arguments of ``__init__`` are the method's config parameters. V-REx, as in vrex.py::
 
-Three scopes, because methods differ in what they need to see at once:
-
-- ``"module"``: the update of a module depends on that module alone (IGA, AND-mask, ...),
-  so modules can be spread over data-parallel ranks.
-- ``"global"``: the update needs every module's gradients at once (PCGrad, MGDA take inner
-  products of whole gradient vectors).
-- ``"loss"``: the method changes the objective (ERM, IRM, V-REx) and the optimizer takes the
-  plain gradient of that objective; no per-domain gradients are captured.
+    class VREx(GradientMethod):
+        name, scope, paper = "vrex", "loss", "Krueger et al., ... ICML 2021"
+        def __init__(self, penalty_weight: float = 1.0, seed: int = 0):
+            super().__init__(seed)
+            self.penalty_weight = float(penalty_weight)
+        def objective(self, sequence_losses, domain_ids, num_domains, dummy_scale=None):
+            risks = per_domain_means(sequence_losses, domain_ids, num_domains)
+            return sequence_losses.mean() + self.penalty_weight * vrex_penalty(risks)
 """
 from __future__ import annotations
 
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
-from typing import ClassVar, Iterator, Literal, Sequence
+from typing import ClassVar, Literal, Sequence
 
 import torch
 
@@ -26,10 +30,9 @@ Scope = Literal["module", "global", "loss"]
 
 @dataclass(frozen=True)
 class Statistic:
-    """A figure a method reports. A module-scope method reports it per module, and ``combine``
-    says how the whole model's figure is formed from the modules': ``mean`` weighted by each
-    module's out x in elements, ``sum`` or ``min``; ``model`` marks a figure of the whole model
-    already (global methods), logged as ``method/<name>``."""
+    """A figure a method reports. Module scope: per module, ``combine`` forming the model's
+    figure (``mean`` weighted by each module's out x in elements, ``sum``, ``min``); ``model``:
+    the whole model's figure already (global methods), logged as ``method/<name>``."""
 
     name: str
     combine: Literal["mean", "sum", "min", "model"]
@@ -38,16 +41,10 @@ class Statistic:
 
 @dataclass
 class ModuleGrads:
-    """Per-domain mean gradients of one LoRA module, PEFT layout.
-
-    A: r x in (lora_A.weight), B: out x r (lora_B.weight), gA: N x r x in, gB: N x out x r,
-    scaling: s in dW = s * B @ A. ``index`` is the module's position in the model's list of
-    LoRA modules; it keys the module's random sketch so results do not depend on which rank
-    computes them. ``compute_dtype``: the dtype of the forward and backward that produced the
-    gradients (the engine hook passes the LoRA weights' own dtype, bfloat16 in a DeepSpeed
-    bf16 run, while A and B arrive in float32); None: A's dtype. A method may match its own
-    precision to it (IGA's ``precision="auto"``).
-    """
+    """Per-domain mean gradients of one LoRA module, PEFT layout: A: r x in, B: out x r, gA:
+    N x r x in, gB: N x out x r, ``scaling`` s in dW = s * B @ A. ``index`` (the module's place
+    in the model) keys random sketches, so results do not depend on the rank computing them.
+    ``compute_dtype``: the backward's dtype (bfloat16 in bf16 runs; A, B float32), None: A's."""
 
     name: str
     index: int
@@ -68,165 +65,10 @@ class ModuleGrads:
         return int(self.gA.shape[0])
 
 
-class StableModules(list):
-    """A list of :class:`ModuleGrads` that a caller hands to a method again and again, whose
-    tensors keep their storage and shapes from call to call while their values change (the
-    engine hook's views of the buffers it writes in place each step).
-
-    A method may keep, in :attr:`derived`, what it builds from the layout alone (stacked views
-    of the tensors, per-module constants on the device) and reuse it on the next call instead
-    of rebuilding it while the device waits; the keys are the method's own. The caller must
-    not replace the modules or their tensors: it hands over a new list instead."""
-
-    def __init__(self, modules=()):
-        super().__init__(modules)
-        self.derived: dict = {}
-
-
-class TiledResults(list):
-    """A method's results, one per module, whose gradient tensors are views that cover
-    ``bases`` exactly, element for element (a batched method's per-module results are views
-    of a few stacked buffers). A caller may check the bases in place of every module's
-    tensors: the engine hook's finiteness check then costs a reduction per base and no
-    per-module work on the host, while the device waits for it."""
-
-    def __init__(self, results=(), bases: Sequence[torch.Tensor] = ()):
-        super().__init__(results)
-        self.bases = list(bases)
-
-
-def host_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A small host tensor on ``device``, without waiting for the device.
-
-    A plain ``.to("cuda")`` copies from pageable memory, and PyTorch then synchronizes the
-    stream: the host waits for every kernel queued so far. From pinned memory the copy is
-    queued like a kernel (the pinned block is not reused before it ran)."""
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
-def stacked_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The tensors stacked along a new first dimension, in the first one's shape, as a view of
-    the storage they share, without a copy, when they are contiguous, of one dtype and element
-    count, and equally spaced in it, in order; None otherwise (and for fewer than two). Each
-    item of the view holds its tensor's elements in order (the shapes themselves may differ)."""
-    if len(tensors) < 2:
-        return None
-    first, last = tensors[0], tensors[-1]
-    numel, dtype = first.numel(), first.dtype
-    if not all(t.is_contiguous() and t.numel() == numel and t.dtype is dtype for t in tensors):
-        return None
-    ptrs = [t.data_ptr() for t in tensors]
-    step = ptrs[1] - ptrs[0]
-    size = first.element_size()
-    storage = first.untyped_storage()
-    if (step >= numel * size and step % size == 0
-            and all(b - a == step for a, b in zip(ptrs, ptrs[1:]))
-            and last.untyped_storage().data_ptr() == storage.data_ptr()
-            and ptrs[-1] + last.numel() * size <= storage.data_ptr() + storage.nbytes()):
-        return first.as_strided((len(tensors), *first.shape), (step // size, *first.stride()))
-    return None
-
-
-def flat_span(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """One flat view of all the tensors, in order, when they lie back to back in one storage
-    (contiguous, of one dtype, each starting where the one before ends; their sizes may
-    differ), as ZeRO lays out a group's parameters; None otherwise. Where
-    :func:`stacked_view` needs equal sizes equally spaced, this needs no gaps."""
-    if not tensors:
-        return None
-    first = tensors[0].detach()
-    size, storage = first.element_size(), first.untyped_storage().data_ptr()
-    ptrs = [t.data_ptr() for t in tensors]
-    if not all(t.is_contiguous() and t.dtype == first.dtype and t.untyped_storage().data_ptr() == storage
-               for t in tensors):
-        return None
-    if not all(a + t.numel() * size == b for t, a, b in zip(tensors, ptrs, ptrs[1:])):
-        return None
-    return first.as_strided((sum(t.numel() for t in tensors),), (1,))
-
-
-class StatsTable:
-    """Statistics of many modules computed on the device (rows: statistics, columns: modules),
-    on their way to the host.
-
-    The copy is queued without waiting for the device (into pinned memory, on CUDA); the host
-    waits for it only when a value is first read. The engine hook reads them after the
-    optimizer step has been queued, so the device is never left idle for them.
-    ``send=False``: the table's values are still being written (its columns can be handed out
-    already); :meth:`send` queues the copy once they are."""
-
-    def __init__(self, keys: Sequence[str], table: torch.Tensor, send: bool = True):
-        self.keys = list(keys)
-        self._table = table
-        self._ready = None
-        self._host: torch.Tensor | None = None
-        self._rows: list[list[float]] | None = None
-        if send:
-            self.send()
-
-    def send(self) -> None:
-        """Queue the copy of the table to the host (once its values are all written)."""
-        table = self._table
-        if table.device.type == "cuda":
-            self._host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
-            self._host.copy_(table, non_blocking=True)
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-        else:  # on the CPU already, or a device without pinned copies: a plain copy
-            self._host = table.cpu()
-        self._table = None
-
-    def column(self, index: int) -> "PendingStats":
-        """One module's statistics, read when first used."""
-        return PendingStats(self, index)
-
-    def values(self, index: int) -> dict[str, float]:
-        if self._host is None:
-            raise RuntimeError("statistics read before their table was sent to the host")
-        if self._rows is None:
-            if self._ready is not None:
-                self._ready.synchronize()
-            self._rows = self._host.tolist()
-        return {key: row[index] for key, row in zip(self.keys, self._rows)}
-
-
-class PendingStats(MutableMapping):
-    """One module's statistics from a :class:`StatsTable`: a dict once first read."""
-
-    def __init__(self, table: StatsTable, index: int):
-        self._table, self._index = table, index
-        self._values: dict[str, float] | None = None
-
-    def _resolved(self) -> dict[str, float]:
-        if self._values is None:
-            self._values = self._table.values(self._index)
-        return self._values
-
-    def __getitem__(self, key: str) -> float:
-        return self._resolved()[key]
-
-    def __setitem__(self, key: str, value: float) -> None:
-        self._resolved()[key] = value
-
-    def __delitem__(self, key: str) -> None:
-        del self._resolved()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._resolved())
-
-    def __len__(self) -> int:
-        return len(self._resolved())
-
-    def __repr__(self) -> str:
-        return f"PendingStats({self._resolved()!r})"
-
-
 @dataclass
 class ModuleUpdate:
-    """The gradients the optimizer will see for one module, with per-module statistics (a
-    dict, or :class:`PendingStats` still on their way from the device)."""
+    """What the optimizer sees for one module: gA shaped as A, gB as B, and ``stats`` keyed by
+    declared statistic names (a dict, or a :class:`iga_ds.methods.tensors.PendingStats`)."""
 
     gA: torch.Tensor
     gB: torch.Tensor
@@ -234,42 +76,33 @@ class ModuleUpdate:
 
 
 class GradientMethod:
-    """Base class: subclasses set ``name``, ``scope`` and ``paper``, declare the per-module
-    ``statistics`` they report, and override one hook."""
+    """Set the four class attributes and override your scope's hook. ``statistics``: module
+    scope, any subset per module; global, model figures in the first update's ``stats``."""
 
     name: ClassVar[str] = ""
     scope: ClassVar[Scope] = "module"
     paper: ClassVar[str] = ""
-    # what the method reports: module-scope methods per module (any subset; the hook carries
-    # them from owner ranks in fixed slots), global methods for the whole model
     statistics: ClassVar[tuple[Statistic, ...]] = ()
 
     def __init__(self, seed: int = 0):
         self.seed = seed
 
-    # -- gradient-level methods ------------------------------------------------------------
     def combine(self, modules: Sequence[ModuleGrads], step: int) -> list[ModuleUpdate]:
-        """Per-domain gradients in, one update per module out (same order)."""
+        """One update per module, in order, at optimizer step ``step``. Global scope: every
+        module, on every rank; module scope: the modules this rank owns, by default one
+        ``combine_module`` each (override to batch them)."""
         if self.scope == "loss":
             raise TypeError(f"method {self.name!r} acts on the loss; it has no gradient combination")
         return [self.combine_module(m, step) for m in modules]
 
     def combine_module(self, module: ModuleGrads, step: int) -> ModuleUpdate:
+        """Module scope: one module's update, from that module alone."""
         raise NotImplementedError
 
-    # -- loss-level methods ----------------------------------------------------------------
-    def objective(
-        self,
-        sequence_losses: torch.Tensor,
-        domain_ids: torch.Tensor,
-        num_domains: int,
-        dummy_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The scalar passed to backward for one micro-batch: mean of per-sequence losses.
-
-        The engine hook relies on this normalization to turn captured sums into per-domain
-        means; loss-level methods add their penalty to it.
-        """
+    def objective(self, sequence_losses: torch.Tensor, domain_ids: torch.Tensor, num_domains: int,
+                  dummy_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """One micro-batch's scalar for backward: the mean of per-sequence losses (the hook turns
+        captured sums into per-domain means by it), plus a loss-scope method's penalty."""
         return sequence_losses.mean()
 
     def needs_dummy_scale(self) -> bool:

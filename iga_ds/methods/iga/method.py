@@ -9,7 +9,7 @@ from typing import ClassVar, Sequence
 
 import torch
 
-from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, Statistic, TiledResults
+from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, Statistic
 from iga_ds.methods.iga.common import (
     DEFAULT_DAMPING, DEFAULT_FACTORS, DEFAULT_NORMALIZE, DEFAULT_PROJECTION, DEFAULT_TAU, check_choice, check_options,
 )
@@ -17,6 +17,7 @@ from iga_ds.methods.iga.fused import batched_iga
 from iga_ds.methods.iga.reference import Normalize, masked_projection
 from iga_ds.methods.iga.rsvd import SVD_METHODS
 from iga_ds.methods.iga.sketch import sketch_key, sketch_keys
+from iga_ds.methods.tensors import TiledResults
 
 IMPLEMENTATIONS = ("auto", "reference", "fused")
 PRECISIONS = ("auto", "ieee", "tf32", "bf16")
