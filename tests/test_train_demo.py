@@ -24,8 +24,11 @@ def test_demo_runs_end_to_end_and_prints_the_table(tmp_path, monkeypatch, capsys
     saved = json.loads((tmp_path / "demo" / "results.json").read_text())
     for row in saved["rows"]:
         ev = json.loads((tmp_path / "demo" / row["method"] / "eval.json").read_text())
-        items = ev["items"]
+        # the OOD items' cue rewrites (scored for the cue effect) are items of their own
+        rewrites = [i for i in ev["items"] if i.get("counterfactual")]
+        items = [i for i in ev["items"] if not i.get("counterfactual")]
         assert sum(i["split"] == "id" for i in items) == 4 * 4 and sum(i["split"] == "ood" for i in items) == 4 * 4
+        assert sorted(i["counterfactual"] for i in rewrites) == ["right"] * 16 + ["wrong"] * 16
         # the table's figures are the evaluation's, recomputed here from the scored items
         id_acc = 100.0 * sum(i["correct"] for i in items if i["split"] == "id") / 16
         assert row["id_accuracy"] == pytest.approx(id_acc)
