@@ -20,8 +20,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# make demo QUIET=1: no progress bar or progress lines (the step lines and the table stay)
+QUIET ?= 0
 demo: $(STAMP)
-	$(VENV)/bin/iga-ds demo --out demo_out
+	$(VENV)/bin/iga-ds demo --out demo_out $(if $(filter-out 0,$(QUIET)),--quiet)
 
 # Two worker processes, each taking a whole test file at a time (--dist loadfile: a file's
 # shared fixtures, such as a training run several tests read, run once). On 2 cores one

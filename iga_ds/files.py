@@ -243,8 +243,8 @@ def iter_jsonl(path: str | os.PathLike, objects: bool = True) -> Iterator[tuple[
                 raise DataError(f"{path}:{lineno}: not UTF-8 text") from None
             if not line.strip():
                 continue
-            try:
-                value = json.loads(line)
+            try:  # parsed without its line break: a line cut short fails at its own end, not at column 1
+                value = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as exc:
                 if not raw.endswith(b"\n") and not f.peek(1):
                     log.warning("%s:%d: last line is cut off (no newline, not valid JSON): skipped", path, lineno)

@@ -69,6 +69,9 @@ ClusterName=igatest
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
+# Job ids from here on: a job's rendezvous port is 20000 + its id % 10000 (slurm/job_lib.sh,
+# launch/deepspeed_slurm.sh), so two clusters both counting from 1 would meet on one port.
+FirstJobId={first_job_id}
 AuthType=auth/munge
 CredType=cred/munge
 # cred_expire: a requeued job waits this long before it may start again (Slurm's default, 120 s,
@@ -109,6 +112,33 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
 """
 
 
+JOB_PORT_BASE = 20000  # a job's rendezvous port: JOB_PORT_BASE + its id % 10000
+JOB_IDS = 64  # job ids one test cluster may use, each with its port free when the cluster starts
+
+
+def first_job_id() -> int:
+    """A first job id whose jobs' rendezvous ports are free now: each pytest-xdist worker draws
+    from its own thousand ids, so two workers' clusters never share one."""
+    import random
+
+    worker = int("".join(c for c in os.environ.get("PYTEST_XDIST_WORKER", "") if c.isdigit()) or 0)
+    low = 1000 * (worker % 9) + 1
+    for _ in range(200):
+        first = random.randrange(low, low + 1000 - JOB_IDS)
+        if all(_port_is_free(JOB_PORT_BASE + (first + i) % 10000) for i in range(JOB_IDS)):
+            return first
+    return first  # a busy machine: the last draw, as good as any
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
 class LocalSlurm:
     """Start and stop a one-node Slurm rooted at ``root``. Use as a context manager."""
 
@@ -146,6 +176,7 @@ class LocalSlurm:
                 host=self.host,
                 ctld_port=free_port(),
                 slurmd_port=free_port(),
+                first_job_id=first_job_id(),
                 munge_socket=self.munge_socket,
                 user=_current_user(),
                 root=self.root,

@@ -19,7 +19,7 @@ PACKAGE = REPO / "iga_ds"
 # bottom to top; a module may import its own package and packages of lower layers only
 LAYERS = (
     ("errors",),
-    ("files",),
+    ("files", "progress"),
     ("metrics", "methods", "models"),
     ("data", "lora"),
     ("config",),

@@ -101,6 +101,13 @@ def validate_wrong_top_level(d):
 
 
 @case
+def validate_line_cut_short(d):
+    lines = _isomers(d).read_text().splitlines(keepends=True)
+    (d / "cut.jsonl").write_text(lines[0] + '{"id": "x", "tags": [1, 2\n' + lines[1])
+    return Case(["data", "validate", "cut.jsonl"], ("cut.jsonl:2", "at column 26"))  # its end, not column 1
+
+
+@case
 def validate_missing_field(d):
     rec = json.loads(_isomers(d).read_text().splitlines()[0])
     del rec["answer"]
@@ -271,6 +278,43 @@ def train_deepspeed_json_is_a_folder(d):
     (d / "ds_configs").mkdir()
     return Case(["train", "--config", "run.yaml", "--deepspeed", "ds_configs"], ("ds_configs", "is a folder"),
                 in_process=True)
+
+
+@case
+def train_deepspeed_json_unknown_key(d):
+    _isomers(d)
+    _run_yaml(d)
+    (d / "ds.json").write_text('{"zero_optimisation": {"stage": 2}}\n')
+    return Case(["train", "--config", "run.yaml", "--deepspeed", "ds.json"],
+                ("ds.json: zero_optimisation: not a key of DeepSpeed", "did you mean 'zero_optimization'?"),
+                in_process=True)
+
+
+@case
+def train_method_parameter_misspelt(d):
+    # both files give params, differently: the misspelling is named, not a disagreement of the two
+    _isomers(d)
+    _run_yaml(d, method={"name": "iga", "params": {"taau": 0.5}})
+    (d / "ds.json").write_text('{"zero_optimization": {"stage": 2}, "iga": {"params": {"tau": 0.5}}}\n')
+    return Case(["train", "--config", "run.yaml", "--deepspeed", "ds.json"],
+                ("run.yaml: method.params.taau: method 'iga' has no parameter 'taau'; did you mean 'tau'?",),
+                in_process=True)
+
+
+@case
+def train_model_folder_missing(d):
+    _isomers(d, groups=12)
+    _run_yaml(d, model={"name_or_path": "nowhere_model"})
+    return Case(["train", "--config", "run.yaml"], ("run.yaml: model.name_or_path: ", "nowhere_model"),
+                in_process=True)
+
+
+@case
+def train_override_unknown_key(d):
+    _isomers(d)
+    _run_yaml(d)
+    return Case(["train", "--config", "run.yaml", "schedual.max_steps=3"],
+                ("error: override 'schedual.max_steps=3': schedual: unknown key",), in_process=True)
 
 
 @case

@@ -37,10 +37,10 @@ def _run(**over):
     return config_from_dict(raw)
 
 
-def _build(run, raw, cpu=False, world=1, accum=2, source="ds.json", run_source="run.yaml"):
+def _build(run, raw, cpu=False, world=1, accum=2, source="ds.json", run_source="run.yaml", check_model=False):
     from iga_ds.config.deepspeed import build_ds_config
 
-    return build_ds_config(run, raw, world, accum, source, cpu=cpu, run_source=run_source)
+    return build_ds_config(run, raw, world, accum, source, cpu=cpu, run_source=run_source, check_model=check_model)
 
 
 def _one_line_error(run, raw, **kwargs) -> str:
@@ -260,6 +260,109 @@ def test_switched_off_offload_and_amp_are_fine():
     ds = _build(_run(), {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "none"}},
                          "amp": {"enabled": "auto", "opt_level": "auto"}})[0]
     assert ds["zero_optimization"]["stage"] == 1 and "amp" not in ds
+
+
+# -- keys DeepSpeed does not know -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw, line", [
+    ({"zero_optimisation": {"stage": 2}},
+     "ds.json: zero_optimisation: not a key of DeepSpeed {v}; did you mean 'zero_optimization'?"),
+    ({"gradient_clip": 1.0}, "ds.json: gradient_clip: not a key of DeepSpeed {v}; did you mean 'gradient_clipping'?"),
+    ({"zero_optimization": {"stage": 2, "overlap_com": True}},
+     "ds.json: zero_optimization.overlap_com: not a key of DeepSpeed {v}; did you mean 'overlap_comm'?"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"devise": "none"}}},
+     "ds.json: zero_optimization.offload_optimizer.devise: not a key of DeepSpeed {v}; did you mean 'device'?"),
+    ({"bf16": {"enable": "auto"}}, "ds.json: bf16.enable: not a key of DeepSpeed {v}; did you mean 'enabled'?"),
+    ({"fp16": {"enabled": False, "initial_scale_pow": 16}},
+     "ds.json: fp16.initial_scale_pow: not a key of DeepSpeed {v}; did you mean 'initial_scale_power'?"),
+    ({"optimizer": {"typ": "AdamW"}}, "ds.json: optimizer.typ: not a key of DeepSpeed {v}; did you mean 'type'?"),
+    ({"activation_checkpointing": {"partition_activation": True}},
+     "ds.json: activation_checkpointing.partition_activation: not a key of DeepSpeed {v}; did you mean "
+     "'partition_activations'?"),
+])
+def test_an_unknown_deepspeed_key_names_the_file_the_key_and_the_nearest_known_one(raw, line):
+    from iga_ds.config.ds_keys import deepspeed_version
+
+    assert _one_line_error(_run(), raw) == line.format(v=deepspeed_version())
+
+
+def test_an_unknown_key_with_no_near_one_is_named_and_a_sections_keys_listed():
+    assert _one_line_error(_run(), {"xyzzy": 1}).endswith(": xyzzy: not a key of DeepSpeed " + _version() +
+                                                          "; remove it")
+    text = _one_line_error(_run(), {"bf16": {"enabled": True, "qqq": 1}})
+    assert text.startswith("ds.json: bf16.qqq: not a key of DeepSpeed") and "expected one of: " in text
+    assert "check_grad_overflow, enabled, " in text  # DeepSpeed's own bf16 fields
+
+
+def _version() -> str:
+    from iga_ds.config.ds_keys import deepspeed_version
+
+    return deepspeed_version()
+
+
+def test_the_known_keys_come_from_the_installed_deepspeed():
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from iga_ds.config.ds_keys import known_keys
+
+    known = known_keys()
+    assert set(DeepSpeedZeroConfig.model_fields) <= set(known["zero_optimization"])
+    assert "stage3_prefetch_bucket_size" in known["zero_optimization"]  # an alias
+    assert set(known["bf16"]) == set(DeepSpeedBF16Config.model_fields) == set(known["bfloat16"])
+    for key in ("train_batch_size", "gradient_clipping", "steps_per_print", "wall_clock_breakdown",
+                "zero_allow_untested_optimizer", "activation_checkpointing", "flops_profiler", "tensorboard",
+                "comms_logger", "data_types", "checkpoint", "iga"):
+        assert key in known, key
+    assert known["iga"] is None  # the hook's own validator checks it
+
+
+def test_only_public_deepspeed_modules_and_names_are_read_for_keys():
+    from iga_ds.config import ds_keys
+
+    names = list(ds_keys.CONSTANT_MODULES)
+    for table in (ds_keys.SECTION_MODELS, ds_keys.SECTION_CONSTANTS):
+        names += [".".join(pair) for pair in table.values()]
+    names += [".".join(pair) for pair in ds_keys.TOP_LEVEL_MODELS]
+    assert all(name.startswith("deepspeed.") for name in names)
+    assert not [name for name in names if any(part.startswith("_") for part in name.split("."))]
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "ds_configs").glob("*.json")) + sorted(FIXTURES.glob("*.json")),
+                         ids=lambda p: p.name)
+def test_every_shipped_and_published_deepspeed_config_has_only_known_keys(path):
+    from iga_ds.config.deepspeed import load_ds_json
+    from iga_ds.config.ds_keys import check_known_keys
+
+    check_known_keys(load_ds_json(str(path)), path.name)
+
+
+def test_a_misspelt_method_parameter_is_named_before_the_two_files_are_compared():
+    run = _run(**{"method.params": {"tau": 0.5}})
+    text = _one_line_error(run, {"iga": {"params": {"tua": 0.5}}})
+    assert text.startswith("ds.json: iga.params.tua: method 'iga' has no parameter 'tua'; did you mean 'tau'?"), text
+    text = _one_line_error(_run(**{"method.params": {"taau": 0.5}}), {"iga": {"params": {"tau": 0.5}}})
+    assert text.startswith("run.yaml: method.params.taau: method 'iga' has no parameter 'taau'; did you mean "), text
+    # the JSON's own method decides what its params may be; the two methods then disagree, by name
+    text = _one_line_error(run, {"iga": {"method": "erm", "params": {"tau": 0.5}}})
+    assert text.startswith("ds.json: iga.params.tau: method 'erm' has no parameter 'tau'"), text
+    text = _one_line_error(_run(**{"method.params": {"tau": 0.5}}), {"iga": {"params": {"tau": 0.25}}})
+    assert text.startswith("params: run.yaml sets method.params"), text  # both spelt right: a disagreement
+
+
+def test_a_missing_base_model_is_named_where_this_machine_trains(tmp_path):
+    run = _run(**{"model.name_or_path": str(tmp_path / "nowhere")})
+    text = _one_line_error(run, {}, check_model=True)
+    assert text == (f"run.yaml: model.name_or_path: {str(tmp_path / 'nowhere')!r} is no local folder or file here; "
+                    "expected a local model folder, a Hugging Face hub id (org/name or org/name@revision), a .gguf "
+                    "file or packaged:NAME")
+    (tmp_path / "tok").mkdir()
+    text = _one_line_error(_run(**{"model.name_or_path": str(tmp_path / "tok")}), {}, check_model=True)
+    assert text == (f"run.yaml: model.name_or_path: {tmp_path / 'tok'} is not a Hugging Face model folder "
+                    "(no config.json)")
+    _build(run, {})  # a dry run names the machine (cpu): the folder may live only there
+    _build(_run(**{"model.name_or_path": "org/not-looked-up"}), {}, check_model=True)  # nothing is downloaded
 
 
 # -- hjson ----------------------------------------------------------------------------------------

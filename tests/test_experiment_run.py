@@ -94,7 +94,7 @@ def test_two_cells_train_evaluate_resume_and_report(tmp_path, monkeypatch, capsy
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_launcher_trains_a_cell_on_two_processes(tmp_path, monkeypatch, capsys):
-    """`--launcher 'torchrun --nproc_per_node 2'`: the cell trains with world size 2 (gloo on the
+    """`--launcher 'torchrun --standalone --nproc_per_node 2'`: the cell trains with world size 2 (gloo on the
     CPU), then is evaluated here; cell.json records both devices."""
     import sys
 

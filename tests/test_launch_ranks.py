@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from iga_ds.errors import UserError
-from iga_ds.cluster.ranks import DistEnv, apply_dist_env, resolve_dist_env, slurm_default_port
+from iga_ds.cluster.ranks import DEFAULT_MASTER_PORT, DistEnv, apply_dist_env, resolve_dist_env, slurm_default_port
 
 # What an srun task sees (copied from a real `srun -n2` on the test cluster, rank 1).
 SRUN_TASK = {
@@ -33,8 +33,42 @@ MPIRUN = {
 }
 
 
-def test_no_launcher_is_rank_zero_of_one():
-    assert resolve_dist_env({}) == DistEnv(0, 1, 0, 1, "127.0.0.1", 29500, "single")
+def _bindable(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_no_launcher_is_rank_zero_of_one_on_a_free_port():
+    got = resolve_dist_env({})
+    assert got == DistEnv(0, 1, 0, 1, "127.0.0.1", got.master_port, "single")
+    # not DeepSpeed's default, which a neighbouring one-GPU job would also take
+    assert got.master_port != DEFAULT_MASTER_PORT and _bindable(got.master_port)
+
+
+@pytest.mark.parametrize("env", [{"RANK": "0", "WORLD_SIZE": "1"},  # a launcher's one rank, or the
+                                 # variables a first run in this process exported, MASTER_PORT gone
+                                 BATCH_STEP | {"SLURM_STEP_ID": "0", "SLURM_NTASKS": "1",
+                                               "SLURM_STEP_NUM_TASKS": "1", "SLURM_TASKS_PER_NODE": "1",
+                                               "SLURM_STEP_TASKS_PER_NODE": "1"}])
+def test_one_rank_without_master_port_takes_a_free_port(env):
+    got = resolve_dist_env(env)
+    assert got.world_size == 1 and got.master_port != DEFAULT_MASTER_PORT and _bindable(got.master_port)
+
+
+def test_master_port_from_the_environment_is_kept_for_one_rank_too():
+    assert resolve_dist_env({"MASTER_PORT": "1234"}).master_port == 1234
+
+
+def test_several_ranks_without_master_port_keep_the_shared_default():
+    # the ranks must agree without talking: no free port of one host's choosing
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
+    assert resolve_dist_env(env).master_port == DEFAULT_MASTER_PORT
 
 
 def test_launcher_variables_win_and_local_rank_argument_overrides_env():
@@ -60,9 +94,9 @@ def test_deepspeed_slurm_launcher_ranks_are_distinct():
     ranks = set()
     for procid in range(16):
         env = SRUN_TASK | {"SLURM_PROCID": str(procid), "SLURM_LOCALID": str(procid % 8),
-                           "SLURM_NODEID": str(procid // 8), "MASTER_ADDR": "node01", "MASTER_PORT": "29500"}
+                           "SLURM_NODEID": str(procid // 8), "MASTER_ADDR": "node01", "MASTER_PORT": "21234"}
         got = resolve_dist_env(env)
-        assert (got.source, got.master_addr, got.master_port) == ("slurm", "node01", 29500)
+        assert (got.source, got.master_addr, got.master_port) == ("slurm", "node01", 21234)
         ranks.add(got.rank)
     assert ranks == set(range(16))
 
@@ -80,7 +114,7 @@ def test_batch_script_is_one_process_not_rank_zero_of_many():
 
 def test_openmpi_alone():
     got = resolve_dist_env(MPIRUN | {"MASTER_ADDR": "h0"})
-    assert got == DistEnv(3, 4, 1, 2, "h0", 29500, "openmpi")
+    assert got == DistEnv(3, 4, 1, 2, "h0", DEFAULT_MASTER_PORT, "openmpi")
 
 
 def test_openmpi_on_one_node_needs_no_master_addr():
@@ -140,4 +174,4 @@ def test_apply_then_resolve_round_trips_and_sets_nccl_error_handling():
 def test_slurm_default_port_differs_between_jobs_and_stays_in_range():
     ports = {slurm_default_port(str(j)) for j in range(1000, 1010)}
     assert len(ports) == 10 and all(20000 <= p < 30000 for p in ports)
-    assert slurm_default_port(None) == 29500
+    assert slurm_default_port(None) == DEFAULT_MASTER_PORT

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from dist_helpers import free_port
+
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,7 +65,8 @@ def test_mpirun_script_runs_selfcheck_through_openmpi_variables(mpi_env, tmp_pat
     res = subprocess.run(
         [str(REPO / "launch" / "mpirun.sh"), "-np", "2", "--", sys.executable, "-m", "iga_ds.cli",
          "selfcheck", "--json", "--skip-ops", "--timeout", "60"],
-        cwd=REPO, env=dict(mpi_env, MPIRUN_ARGS=f"--output-filename {tmp_path / 'out'}"),
+        # a free port: launch/mpirun.sh's default is DeepSpeed's, which another test may hold
+        cwd=REPO, env=dict(mpi_env, MASTER_PORT=str(free_port()), MPIRUN_ARGS=f"--output-filename {tmp_path / 'out'}"),
         capture_output=True, text=True, timeout=180,
     )
     assert res.returncode == 0, res.stderr[-2000:]

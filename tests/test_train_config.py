@@ -47,7 +47,24 @@ def test_config_errors_name_the_key_and_the_expected_type(tmp_path, override, me
     with pytest.raises(ConfigError) as err:
         load_run_config(path, [override])
     assert message in str(err.value)
-    assert str(path) in str(err.value)
+    # the key came from the command line: the override is named, not the file it overrides
+    assert str(err.value).startswith(f"override {override!r}: ") and str(path) not in str(err.value)
+    path.write_text(f"output_dir: out\n{_as_yaml(override)}")
+    with pytest.raises(ConfigError) as err:  # the same key in the file: the file is named
+        load_run_config(path, ["seed=1"])
+    assert message in str(err.value) and str(err.value).startswith(f"{path}: ")
+
+
+def _as_yaml(override: str) -> str:
+    """``a.b=value`` as the YAML that sets it in a file."""
+    import yaml
+
+    from iga_ds.config.run import parse_override
+
+    keys, value = parse_override(override)
+    for key in reversed(keys):
+        value = {key: value}
+    return yaml.safe_dump(value)
 
 
 def test_overrides_are_yaml_values_and_scientific_notation_is_a_number(tmp_path):

@@ -18,8 +18,13 @@ def test_demo_runs_end_to_end_and_prints_the_table(tmp_path, monkeypatch, capsys
     base = shrunk_tiny_base_config()
     rows = run_demo(tmp_path / "demo", methods=["erm", "iga"], settings=settings, base_config=base,
                     pretrain_groups=10)
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "acc ID %" in out and "delta-gap" in out
+    # the last line says how to reach iga-ds; progress in a log is a few plain lines, no redraws
+    assert "iga-ds" in out.splitlines()[-1] and ("pip install -e ." in out or "--help" in out)
+    progress = [line for line in captured.err.split("\n") if line.startswith(("train ", "generating"))]
+    assert progress and len(progress) <= 2 * (3 + 10) + 4 and "\r" not in captured.err
     assert [r["method"] for r in rows] == ["erm", "iga"]
     saved = json.loads((tmp_path / "demo" / "results.json").read_text())
     for row in saved["rows"]:

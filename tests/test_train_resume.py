@@ -133,3 +133,30 @@ def test_resume_never_starts_over(setup):
     _train(tmp, data, base, out, **{"schedule.max_steps": 2})
     again = _train(tmp, data, base, out, resume="never", **{"schedule.max_steps": 2})
     assert [h["step"] for h in again.history] == [1, 2]
+
+
+def test_a_resume_under_another_schedule_names_the_changes_and_refuses_unless_allowed(setup):
+    """Other max_steps and lr than the checkpoint's: one line naming each change, old -> new;
+    with checkpoint.allow_schedule_change the run continues under the new schedule (its lr, its
+    number of steps)."""
+    from iga_ds.errors import ConfigError
+    from iga_ds.train.optim import lr_lambda
+
+    tmp, data, base = setup
+    out = tmp / "rescheduled"
+    first = _train(tmp, data, base, out, **{"schedule.max_steps": 3, "checkpoint.stop_at_step": 1})
+    assert first.status == "stopped" and first.step == 1
+    changed = {"schedule.max_steps": 4, "schedule.lr": 1e-3}
+    with pytest.raises(ConfigError) as refused:
+        _train(tmp, data, base, out, **changed)
+    message = str(refused.value)
+    assert "\n" not in message and "step_00000001" in message, message
+    assert "schedule.max_steps 3 -> 4" in message and "schedule.lr 0.005 -> 0.001" in message, message
+    assert "total_steps 3 -> 4" in message and "checkpoint.allow_schedule_change=true" in message, message
+    assert "schedule.warmup_ratio" not in message  # only what changed
+    second = _train(tmp, data, base, out, **changed, **{"checkpoint.allow_schedule_change": True,
+                                                         "schedule.weight_decay": 0.0})
+    assert second.status == "completed" and second.step == 4
+    shape = lr_lambda(4, 0.03, 0.0)  # the run's warm-up and floor are the defaults
+    assert [h["lr"] for h in second.history] == pytest.approx([1e-3 * shape(k) for k in (1, 2, 3)])
+    assert _metric_steps(out) == [1, 2, 3, 4]

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from dist_helpers import free_port
+
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +39,8 @@ def test_mpirun_script_runs_one_rank_per_node_across_the_namespaces(network, tmp
     agent = network.write_remote_shell(tmp_path / "remote-shell")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "OMPI_", "PMIX_", "PMI_")) and k not in ("MASTER_ADDR", "MASTER_PORT")}
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", IGA_PYTHON=sys.executable,
+    # a port of the test's own, not launch/mpirun.sh's default (every test takes a free one)
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", IGA_PYTHON=sys.executable, MASTER_PORT=str(free_port()),
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}",
                MPIRUN_ARGS=f"--mca plm_rsh_agent {agent} --output-filename {tmp_path / 'out'}")
     before = network.link_bytes("node2")

@@ -13,7 +13,10 @@ Order, first match wins:
 
 ``MASTER_ADDR``/``MASTER_PORT`` from the environment always win; otherwise the rendezvous host is
 the first host of the Slurm step's node list, rank 0's host name under MPI, or 127.0.0.1 when all
-ranks share one node.
+ranks share one node. Without ``MASTER_PORT``, a job of one rank takes a port free on this host
+(no other rank has to agree on it, and two one-GPU jobs on a machine must not meet on DeepSpeed's
+default 29500); several ranks take the port derived from the Slurm job id, one rank 0 picked and
+broadcast (mpi4py), or 29500.
 """
 from __future__ import annotations
 
@@ -228,6 +231,8 @@ def resolve_dist_env(environ: Mapping[str, str] | None = None, local_rank: int |
                         environ.get("MASTER_ADDR") or "127.0.0.1", port, "single")
         if found.local_rank != 0:
             raise UserError(f"--local_rank {local_rank} given but no launcher variables describe the job")
+    if found.world_size == 1 and "MASTER_PORT" not in environ:
+        found = replace(found, master_port=free_port())  # a lone rank: never collide with a neighbour
     return found
 
 

@@ -36,7 +36,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from iga_ds.config.hook import BLOCK, HookConfig
+from iga_ds.config.ds_keys import check_known_keys
+from iga_ds.config.hook import BLOCK, HookConfig, check_method_params
 from iga_ds.config.run import (BUILTIN_TINY, DEFAULT_DEEPSPEED, SHIPPED, RunConfig, TinyBaseConfig, shipped_file,
                                shipped_names)
 from iga_ds.errors import ConfigError, UserError
@@ -105,6 +106,7 @@ def resolve_hook_config(run: RunConfig, block: dict[str, Any] | None, source: st
                         run_source: str = "the run YAML") -> HookConfig:
     """The hook's settings from the JSON's ``iga`` block and the run YAML's method and domains."""
     block = dict(block or {})
+    _check_params_of_both(run, block, source, run_source)
     from_run = {}
     if run.method is not None:
         from_run["method"] = (run.method.name, "method.name")
@@ -121,11 +123,51 @@ def resolve_hook_config(run: RunConfig, block: dict[str, Any] | None, source: st
     return HookConfig.from_dict(block, where=where)
 
 
+def _check_params_of_both(run: RunConfig, block: dict[str, Any], source: str, run_source: str) -> None:
+    """The method parameters each file gives, against the signature of the method that file
+    names (or, where it names none, the other file's): a misspelt parameter is named as one,
+    before the two files are compared."""
+    run_method = run.method.name if run.method is not None else None
+    block_method = block.get("method") if isinstance(block.get("method"), str) else None
+    method = run_method or block_method or HookConfig().method
+    if run.method is not None and "params" in run.method.model_fields_set:
+        check_method_params(method, run.method.params, f"{run_source}: method.params")
+    if isinstance(block.get("params"), dict):
+        check_method_params(block_method or method, block["params"], f"{source}: {BLOCK}.params")
+
+
+def check_base_model(run: RunConfig, run_source: str = "the run YAML") -> None:
+    """``model.name_or_path`` names a model that is there, as far as the local disk tells (a
+    folder with a config.json, a .gguf file, or a name spelled as a hub id; nothing is looked up
+    on the hub): checked before the tokenizer, which is read from the same place unless
+    ``tokenizer`` says otherwise, so that a missing folder is named as the model's."""
+    spec = run.model.name_or_path
+    if spec == BUILTIN_TINY:
+        return
+    try:
+        source = resolve_model_source(spec, "model.name_or_path", ConfigError)
+    except ConfigError as exc:
+        raise ConfigError(f"{run_source}: {exc}") from None
+    if source.kind == "folder" and not (Path(source.location) / "config.json").is_file():
+        raise ConfigError(f"{run_source}: model.name_or_path: {source.location} is not a Hugging Face model folder "
+                          "(no config.json)")
+
+
 def build_ds_config(run: RunConfig, ds_raw: dict[str, Any], world_size: int, accum: int, source: str = "deepspeed",
-                    cpu: bool | None = None, run_source: str = "the run YAML") -> tuple[dict[str, Any], HookConfig]:
+                    cpu: bool | None = None, run_source: str = "the run YAML",
+                    check_model: bool = False) -> tuple[dict[str, Any], HookConfig]:
     """The DeepSpeed dict and the hook's settings for this run: ``"auto"`` resolved from the run
     YAML, the values both files give checked against each other, what the hook cannot run refused
-    (the module docstring lists them)."""
+    (the module docstring lists them). A key the installed DeepSpeed does not know is an error
+    naming the nearest known one (:mod:`iga_ds.config.ds_keys`).
+
+    ``cpu``: whether the run is on the CPU; None: this machine decides, being the one that
+    trains. ``check_model``: whether the base model must be here (:func:`check_base_model`): the
+    trainer asks it; a dry run does not, since a local model folder may live only on the machine
+    the config is written for."""
+    check_known_keys(ds_raw, source)
+    if check_model:
+        check_base_model(run, run_source)
     ds = copy.deepcopy({k: v for k, v in ds_raw.items() if k != BLOCK})
     hook = resolve_hook_config(run, ds_raw.get(BLOCK), source, run_source)
     _refuse_unsupported(ds, source)

@@ -18,6 +18,8 @@ value set differently in both files is an error naming both (:mod:`iga_ds.config
 from __future__ import annotations
 
 import copy
+import difflib
+import inspect
 from typing import Any
 
 from pydantic import field_validator
@@ -85,6 +87,25 @@ class HookConfig(Section):
         if "seed" in method_parameters(self.method) and "seed" not in params:
             params["seed"] = self.seed
         return get_method(self.method, **params)
+
+
+def check_method_params(method: str, params: dict[str, Any], where: str) -> None:
+    """Each of ``params`` is a parameter of ``method``'s signature: a misspelt one is an error
+    naming it, ``where`` it is and the nearest parameter. An unknown method is left for
+    :meth:`HookConfig.validate` to name."""
+    try:
+        accepted = method_parameters(method)
+    except ConfigError:
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return
+    names = [name for name, p in accepted.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL]
+    for key in params:
+        if key not in names:
+            near = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise ConfigError(f"{where}.{key}: method {method!r} has no parameter {key!r}; {hint}"
+                              f"it takes: {', '.join(names) or '(none)'}")
 
 
 def split_config(ds_config: dict[str, Any]) -> tuple[dict[str, Any], HookConfig]:

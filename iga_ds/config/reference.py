@@ -36,13 +36,16 @@ the test suite fails when this file and the code disagree. Two files configure a
   `bf16`/`fp16.enabled` and any AdamW optimizer and warm-up scheduler values are `"auto"` or
   agree with the run YAML (`zero_optimization.reduce_bucket_size: "auto"` becomes the model's
   hidden size squared, as the Hugging Face Trainer sets it), which counts batches in isomer groups and owns the optimizer and its
-  schedule; a key iga-ds cannot honour is an error naming it.
+  schedule; a key iga-ds cannot honour is an error naming it, and so is a key the installed
+  DeepSpeed does not know (at the top level or in a section such as `zero_optimization` or
+  `bf16`), with the nearest known key: DeepSpeed itself would ignore a misspelt section.
 
 The method (`method.name`, `method.params`) and the domains (`data.domains`) can be set in either
 file: in the JSON's `iga` block they are `method`, `params` and `domains`. Set each in one of
 them: a value given in both that differs is an error naming both files. Every key is typed; a
 wrong key, type or value stops the run before anything starts, naming the file, the dotted key
-and what was expected.
+and what was expected; a wrong key given on the command line names that `KEY=VALUE`. A method
+parameter is checked against the method's own parameters before the two files are compared.
 """
 
 

@@ -187,6 +187,9 @@ class CheckpointConfig(Section):
     keep_last: int = setting(2, "checkpoints kept; older ones are deleted", expected="an integer >= 1", ge=1)
     stop_at_step: Optional[int] = setting(None, "save and exit 0 at this step, as a signal would (splits a run over "
                                           "time-boxed jobs)", expected="a positive integer or null", ge=1)
+    allow_schedule_change: bool = setting(False, "resume a checkpoint saved under another schedule (`schedule.*`, "
+                                          "`data.groups_per_step`, the number of steps) and continue under this "
+                                          "run's; false: such a resume stops with a line naming each change")
 
 
 class LoggingConfig(Section):
@@ -323,6 +326,28 @@ def _set_on_command_line(overrides: list[str]) -> tuple[str, ...]:
     return tuple(k for k in PATH_KEYS if any(k.split(".")[:len(p)] == p for p in set_keys))
 
 
+def _override_at(dotted: str, base: dict[str, Any], overrides: list[str]) -> str | None:
+    """The command-line override an error at key ``dotted`` comes from (the last that sets the
+    key or a mapping above it, or that created the key where the file has none), else None:
+    the file's."""
+    key = dotted.replace("[", ".[").split(".")
+    for text in reversed(overrides):
+        path = parse_override(text)[0]
+        if key[:len(path)] == path:
+            return text
+        if path[:len(key)] == key and not _in_mapping(base, key):
+            return text
+    return None
+
+
+def _in_mapping(raw: Any, key: list[str]) -> bool:
+    for part in key:
+        if not isinstance(raw, dict) or part not in raw:
+            return False
+        raw = raw[part]
+    return True
+
+
 def load_run_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> RunConfig:
     """Read a run YAML (or only overrides when ``path`` is None), check every key and type, and
     resolve its paths (:func:`resolve_path`: the file's relative to its folder, the overrides'
@@ -335,12 +360,15 @@ def load_run_config(path: str | os.PathLike | None, overrides: list[str] | None 
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level")
         resolve_config_paths(raw, path.parent)
+    base = raw
     raw = apply_overrides(raw, overrides)
     resolve_config_paths(raw, None, _set_on_command_line(overrides))
     try:
         cfg = config_from_dict(raw)
     except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}" if path is not None else str(exc)) from None
+        culprit = _override_at(str(exc).split(":", 1)[0], base, overrides)
+        where = f"override {culprit!r}" if culprit is not None else str(path) if path is not None else ""
+        raise ConfigError(f"{where}: {exc}" if where else str(exc)) from None
     if path is not None:
         cfg._source = str(path)
     return cfg

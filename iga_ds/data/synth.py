@@ -34,6 +34,7 @@ from iga_ds.data.patterns import BOOLEAN_ANSWERS, INTEGER_ANSWERS, PATTERNS, SAM
 from iga_ds.data.render import abstract_statements, render_cot, render_problem, replace_cue, slot_words
 from iga_ds.errors import UserError
 from iga_ds.files import atomic_write_json, make_dir, temp_file_beside
+from iga_ds.progress import progress as progress_of
 
 FORMAT_VERSION = 1
 TEST_FRAC = 0.2
@@ -340,11 +341,7 @@ def _write_splits(out: Path, groups: Iterable[list[dict]], total: int, with_cue:
     """Stream each group into train.jsonl or test.jsonl, all or nothing; return writers and tallies."""
     writers: dict[str, _HashingWriter] = {}
     tallies = {"train": _SplitTally(), "test": _SplitTally()}
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, unit="group", desc="synth", mininterval=0.5)
+    bar = progress_of(total, "synth", "group") if progress else None
     try:
         for split in ("train", "test"):
             writers[split] = _HashingWriter(out / f"{split}.jsonl")

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 from iga_ds.data.groups import isomer_groups
 from iga_ds.data.prompts import PromptFormat, format_prompt, prompt_token_ids
 from iga_ds.metrics.consistency import lcs, lcs_paper_units
+from iga_ds.progress import progress as progress_of
 
 if TYPE_CHECKING:  # torch is imported when a model runs
     import torch
@@ -45,7 +46,6 @@ def token_averaged_hidden_states(
     """``{layer: len(texts) x H}`` float64 means of hidden states over non-padding tokens
     (``add_special_tokens``: False for chat-template text, which carries its own)."""
     import torch
-    from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
     was_training = model.training
@@ -58,8 +58,8 @@ def token_averaged_hidden_states(
     out: dict[int, list[torch.Tensor]] = {}
     resolved: list[int] | None = None
     try:
-        with torch.no_grad():
-            for start in tqdm(range(0, len(texts), batch_size), desc="hidden states", disable=not progress):
+        with torch.no_grad(), progress_of(len(texts), "hidden states", "text", enabled=progress) as bar:
+            for start in range(0, len(texts), batch_size):
                 ids = [prompt_token_ids(tokenizer, text, add_special_tokens)[:max_length]
                        for text in texts[start:start + batch_size]]  # as training's rows begin
                 batch = tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt")
@@ -72,6 +72,7 @@ def token_averaged_hidden_states(
                     h = hidden[idx].to(torch.float64)
                     mean = (h * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)
                     out.setdefault(idx, []).append(mean.cpu())
+                bar.update(len(ids))
     finally:
         model.train(was_training)
         tokenizer.padding_side = padding_side

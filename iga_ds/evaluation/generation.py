@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 from iga_ds.data.prompts import AUTO, PromptFormat, prompt_format, prompt_token_ids, saved_prompt_format
 from iga_ds.errors import UserError
 from iga_ds.models import TOKENIZER_FILES, check_model_source, load_auto_tokenizer, load_causal_lm
+from iga_ds.progress import progress as progress_of
 
 # a complete "Answer: ..." line (it ends in a newline): generation can stop there
 _ANSWER_DONE = re.compile(r"(?:^|\n)[\s*#>]*(?:final\s+)?answer\s*[:：][^\n]*\S[^\n]*\n", re.IGNORECASE)
@@ -117,7 +118,6 @@ def generate(
     first, as training did (:func:`iga_ds.data.prompts.prompt_token_ids`).
     """
     import torch
-    from tqdm.auto import tqdm
     from transformers import StoppingCriteriaList
 
     device = next(model.parameters()).device
@@ -128,7 +128,7 @@ def generate(
     order = sorted(range(len(prompts)), key=lambda i: -lengths[i])
     outputs: list[str | None] = [None] * len(prompts)
     try:
-        bar = tqdm(total=len(prompts), desc="generating", unit="prompt", disable=not progress)
+        bar = progress_of(len(prompts), "generating", "prompt", enabled=progress)
         for start in range(0, len(order), batch_size):
             idx = order[start:start + batch_size]
             batch = tokenizer.pad({"input_ids": [encoded[i] for i in idx]}, padding=True, return_tensors="pt")

@@ -64,6 +64,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--out", default="demo_out", help="output folder")
     p.add_argument("--steps", type=int, default=None, help="LoRA steps per method")
     p.add_argument("--methods", default="erm,iga", help="comma-separated method names")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress (bar on a terminal, a few lines in a log); the step lines and the table stay")
     p.set_defaults(func=run_demo)
 
 
@@ -161,7 +163,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.steps is not None and args.steps < 1:
         raise UserError(f"--steps {args.steps}: expected a positive number of steps")
     check_output_dir(args.out)
-    demo(args.out, methods=methods, steps=args.steps)
+    demo(args.out, methods=methods, steps=args.steps, progress=not args.quiet)
     return 0
 
 

@@ -7,11 +7,16 @@ as the out-of-distribution (OOD) set; pretrain (or load from the cache) the tiny
 fine-tune LoRA with each method through the same DeepSpeed ZeRO-2 engine (CPU, one process);
 decode greedily, extract answers, and print accuracy ID and OOD, the Delta-gap (ID - OOD, in
 points, smaller is more robust) and wall time. Sized for a few minutes on 2 CPU cores.
+Progress is a bar on a terminal and a few plain lines in a log (:mod:`iga_ds.progress`);
+``progress=False`` (``iga-ds demo --quiet``) leaves the step lines and the table alone.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Sequence
@@ -25,6 +30,7 @@ from iga_ds.evaluation.records import isomer_eval_items
 from iga_ds.evaluation.runner import evaluate
 from iga_ds.files import atomic_write_json, atomic_write_text, read_jsonl
 from iga_ds.metrics.accuracy import format_percent
+from iga_ds.progress import is_terminal
 from iga_ds.train.pretrain import default_tiny_base
 from iga_ds.train.trainer import Trainer
 
@@ -55,7 +61,7 @@ def format_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def _run_config(s: DemoSettings, method: str, out: Path, base: Path, train_file: Path) -> dict:
+def _run_config(s: DemoSettings, method: str, out: Path, base: Path, train_file: Path, progress: bool) -> dict:
     return {
         "output_dir": str(out / method),
         "deepspeed": default_ds_config(),
@@ -67,12 +73,14 @@ def _run_config(s: DemoSettings, method: str, out: Path, base: Path, train_file:
         "method": {"name": method},
         "resume": "never",
         "seed": s.seed,
+        "logging": {"progress": progress},
     }
 
 
-def _train_and_evaluate(s: DemoSettings, method: str, out: Path, base: Path, train_file: Path, items) -> dict:
+def _train_and_evaluate(s: DemoSettings, method: str, out: Path, base: Path, train_file: Path, items,
+                        progress: bool = True) -> dict:
     """One row of the table: LoRA with ``method``, then greedy decoding of ``items``."""
-    result = Trainer(config_from_dict(_run_config(s, method, out, base, train_file))).run()
+    result = Trainer(config_from_dict(_run_config(s, method, out, base, train_file, progress))).run()
     n_id = sum(item.split == "id" for item in items)
     print(f"[4/4] greedy decoding on {n_id} ID + {len(items) - n_id} OOD instances", flush=True)
     t0 = time.perf_counter()
@@ -81,7 +89,7 @@ def _train_and_evaluate(s: DemoSettings, method: str, out: Path, base: Path, tra
     settings = {"base": str(base), "adapter": str(result.adapter_dir), "max_new_tokens": s.max_new_tokens,
                 "greedy": True}
     ev = evaluate(items, model, tokenizer, out / method / "eval.json", settings, fmt.prompt,
-                  max_new_tokens=s.max_new_tokens, batch_size=48, progress=True, restart=True,
+                  max_new_tokens=s.max_new_tokens, batch_size=48, progress=progress, restart=True,
                   add_special_tokens=fmt.add_special_tokens)
     return {
         "method": method,
@@ -97,8 +105,10 @@ def _train_and_evaluate(s: DemoSettings, method: str, out: Path, base: Path, tra
 
 def run_demo(out_dir: str | os.PathLike = "demo_out", methods: Sequence[str] = ("erm", "iga"),
              steps: int | None = None, settings: DemoSettings | None = None,
-             base_config: TinyBaseConfig | None = None, pretrain_groups: int | None = None) -> list[dict]:
-    """Run the demo; ``base_config`` and ``pretrain_groups`` shrink the tiny base (tests)."""
+             base_config: TinyBaseConfig | None = None, pretrain_groups: int | None = None,
+             progress: bool = True) -> list[dict]:
+    """Run the demo; ``base_config`` and ``pretrain_groups`` shrink the tiny base (tests);
+    ``progress=False`` silences the progress of pretraining, training and decoding."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     s = settings or DemoSettings()
@@ -112,16 +122,46 @@ def run_demo(out_dir: str | os.PathLike = "demo_out", methods: Sequence[str] = (
     items = isomer_eval_items(read_jsonl(id_test), read_jsonl(ood_test), "synthetic")
 
     print("[2/4] tiny LLaMA base (pretrained from scratch once, then cached)", flush=True)
-    base = default_tiny_base(base_config, **({"groups": pretrain_groups} if pretrain_groups else {}))
+    base = default_tiny_base(base_config, progress=progress,
+                             **({"groups": pretrain_groups} if pretrain_groups else {}))
 
     rows = []
-    for i, method in enumerate(methods):
-        print(f"[3/4] LoRA fine-tuning with {method} ({i + 1}/{len(methods)})", flush=True)
-        rows.append(_train_and_evaluate(s, method, out, base, fit, items))
+    with _library_bars(progress and is_terminal(sys.stderr)):
+        for i, method in enumerate(methods):
+            print(f"[3/4] LoRA fine-tuning with {method} ({i + 1}/{len(methods)})", flush=True)
+            rows.append(_train_and_evaluate(s, method, out, base, fit, items, progress))
     table = format_table(rows)
     total = time.perf_counter() - t_all
     atomic_write_json(out / "results.json", {"settings": dataclasses.asdict(s), "rows": rows, "total_seconds": total})
     atomic_write_text(out / "results.txt", table + "\n")
     print("\n" + table)
     print(f"\ntotal {total:.0f}s; details in {out}/results.json and {out}/<method>/eval.json")
+    print(path_hint())
     return rows
+
+
+@contextlib.contextmanager
+def _library_bars(show: bool):
+    """Transformers' own bar ("Loading weights", at each model load) only where ours is a bar."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if not show:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+def path_hint() -> str:
+    """The demo's last line: how to reach ``iga-ds`` for the commands README.md lists next
+    (``make demo`` runs it from .venv, which is not on PATH until activated)."""
+    if shutil.which("iga-ds"):
+        return "next: iga-ds --help (README.md, Entry points)"
+    activate = Path(sys.prefix) / "bin" / "activate"
+    if sys.prefix != sys.base_prefix and activate.is_file():
+        shown = os.path.relpath(activate) if activate.is_relative_to(Path.cwd()) else str(activate)
+        return f"iga-ds is not on your PATH: . {shown}   (or pip install -e . into your own environment)"
+    return "iga-ds is not on your PATH: pip install -e . into your environment"

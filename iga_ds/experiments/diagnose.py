@@ -42,6 +42,7 @@ from iga_ds.files import atomic_write_json, read_json, read_yaml_file
 from iga_ds.lora.modules import LoraModule, find_lora_modules
 from iga_ds.methods import GradientMethod, ModuleGrads, get_method
 from iga_ds.models import TOKENIZER_FILES, check_model_source
+from iga_ds.progress import progress as progress_of
 from iga_ds.train.batching import encode_example, pad_id, pad_rows, sequence_losses
 from iga_ds.train.model import add_lora, load_base_model, load_tokenizer
 from iga_ds.train.pretrain import default_tiny_base
@@ -419,15 +420,9 @@ class Settings:
     progress: bool = True
 
 
-def _progress(total: int, desc: str, unit: str, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, dynamic_ncols=True)
-
-
 def _gradients(model, modules, tokenizer, fmt, groups, settings: Settings, max_length: int, what: str):
     rows = encode_domains(groups, tokenizer, fmt, max_length)
-    bar = _progress(sum(len(r) for r in rows), f"gradients, {what}", "instance", settings.progress)
+    bar = progress_of(sum(len(r) for r in rows), f"gradients, {what}", "instance", enabled=settings.progress)
     try:
         grads = domain_gradients(model, modules, rows, pad_id(tokenizer), settings.batch_size, bar.update)
     finally:
@@ -454,7 +449,7 @@ def diagnose(settings: Settings, log: Callable[[str], None] = print) -> dict[str
         f"({', '.join(domains)}), {fmt.name} prompts")
     cue = _gradients(model, modules, tokenizer, fmt, groups, settings, max_length, "cue records")
     plain = _gradients(model, modules, tokenizer, fmt, twins, settings, max_length, "no-cue twins")
-    bar = _progress(len(methods), "methods", "method", settings.progress)
+    bar = progress_of(len(methods), "methods", "method", enabled=settings.progress)
     try:
         figures = measure(cue, plain, methods, on_method=lambda label: bar.update(1))
     finally:

@@ -247,6 +247,37 @@ def load_checkpoint(engine, path: Path, rank: int) -> dict[str, Any]:
     return client or {}
 
 
+def schedule_changes(saved: dict[str, Any] | None, current: dict[str, Any]) -> list[str]:
+    """``key old -> new`` for each setting of the schedule that differs from the one a checkpoint
+    was saved under (none for a checkpoint that recorded no schedule, nor for a key it lacks)."""
+    saved = saved or {}
+    return [f"{key} {saved[key]} -> {value}" for key, value in current.items() if key in saved and saved[key] != value]
+
+
+def check_schedule(path: Path, saved: dict[str, Any] | None, current: dict[str, Any], allow: bool) -> list[str]:
+    """Refuse, in one line, to resume ``path`` under another schedule unless ``allow``
+    (``checkpoint.allow_schedule_change``); return the changes allowed."""
+    changes = schedule_changes(saved, current)
+    if changes and not allow:
+        raise ConfigError(f"resume: {path} was saved under another schedule ({', '.join(changes)}); set "
+                          "checkpoint.allow_schedule_change=true to continue under the new one, or resume=never "
+                          "to start over")
+    return changes
+
+
+def adopt_schedule(engine, lr: float, betas, eps: float, weight_decay: float) -> None:
+    """After a resume under a changed schedule: this run's AdamW settings and peak ``lr`` replace
+    those the checkpoint restored, and this step's lr follows the new schedule (its shape, the
+    LambdaLR's function, is this run's already: a checkpoint does not hold it)."""
+    for group in engine.optimizer.param_groups:
+        group.update(betas=tuple(betas), eps=eps, weight_decay=weight_decay, initial_lr=lr)
+    scheduler = engine.lr_scheduler
+    if scheduler is not None:
+        scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
+        scheduler.last_epoch -= 1
+        scheduler.step()  # recomputes the lr of the step it is at, into the groups and get_last_lr()
+
+
 # -- stop signals ----------------------------------------------------------------------------
 
 

@@ -1,20 +1,20 @@
 """The process group of a training run: ranks from any launcher, then DeepSpeed's init."""
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
 import torch.distributed as tdist
 
-from iga_ds.cluster.ranks import DistEnv, apply_dist_env, free_port, resolve_dist_env
+from iga_ds.cluster.ranks import DistEnv, apply_dist_env, resolve_dist_env
 from iga_ds.config.deepspeed import use_cpu
 from iga_ds.engine.internals import disable_cpu_shm_comm_op, forget_world_group
 
 
 def resolve_dist(local_rank: int | None = None) -> DistEnv:
     """Ranks from the launcher, Slurm or MPI (:mod:`iga_ds.cluster.ranks`), exported for
-    ``env://``; a lone process becomes rank 0 of 1 on a free local port."""
+    ``env://``; a lone process becomes rank 0 of 1 on a free local port (so does a launcher's
+    one rank, or a second run after ``destroy_process_group``, when ``MASTER_PORT`` is unset)."""
     if tdist.is_initialized():  # a second run in the same process reuses its group
         rank, world = tdist.get_rank(), tdist.get_world_size()
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -23,9 +23,7 @@ def resolve_dist(local_rank: int | None = None) -> DistEnv:
         return DistEnv(rank, world, local, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                        os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "0")),
                        "initialized")
-    env = resolve_dist_env(local_rank=local_rank)
-    if env.source == "single" and "MASTER_PORT" not in os.environ:
-        env = dataclasses.replace(env, master_port=free_port())  # never collide with a neighbour
+    env = resolve_dist_env(local_rank=local_rank)  # one rank without MASTER_PORT: a free port
     apply_dist_env(env)
     return env
 

@@ -46,7 +46,7 @@ def resolve_run(cfg: RunConfig, world_size: int = 1, cpu: bool | None = None) ->
         cpu = os.environ.get("DS_ACCELERATOR", "") == "cpu"
     accum = check_batch_layout(cfg.data.groups_per_step, cfg.data.groups_per_micro_batch, world_size)
     ds_dict, hook = build_ds_config(cfg, load_ds_json(cfg.deepspeed), world_size, accum, cfg.deepspeed, cpu=cpu,
-                                    run_source=cfg.source)
+                                    run_source=cfg.source, check_model=False)
     _check_with_deepspeed(ds_dict, cfg.deepspeed)
     return {
         **cfg.to_dict(),

@@ -9,10 +9,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from iga_ds.config.run import LoggingConfig
 from iga_ds.files import read_jsonl, write_jsonl
+from iga_ds.progress import progress
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -39,8 +38,8 @@ class Logbook:
             # purge_step drops events after the resumed step, so a resumed curve has no duplicates
             self.writer = SummaryWriter(log_dir=str(out / "tensorboard"),
                                         purge_step=start_step + 1 if start_step else None)
-        self.bar = tqdm(total=total_steps, initial=start_step, desc=label, dynamic_ncols=True,
-                        disable=not active or not settings.progress or quiet)
+        self.bar = progress(total_steps, label, "step", initial=start_step,
+                            enabled=active and settings.progress and not quiet)
 
     def write(self, record: dict[str, Any]) -> None:
         if self.metrics is None:

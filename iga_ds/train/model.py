@@ -25,6 +25,7 @@ from iga_ds.config.run import TinyBaseConfig
 from iga_ds.errors import ConfigError
 from iga_ds.files import atomic_write_json, make_dir
 from iga_ds.models import EXPECTED, cache_root, load_auto_tokenizer, load_causal_lm
+from iga_ds.progress import progress as progress_of
 
 # Word-level splitting with the leading space kept on the word: lossless, so decoding is a
 # plain concatenation and answer extraction sees the original text. Digits are single tokens
@@ -152,7 +153,6 @@ def _pretrain(model, tokenizer, texts: Sequence[str], config: TinyBaseConfig, pr
               device: str = "cpu") -> list[float]:
     """Next-token pretraining on whole texts; returns the loss curve."""
     import torch
-    from tqdm.auto import tqdm
 
     ids = [
         [tokenizer.bos_token_id] + tokenizer(t, add_special_tokens=False)["input_ids"][: config.max_length - 2]
@@ -173,8 +173,8 @@ def _pretrain(model, tokenizer, texts: Sequence[str], config: TinyBaseConfig, pr
     losses: list[float] = []
     order = torch.randperm(len(ids), generator=gen).tolist()
     cursor = 0
-    bar = tqdm(range(config.steps), desc="pretrain tiny base", disable=not progress, dynamic_ncols=True)
-    for _ in bar:
+    bar = progress_of(config.steps, "pretrain tiny base", "step", enabled=progress)
+    for _ in range(config.steps):
         if cursor + config.batch_size > len(order):
             order, cursor = torch.randperm(len(ids), generator=gen).tolist(), 0
         batch = [ids[i] for i in order[cursor : cursor + config.batch_size]]
@@ -194,7 +194,9 @@ def _pretrain(model, tokenizer, texts: Sequence[str], config: TinyBaseConfig, pr
         opt.step()
         sched.step()
         losses.append(float(loss.detach()))  # one sync per step: the bar shows it anyway
+        bar.update(1)
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    bar.close()
     model.eval()
     return losses
 

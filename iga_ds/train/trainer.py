@@ -53,7 +53,8 @@ from iga_ds.train.batching import (
     tokenized_cache_root,
     unknown_words,
 )
-from iga_ds.train.checkpoint import STOP_FILE, StopSignal, load_checkpoint, resolve_resume, save_checkpoint
+from iga_ds.train.checkpoint import (STOP_FILE, StopSignal, adopt_schedule, check_schedule, load_checkpoint,
+                                    resolve_resume, save_checkpoint)
 from iga_ds.train.distributed import init_distributed, resolve_dist
 from iga_ds.train.logbook import METRICS_FILE, Logbook, truncate_metrics
 from iga_ds.train.model import add_lora, load_base_model, load_tokenizer
@@ -172,7 +173,7 @@ class Trainer:
         check_output_dir(cfg.output_dir, "output_dir")  # before anything loads
         accum = check_batch_layout(cfg.data.groups_per_step, cfg.data.groups_per_micro_batch, dist.world_size)
         ds_dict, hook_config = build_ds_config(cfg, load_ds_json(cfg.deepspeed), dist.world_size, accum,
-                                               cfg.deepspeed, run_source=cfg.source)
+                                               cfg.deepspeed, run_source=cfg.source, check_model=True)
         self.peers = PeerWatch(dist, hook_config.timeout_s).start()  # a lost rank gets a name, not a hang
         records, groups = self._load_groups(list(hook_config.domains))
         sampler = GroupSampler(len(groups), cfg.data.groups_per_step, cfg.seed)
@@ -187,7 +188,7 @@ class Trainer:
         hook = attach(engine, hook_config)
         updates = UpdateNorms(engine.module)
         out = Path(cfg.output_dir)
-        start_step = self._resume(engine, out, updates)
+        start_step = self._resume(engine, out, updates, total_steps)
         stop = StopSignal(out / STOP_FILE)
         if dist.rank == 0:
             self._prepare_output(out, stop, start_step, {
@@ -224,7 +225,8 @@ class Trainer:
         shape = TinyBaseConfig(**self.cfg.model.tiny) if self.cfg.model.tiny else None
 
         def build() -> str:
-            return str(default_tiny_base(shape, progress=self.dist.rank == 0 and not self.quiet, log=self._print))
+            show = self.dist.rank == 0 and not self.quiet and self.cfg.logging.progress
+            return str(default_tiny_base(shape, progress=show, log=self._print))
 
         return self._local_rank_zero_first(build)
 
@@ -291,15 +293,29 @@ class Trainer:
                                                config=ds_dict, dist_init_required=False)
         return engine, counts
 
-    def _resume(self, engine, out: Path, updates: UpdateNorms) -> int:
+    def _resume(self, engine, out: Path, updates: UpdateNorms, total_steps: int) -> int:
         resume_from = resolve_resume(self.cfg.resume, out / "checkpoints")
         if resume_from is None:
             return 0
         client = load_checkpoint(engine, resume_from, self.dist.rank)
         start_step = int(client.get("step", 0))
+        changes = check_schedule(resume_from, client.get("schedule"), self._schedule(total_steps),
+                                 self.cfg.checkpoint.allow_schedule_change)
+        if changes:
+            s = self.cfg.schedule
+            adopt_schedule(engine, s.lr, s.betas, s.eps, s.weight_decay)
         updates.load_state(client.get("update_path"))
-        self._print(f"resumed from {resume_from} at step {start_step}")
+        self._print(f"resumed from {resume_from} at step {start_step}"
+                    + (f", continuing under the new schedule: {', '.join(changes)}" if changes else ""))
         return start_step
+
+    def _schedule(self, total_steps: int) -> dict[str, Any]:
+        """The settings a run's steps follow, saved with each checkpoint; a resume compares them."""
+        schedule = self.cfg.schedule.to_dict()
+        if schedule["max_steps"] is not None:
+            del schedule["epochs"]  # max_steps wins over it
+        return {**{f"schedule.{key}": value for key, value in schedule.items()},
+                "data.groups_per_step": self.cfg.data.groups_per_step, "total_steps": total_steps}
 
     def _prepare_output(self, out: Path, stop: StopSignal, start_step: int, resolved: dict[str, Any]) -> None:
         """Rank 0, before step 1 (whose collectives no other rank passes without it): a stale stop
@@ -378,7 +394,7 @@ class Trainer:
         stopping = s.stop.requested(s.engine.device) or step == self.cfg.checkpoint.stop_at_step
         if stopping or step == s.total_steps or (every and step % every == 0):
             state = {"step": step, "world_size": s.dist.world_size, "total_steps": s.total_steps,
-                     "update_path": s.updates.state()}
+                     "update_path": s.updates.state(), "schedule": self._schedule(s.total_steps)}
             save_checkpoint(s.engine, s.out / "checkpoints", step, state, s.dist.rank, self.cfg.checkpoint.keep_last,
                             lambda path: save_adapter_atomic(s.engine.module, s.tokenizer, path, s.prompt_format))
         if stopping and s.stop.reason is not None and s.dist.rank == 0:

@@ -50,6 +50,7 @@ from iga_ds.data.teacher.shards import SHARD_DIR, in_shard, parse_shard, shard_d
 from iga_ds.errors import DataError, UserError
 from iga_ds.files import (append_lines, atomic_write_json, cut_torn_tail, iter_jsonl, jsonl_text, make_dir,
                           torn_tail_start, write_jsonl)
+from iga_ds.progress import progress as progress_of
 
 KEPT_FILE, DROPPED_FILE, STATS_FILE, SETTINGS_FILE = "isomers.jsonl", "dropped.jsonl", "stats.json", "build.json"
 LOCK_FILE = ".build.lock"
@@ -578,9 +579,7 @@ def _process_seeds(todo: list[dict], processor: SeedProcessor, run: _Run, concur
 def _progress_bar(progress: bool, total: int, done: int):
     if not progress:
         return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=done, unit="seed", desc="build")
+    return progress_of(total, "build", "seed", initial=done)
 
 
 def build(seeds_path: str | Path, out_dir: str | Path, client: ChatClient, settings: BuildSettings,
