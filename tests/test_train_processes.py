@@ -115,8 +115,10 @@ def test_stop_file_stops_both_ranks_at_one_step_and_resume_completes(setup):
     assert (out / "checkpoints" / "latest").read_text().strip() == ckpt.name
     assert len(list(ckpt.glob("*optim_states.pt"))) == 2  # both ranks saved the same step
     assert not (out / "STOP").exists()
+    # resumed to finish two steps later: a changed schedule, which the run must be told to accept
     res = subprocess.run(
-        [str(REPO / ".venv/bin/iga-ds"), "train", "--config", str(cfg), f"schedule.max_steps={stopped_at + 2}"],
+        [str(REPO / ".venv/bin/iga-ds"), "train", "--config", str(cfg), f"schedule.max_steps={stopped_at + 2}",
+         "checkpoint.allow_schedule_change=true"],
         env=_env(), capture_output=True, text=True, timeout=120,
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
