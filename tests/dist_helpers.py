@@ -16,6 +16,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_is_free(port: int) -> bool:
+    """Whether this machine lets a socket bind ``port`` now."""
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
 def launch(script: Path, world_size: int, args: list[str], timeout: float = 240, extra_env=None):
     """Start `world_size` processes with RANK/WORLD_SIZE/... set; return their CompletedProcess-like results."""
     port = free_port()

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from dist_helpers import free_port
+from dist_helpers import free_port, port_is_free
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 FINISHED_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
@@ -125,18 +125,9 @@ def first_job_id() -> int:
     low = 1000 * (worker % 9) + 1
     for _ in range(200):
         first = random.randrange(low, low + 1000 - JOB_IDS)
-        if all(_port_is_free(JOB_PORT_BASE + (first + i) % 10000) for i in range(JOB_IDS)):
+        if all(port_is_free(JOB_PORT_BASE + (first + i) % 10000) for i in range(JOB_IDS)):
             return first
     return first  # a busy machine: the last draw, as good as any
-
-
-def _port_is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("", port))
-        except OSError:
-            return False
-    return True
 
 
 class LocalSlurm:

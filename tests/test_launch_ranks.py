@@ -3,6 +3,7 @@ test_slurm_cpu.py and test_mpi_discovery.py, these cover the precedence rules an
 from __future__ import annotations
 
 import pytest
+from dist_helpers import port_is_free
 
 from iga_ds.errors import UserError
 from iga_ds.cluster.ranks import DEFAULT_MASTER_PORT, DistEnv, apply_dist_env, resolve_dist_env, slurm_default_port
@@ -33,22 +34,11 @@ MPIRUN = {
 }
 
 
-def _bindable(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("", port))
-        except OSError:
-            return False
-    return True
-
-
 def test_no_launcher_is_rank_zero_of_one_on_a_free_port():
     got = resolve_dist_env({})
     assert got == DistEnv(0, 1, 0, 1, "127.0.0.1", got.master_port, "single")
     # not DeepSpeed's default, which a neighbouring one-GPU job would also take
-    assert got.master_port != DEFAULT_MASTER_PORT and _bindable(got.master_port)
+    assert got.master_port != DEFAULT_MASTER_PORT and port_is_free(got.master_port)
 
 
 @pytest.mark.parametrize("env", [{"RANK": "0", "WORLD_SIZE": "1"},  # a launcher's one rank, or the
@@ -58,7 +48,7 @@ def test_no_launcher_is_rank_zero_of_one_on_a_free_port():
                                                "SLURM_STEP_TASKS_PER_NODE": "1"}])
 def test_one_rank_without_master_port_takes_a_free_port(env):
     got = resolve_dist_env(env)
-    assert got.world_size == 1 and got.master_port != DEFAULT_MASTER_PORT and _bindable(got.master_port)
+    assert got.world_size == 1 and got.master_port != DEFAULT_MASTER_PORT and port_is_free(got.master_port)
 
 
 def test_master_port_from_the_environment_is_kept_for_one_rank_too():

@@ -5,12 +5,11 @@ a 7B run on one GPU, nearly all of them the libraries' modules, functions and ty
 model, alive for the whole run. Python starts one when the objects promoted to generation 2
 since the last reach a quarter of those it holds. IGA's capture runs one autograd function
 per LoRA layer and micro-batch, whose contexts live from forward to backward and so are
-promoted: a full collection near a run's sixth step and again more than a dozen steps later,
-270 to 370 ms of host time on an H200's host, inside a step that ERM's run does not pay (and
-at a different step on each rank).
+promoted, and now and then a full collection scans all of them: a stall of the host inside a
+step that ERM's run does not pay (and at a different step on each rank).
 
 Objects frozen by ``gc.freeze`` are left out of every collection, so a full collection scans
-only what was made since the hook attached (a few thousand objects, 3 ms on that host).
+only what was made since the hook attached.
 Frozen objects are never freed, not even at exit, so the hook collects once before it
 freezes (garbage frozen would stay) and unfreezes at detach, or at exit for a hook never
 detached (else objects left frozen are never finalized: no ``__del__``, and native bindings

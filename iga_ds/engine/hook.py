@@ -538,9 +538,8 @@ class Float32Copies:
 
     def _source_span(self) -> torch.Tensor | None:
         """:func:`iga_ds.methods.tensors.flat_span` of the tensors (DeepSpeed's ZeRO keeps the
-        trainable parameters back to back in one flat buffer): then one copy refreshes them all
-        (for LLaMA-2-7B's 256 factors on an H100, one 54 us kernel where the multi-tensor copy
-        ran four of 20 us, and no list of 256 tensors for the host to pass). Kept while the
+        trainable parameters back to back in one flat buffer): then one copy refreshes them all,
+        with no list of tensors for the host to pass. Kept while the
         tensors' addresses, checked on every call, stay the same: a tensor moved to other
         storage (a checkpoint load may do it) falls back to the per-tensor copy."""
         ptrs = [t.data_ptr() for t in self.tensors]

@@ -274,9 +274,8 @@ def reuse_zero_gradients(optimizer, params: list[torch.nn.Parameter]) -> bool:
 
     After every backward, ZeRO-2 gathers each parameter's gradient of its partition
     (``get_all_grad_tensors``) and makes a ``zeros_like`` for each that has none: with the LoRA
-    factors left out (:func:`lora_gradients_can_be_left_out`) that is 256 allocations and fills
-    per micro-batch for LLaMA-2-7B, about 4 ms of host time each while the device waits (a
-    host-bound backward pays it in full). Here those parameters get views of one flat zero
+    factors left out (:func:`lora_gradients_can_be_left_out`) that is one allocation and fill
+    per LoRA tensor per micro-batch, host time while the device waits. Here those parameters get views of one flat zero
     buffer, zeroed once per call (the boundary's fragments, which the hook's result is written
     into, are views of the same buffer, so a step's values never reach the next). The same
     values as DeepSpeed's, on a ZeRO-2 optimizer whose methods were checked at attach; False

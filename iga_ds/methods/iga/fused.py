@@ -96,10 +96,10 @@ def auto_batch_bytes(headroom: int) -> int:
     """Stack size for ``batch_bytes="auto"``: half of ``headroom``, the bytes between the
     device's peak so far and what is allocated now, within [1 GiB, 4 GiB].
 
-    A stack's extra memory measured about 1.12 times its masked matrices plus a part that grows
-    with the number of modules (0.4 GiB for LLaMA-2-7B's 128), so half the headroom keeps the
-    method under the peak that forward and backward already set; with less than 2 GiB of
-    headroom the 1 GiB default stays."""
+    A stack's extra memory is a little more than its masked matrices plus a part that grows
+    with the number of modules, so half the headroom keeps the method under the peak that
+    forward and backward already set; with less than 2 GiB of headroom the 1 GiB default
+    stays."""
     return int(min(MAX_AUTO_BATCH_BYTES, max(DEFAULT_BATCH_BYTES, headroom // 2)))
 
 
@@ -183,8 +183,8 @@ def _stacks(modules: Sequence[ModuleGrads], generators, rank: int | None, batch_
             element_bytes: int | None) -> list[Stack]:
     """Stage 1 with its shape checks: :func:`stack_modules`, or, for :class:`StableModules`
     whose stacks are all views of their tensors, the stacks built on an earlier call with this
-    call's generators (checking and stacking 128 modules took 0.7 ms of host time a step while
-    the device waited)."""
+    call's generators (checking and stacking every module each step is host time while the
+    device waits)."""
     # one entry, replaced when the settings change ("auto" stack sizes follow the memory
     # headroom): stacks of other settings are not kept
     settings = (rank, batch_bytes, element_bytes)
@@ -273,8 +273,7 @@ def mask_scales(left_mean, right_mean, left_dev, right_dev, numel: int, exact_va
 def mean_variance(left_dev, right_dev, numel: int, exact: bool = True) -> torch.Tensor:
     """The mean of V per module, float64. ``exact=False`` takes the deviations' Grams in their own
     dtype: enough where the mean of V scales no mask (normalize "snr" or "none") and only gives
-    the ``gir`` statistic, and it spares float64 copies of the N deviation factors (about 0.7
-    ms of device time for 128 LLaMA-2-7B modules on an H100)."""
+    the ``gir`` statistic, and it spares float64 copies of the N deviation factors."""
     return _frobenius_sq(left_dev, right_dev, wide=exact).sum(dim=1) / (left_dev.shape[1] * numel)
 
 
@@ -366,8 +365,7 @@ def orthonormalize(Y: torch.Tensor, final: bool = True, out_dtype: torch.dtype |
     tiny shift for rank-deficient sketches, it is orthonormal to the rounding of the data's
     dtype for the condition numbers a few power iterations produce. The k x k factor is
     inverted on its own and applied as one batched product: a triangular solve against the
-    m x k matrix was a slow kernel on GPUs (0.37 ms per call for 128 LLaMA-2-7B modules on an
-    H100). The factor's condition number is the square root of the Gram's, at most 1e8 where
+    m x k matrix is a slow kernel on GPUs. The factor's condition number is the square root of the Gram's, at most 1e8 where
     CholeskyQR works at all, so its float64 inverse adds an error below float32 rounding.
 
     ``final=False`` marks a basis that only feeds the next power iteration: there any basis
@@ -383,8 +381,7 @@ def orthonormalize(Y: torch.Tensor, final: bool = True, out_dtype: torch.dtype |
     rounding, and which a basis rounded to bfloat16 for the next product would not show; it
     moves half the bytes of a float64 product and spares the float64 copy of its result.
     ``use_triton`` (CUDA): that product by Triton's skinny product, which writes ``out_dtype``
-    directly (for 128 LLaMA-2-7B modules on two H200 machines: 55 us a call, where cuBLAS
-    took 62 us in float32 and 76 us in float64, and no conversion pass after it), and the Gram by
+    directly (no conversion pass after it), and the Gram by
     :func:`iga_ds.methods.iga.triton_kernels.gram64`, from the float32 data themselves.
     """
     out_dtype = Y.dtype if out_dtype is None else out_dtype

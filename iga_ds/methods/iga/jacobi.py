@@ -40,7 +40,7 @@ MAX_SIZE = 64
 # rotating after this many is returned as it stands
 MAX_SWEEPS = 30
 # warps per program by padded size: a round's latency falls with more threads up to a point,
-# past which the extra threads only wait (the fastest count measured for each size)
+# past which the extra threads only wait
 WARPS = {64: 16, 32: 16, 16: 8}
 EPS = 2.0 ** -52  # float64's machine epsilon (a power of two: exact as a kernel constant)
 

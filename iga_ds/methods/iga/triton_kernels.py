@@ -48,7 +48,7 @@ FACTOR_DTYPES = {"ieee": torch.float32, "tf32x3": torch.float32, "tf32": torch.f
 STAT_SLOTS = 3
 
 # tiles per program of the tile kernel, by precision. bf16: a strip of 32 tiles along a row (a
-# longer strip amortizes the left factors' loads over more tiles; 32 measured fastest); float32
+# longer strip amortizes the left factors' loads over more tiles); float32
 # keeps one: its dot inside the loop compiled many times slower
 STRIP_TILES = {"bf16": 32}
 
