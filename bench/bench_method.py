@@ -1,4 +1,6 @@
-"""Time the IGA method alone on the LoRA modules of a model: naive PyTorch, per module, batched.
+"""Time the IGA method alone with the paper's rank-r truncation (``projection: svd``, split
+factors) on the LoRA modules of a model: naive PyTorch, per module, batched. The default
+projection, ``tangent``, is timed within the step by bench/bench_step.py.
 
 One GPU, LLaMA-2-7B shapes (32 layers x q,k,v,o, 4096 x 4096, r 16, N 4 domains):
 
@@ -63,8 +65,9 @@ from iga_ds.methods.iga.fused import batched_iga
 from iga_ds.methods.iga.reference import iga_update, mean_and_variance, normalize_variance
 
 
-def naive(modules, *, tau, normalize, oversample, power_iters):
-    """What a first PyTorch version does: N full-rank gradients per module, svd_lowrank."""
+def naive(modules, *, tau, normalize, oversample, power_iters, projection="svd", factors="split"):
+    """What a first PyTorch version does: N full-rank gradients per module, svd_lowrank (the SVD
+    projection with split factors is the only one it has)."""
     out = []
     for m in modules:
         N = m.num_domains
@@ -80,7 +83,8 @@ def naive(modules, *, tau, normalize, oversample, power_iters):
 
 
 def method_params(args) -> dict:
-    return dict(tau=args.tau, normalize=args.normalize, oversample=args.oversample, power_iters=args.power_iters)
+    return dict(tau=args.tau, normalize=args.normalize, oversample=args.oversample, power_iters=args.power_iters,
+                projection="svd", factors="split")
 
 
 def reference_method(args, svd: str = "randomized", power_iters: int | None = None, oversample: int | None = None):
@@ -91,7 +95,7 @@ def reference_method(args, svd: str = "randomized", power_iters: int | None = No
         params["power_iters"] = power_iters
     if oversample is not None:
         params["oversample"] = oversample
-    return get_method("iga", seed=0, implementation="reference", factors="split", svd=svd, **params)
+    return get_method("iga", seed=0, implementation="reference", svd=svd, **params)
 
 
 def build_variants(modules, args, device):
@@ -179,8 +183,7 @@ def approximation_quality(modules, args, count: int) -> dict:
         optimal = float(S[args.rank:].pow(2).sum().sqrt())
         for name in ("randomized", "single_pass"):
             gen = sketch_key(0, 1, m.index)
-            a, b, _ = iga_update(A, B, gA, gB, scaling=m.scaling, tau=args.tau, normalize=args.normalize, svd=name,
-                                 oversample=args.oversample, power_iters=args.power_iters, generator=gen)
+            a, b, _ = iga_update(A, B, gA, gB, scaling=m.scaling, svd=name, generator=gen, **method_params(args))
             err = float((masked - m.scaling * b @ a).norm())
             out[name].append(err / optimal if optimal > 0 else 1.0)
     return out

@@ -197,6 +197,22 @@ def test_lcs_of_model_batched_equals_one_by_one(tiny):
         assert batched[layer] == pytest.approx(lcs(torch.stack(hidden)), rel=1e-5)
 
 
+def test_lcs_reads_hidden_states_without_the_logits_of_every_position(tiny):
+    # a batch's logits over the vocabulary are the forward's largest tensor; LCS reads none of them
+    from iga_ds.evaluation.consistency import lcs_of_model
+    from iga_ds.evaluation.generation import load_model
+
+    base, adapter, _ = tiny
+    model, tok = load_model(base, adapter, device="cpu")
+    positions = []
+    head = model.get_output_embeddings().register_forward_hook(lambda m, args, out: positions.append(args[0].shape[1]))
+    try:
+        lcs_of_model(model, tok, _records(), layers=[1], batch_size=5)
+    finally:
+        head.remove()
+    assert positions and set(positions) == {1}
+
+
 def test_eval_resumes_without_regenerating(tiny, tmp_path, monkeypatch):
     import iga_ds.evaluation.generation as generation
 

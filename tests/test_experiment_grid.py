@@ -369,7 +369,7 @@ def test_selection_runs_first_on_id_data_and_each_row_trains_at_its_choice(tmp_p
     score = lambda key, lr: scores.get(key.split("_lr")[0], {}).get(lr, 40.0)  # noqa: E731
     monkeypatch.setattr(ex, "run_cell", _scoring_run_cell(calls, score))
     monkeypatch.setattr(ex, "prepare_data", lambda grid, out, log=print: None)
-    assert ex.cell_status(grid, grid.cells()[0], out) == "todo"
+    assert ex.cell_status(grid, grid.cells()[0], out) == "waiting"
     ex.run_grid(grid, out, only=["erm-*", "iga-*"], report=False)
     selected = [c for c in calls if c[1]]
     assert {name for name, _, _ in selected} == {f"{k}_lr{lr:g}-s{s}" for k in ("erm", "iga")
@@ -381,7 +381,7 @@ def test_selection_runs_first_on_id_data_and_each_row_trains_at_its_choice(tmp_p
     main = {name: lr for name, v, lr in calls if not v}
     assert main == {"erm-s0": 2e-3, "erm-s7": 2e-3, "iga-s0": 1e-3, "iga-s7": 1e-3}
     assert ex.cell_status(grid, grid.cells()[0], out) == "done"
-    assert ex.cell_status(grid, next(c for c in grid.cells() if c.variant.key == "lora_sft"), out) == "todo"
+    assert ex.cell_status(grid, next(c for c in grid.cells() if c.variant.key == "lora_sft"), out) == "waiting"
     with pytest.raises(UserError, match="lora_sft has no selected schedule"):
         ex.selected_grid(grid, out, ["lora_sft"])
     # the candidates alone, by pattern; then the report lists every candidate tried

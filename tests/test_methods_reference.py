@@ -59,12 +59,14 @@ def flat_update(updates):
     ],
 )
 def test_iga_family_against_reference(name, kw):
-    for factors in ("split", "chain_rule"):
+    for factors in ("split",) if kw.get("chain") else ("split", "chain_rule"):
         mask = {} if name == "mean_no_mask" else {"tau": 1.0, "normalize": "mean"}  # no mask: no tau
-        method = get_method(name, svd="exact", factors=factors, projection="svd", **mask)
+        # the chain ablation has no SVD, so none of its options
+        svd = {} if kw.get("chain") else dict(svd="exact", factors=factors, projection="svd")
+        method = get_method(name, **svd, **mask)
         for m, u in zip(modules(), method.combine(modules(), step=0)):
             ref, *_ = iga_reference(m.A, m.B, m.gA, m.gB, m.scaling, 1.0, 3, "mean", **kw)
-            if kw.get("chain"):  # no SVD: the chain rule of the masked matrix whatever `factors` says
+            if kw.get("chain"):  # no SVD: the chain rule of the masked matrix
                 np.testing.assert_allclose(u.gB.numpy(), ref[0], rtol=1e-10)
                 np.testing.assert_allclose(u.gA.numpy(), ref[1], rtol=1e-10)
             elif factors == "split":
@@ -73,6 +75,19 @@ def test_iga_family_against_reference(name, kw):
                 dA, dB = chain_rule_reference(ref, m.A, m.B, m.scaling)
                 np.testing.assert_allclose(u.gA.numpy(), dA, rtol=1e-9, atol=1e-12)
                 np.testing.assert_allclose(u.gB.numpy(), dB, rtol=1e-9, atol=1e-12)
+
+
+@covers("iga", "iga_no_projection")
+def test_options_of_another_projection_are_refused_not_ignored():
+    with pytest.raises(ValueError, match=r"rank=4, factors='split': acts only with projection 'svd'"):
+        get_method("iga", rank=4, factors="split")
+    with pytest.raises(ValueError, match=r"damping=0.5: acts only with projection 'tangent'"):
+        get_method("iga", projection="svd", damping=0.5)
+    with pytest.raises(ValueError, match=r"svd='exact': acts only with projection 'svd', and projection is 'chain'"):
+        get_method("iga_no_projection", svd="exact")
+    with pytest.raises(ValueError, match="iga_no_projection fixes its projection"):
+        get_method("iga_no_projection", projection="svd")
+    get_method("iga", projection="svd", rank=4, factors="split")  # where they act, they are taken
 
 
 @covers("iga")

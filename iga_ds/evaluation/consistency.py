@@ -57,6 +57,7 @@ def token_averaged_hidden_states(
     padding_side, tokenizer.padding_side = tokenizer.padding_side, "right"
     out: dict[int, list[torch.Tensor]] = {}
     resolved: list[int] | None = None
+    keep = _one_logit(model)
     try:
         with torch.no_grad(), progress_of(len(texts), "hidden states", "text", enabled=progress) as bar:
             for start in range(0, len(texts), batch_size):
@@ -64,7 +65,7 @@ def token_averaged_hidden_states(
                        for text in texts[start:start + batch_size]]  # as training's rows begin
                 batch = tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt")
                 batch = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
-                hidden = model(**batch, output_hidden_states=True).hidden_states
+                hidden = model(**batch, output_hidden_states=True, **keep).hidden_states
                 if resolved is None:
                     resolved = _resolve_layers(layers, len(hidden))
                 mask = batch["attention_mask"].to(torch.float64).unsqueeze(-1)
@@ -77,6 +78,15 @@ def token_averaged_hidden_states(
         model.train(was_training)
         tokenizer.padding_side = padding_side
     return {idx: torch.cat(chunks) for idx, chunks in out.items()}
+
+
+def _one_logit(model: Any) -> dict[str, int]:
+    """Ask a causal LM for the last position's logits only: the hidden states are what is read,
+    and a batch's logits over the whole vocabulary are the largest tensor of the forward."""
+    import inspect
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(inner.forward).parameters else {}
 
 
 def lcs_of_model(

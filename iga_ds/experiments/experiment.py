@@ -19,6 +19,7 @@ The grid file itself (keys, checks, cells, each cell's run config) is
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import fnmatch
 import gc
 import hashlib
@@ -331,13 +332,13 @@ def run_cell(grid: Grid, cell: Cell, out: Path, prepared: PreparedData, progress
 
 
 def cell_status(grid: Grid, cell: Cell, out: Path) -> str:
-    """"done", "partial" (killed: no marker) or "todo"; a done cell made from another spec is an error.
-    In a grid with a selection stage a row's cells wait for its choice (``todo`` until made)."""
+    """"done", "partial" (killed: no marker), "todo", or "waiting" (a row whose selection stage has
+    not chosen yet); a done cell made from another spec is an error."""
     if grid.selection is not None:
         try:
             grid = selected_grid(grid, out, [cell.variant.key])
         except UserError:  # no choice yet
-            return "partial" if (out / cell.name).exists() else "todo"
+            return "partial" if (out / cell.name).exists() else "waiting"
         cell = Cell(next(v for v in grid.variants if v.key == cell.variant.key), cell.seed)
     cell_dir = out / cell.name
     marker = cell_dir / MARKER
@@ -456,7 +457,11 @@ def run_selection(grid: Grid, out: Path, cells: Sequence[Cell], prepared: Prepar
         log(f"{head}: training, then scoring on in-distribution data only")
         info = run_cell(grid, cell, folder, prepared, progress, launcher, validation_only=True)
         log(f"{head}: done; {_summary_line(info)}")
-    atomic_write_json(out / SELECTION_FILE, choose(grid, folder))
+    # candidates run side by side (launch/grid_parallel.sh) each write the choices; under the lock
+    # the last writer has seen every candidate finished before it
+    with open(out / f"{SELECTION_FILE}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        atomic_write_json(out / SELECTION_FILE, choose(grid, folder))
 
 
 def _candidate_score(grid: Grid, folder: Path, variant: Variant, candidate: dict[str, Any]) -> float | None:

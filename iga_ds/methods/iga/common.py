@@ -22,6 +22,22 @@ DEFAULT_FACTORS = "chain_rule"
 DEFAULT_DAMPING = 0.1
 
 
+# options that act with one projection only, at their defaults: another value under the other
+# projection is an error, not a setting silently ignored
+SVD_ONLY = {"rank": None, "svd": "randomized", "oversample": 10, "power_iters": 2, "factors": DEFAULT_FACTORS}
+TANGENT_ONLY = {"damping": DEFAULT_DAMPING}
+
+
+def check_projection_options(projection: str, **given) -> None:
+    """``given`` options that act only under another projection than ``projection`` must keep
+    their defaults."""
+    for acting, needs in ((SVD_ONLY, "svd"), (TANGENT_ONLY, "tangent")):
+        changed = [f"{k}={given[k]!r}" for k in acting if k in given and given[k] != acting[k]]
+        if projection != needs and changed:
+            raise ValueError(f"{', '.join(changed)}: acts only with projection {needs!r}, and projection is "
+                             f"{projection!r}")
+
+
 def check_choice(value: str, choices: tuple[str, ...], name: str) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")

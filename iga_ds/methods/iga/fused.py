@@ -57,7 +57,7 @@ from iga_ds.methods.base import ModuleGrads
 from iga_ds.methods.iga import jacobi, triton_kernels
 from iga_ds.methods.iga.common import (
     DEFAULT_DAMPING, DEFAULT_FACTORS, DEFAULT_NORMALIZE, DEFAULT_PROJECTION, DEFAULT_TAU, NORMALIZATIONS, SNR_EPS,
-    check_choice, check_module, check_options,
+    check_choice, check_module, check_options, check_projection_options,
 )
 from iga_ds.methods.iga.reference import tangent_from_products
 from iga_ds.methods.iga.rsvd import canonical_signs, single_pass_widths
@@ -162,6 +162,7 @@ def stack_modules(modules: Sequence[ModuleGrads], generators, batch_bytes: int,
 def _check(modules: Sequence[ModuleGrads], generators, normalize: str, tau: float, factors: str, svd: str,
            precision: str, projection: str, damping: float) -> None:
     check_options(normalize=normalize, projection=projection, factors=factors, tau=tau, damping=damping)
+    check_projection_options(projection, svd=svd, factors=factors, damping=damping)
     check_choice(precision, triton_kernels.PRECISIONS, "triton_precision")
     if svd not in ("randomized", "single_pass"):
         raise ValueError(f"svd must be 'randomized' or 'single_pass' (the fused forms), got {svd!r}")

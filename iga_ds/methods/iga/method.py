@@ -12,6 +12,7 @@ import torch
 from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, Statistic
 from iga_ds.methods.iga.common import (
     DEFAULT_DAMPING, DEFAULT_FACTORS, DEFAULT_NORMALIZE, DEFAULT_PROJECTION, DEFAULT_TAU, check_choice, check_options,
+    check_projection_options,
 )
 from iga_ds.methods.iga.fused import batched_iga
 from iga_ds.methods.iga.reference import Normalize, masked_projection
@@ -66,7 +67,11 @@ class MaskedProjectionMethod(GradientMethod):
         check_options(normalize=normalize, projection=projection, factors=factors, tau=tau, damping=damping)
         check_choice(svd, SVD_METHODS, "svd")
         self.factors, self.damping = factors, float(damping)
+        if self.fixed_projection and projection != DEFAULT_PROJECTION:
+            raise ValueError(f"{self.name} fixes its projection ({self.fixed_projection}); projection cannot be set")
         self.projection = self.fixed_projection or projection
+        check_projection_options(self.projection, rank=rank, svd=svd, oversample=oversample,
+                                 power_iters=power_iters, factors=factors, damping=damping)
         self.tau, self.normalize, self.rank = float(tau), normalize, rank
         self.svd, self.oversample, self.power_iters = svd, int(oversample), int(power_iters)
 

@@ -15,7 +15,7 @@ import torch
 
 from iga_ds.methods.iga.common import (
     DEFAULT_DAMPING, DEFAULT_FACTORS, DEFAULT_NORMALIZE, DEFAULT_PROJECTION, DEFAULT_TAU, NORMALIZATIONS, SNR_EPS,
-    check_module, check_options,
+    check_module, check_options, check_projection_options,
 )
 from iga_ds.methods.iga.rsvd import truncated_svd
 from iga_ds.methods.iga.sketch import SketchKey
@@ -239,6 +239,8 @@ def iga_update(
     Computes in the dtype it is given.
     """
     check_options(normalize=normalize, projection=projection, factors=factors, tau=tau, damping=damping)
+    check_projection_options(projection, rank=rank, svd=svd, oversample=oversample, power_iters=power_iters,
+                             factors=factors, damping=damping)
     return masked_projection(
         A, B, gA, gB, scaling=scaling, tau=tau, rank=rank, normalize=normalize, svd=svd,
         oversample=oversample, power_iters=power_iters, generator=generator, factors=factors,
