@@ -5,7 +5,10 @@ build asks again. Directives in a seed problem steer that seed:
 
 - ``[low]``: every verification scores 0.5 (the seed is dropped as ``low_score``);
 - ``[dag-bad]``: the DAG reply never parses (dropped as ``dag_malformed``);
-- ``[reject]``: HTTP 400 with a message, as a server refuses a prompt longer than its context.
+- ``[reject]``: HTTP 400 with a message, as a server refuses a prompt longer than its context;
+- ``[plain]``: the instance replies in the paper's own format, numbered steps naming no
+  uses/derives nodes (``Teacher.annotate = False``: every seed does);
+- ``[verdict-fail]``: every verification scores 0.9 but says FAIL.
 
 Knobs on :class:`Teacher` act on every request: ``delay`` (seconds before answering),
 ``refuse_all`` (a status and message for every request), ``refuse_json_mode`` (a 400 naming
@@ -35,6 +38,8 @@ DAG = {"nodes": [{"id": "a", "type": "PROPOSITION", "description": "premise"},
 # each step names the DAG nodes it uses and derives, as the filter compares them with the DAG
 STEPS = [{"text": "premise holds", "uses": [], "derives": "a"},
          {"text": "so the conclusion holds", "uses": ["a"], "derives": "b"}]
+# the same steps in the paper's own format: numbered, naming no nodes
+PLAIN_STEPS = "1. The premise holds.\n2. So the conclusion holds."
 TOO_LONG = "This model's maximum context length is 2048 tokens; the messages of this request are longer"
 
 
@@ -64,6 +69,7 @@ class Teacher:
         self.refuse_all: tuple[int, str] | None = None
         self.refuse_json_mode = False
         self.redirect: tuple[int, str] | None = None
+        self.annotate = True
 
     def reply(self, messages: list[dict], json_mode: bool) -> str:
         system, user = messages[0]["content"], messages[-1]["content"]
@@ -75,9 +81,13 @@ class Teacher:
             return dag if json_mode else "```json\n" + dag + "\n```"
         if "creating domain-specific" in system:
             domain = re.search(r"Target domain: (\w+)", user).group(1)
+            plain = "plain" in directives or not self.annotate
+            steps = PLAIN_STEPS if plain else STEPS
             return json.dumps({"problem": f"A {domain} problem: if a then b; a. Is b true?",
-                               "cot_solution": STEPS, "answer": "yes", "alignment_score": 0.9})
+                               "cot_solution": steps, "answer": "yes", "alignment_score": 0.9})
         if "rigorous logical reasoning evaluator" in system:
+            if "verdict-fail" in directives:
+                return "1. yes\n2. no\n3. no\n4. 0.9\nFAIL: problem 2 needs one step more than the seed"
             score = 0.5 if "low" in directives else 0.93
             return f"1. yes\n2. yes\n3. yes\nScore: {score}\nVerdict: {'PASS' if score >= 0.85 else 'FAIL'}"
         return "?"

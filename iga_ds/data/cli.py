@@ -111,6 +111,13 @@ def _add_build(sub) -> None:
                         "not follow the DAG's dependencies or whose answer types differ: discard it (the "
                         "paper, default), or regenerate the outlying instance up to --max-regenerations "
                         "times (departs from the paper: keeps groups the paper drops)")
+    p.add_argument("--structure-check", choices=("dag", "verdict"), default="dag",
+                   help="how a solution's dependency structure is checked: dag (default): each step's "
+                        "uses/derives nodes against the DAG; verdict: the teacher's own verification verdict, "
+                        "as the paper does, for teachers that do not annotate their steps")
+    p.add_argument("--stop-unannotated", type=int, default=8, metavar="K",
+                   help="stop (nothing dropped) when the first K seeds to reach the structure check all fail "
+                        "it as structure_unannotated (default 8; 0: never stop)")
     p.add_argument("--domains", help="comma-separated (default math,medical,legal,science)")
     p.add_argument("--templates", help="directory with edited dag_extraction.txt, domain_instantiation.txt, "
                                        "quality_verification.txt")
@@ -237,7 +244,8 @@ def cmd_synth(args) -> int:
 # (option, lowest allowed, whether the lowest itself is allowed) of `data build`'s numbers
 _BUILD_BOUNDS = (("concurrency", 1, True), ("min_score", 0.0, True), ("max_step_diff", 0, True),
                  ("max_regenerations", 0, True), ("temperature", 0.0, True), ("max_tokens", 1, True),
-                 ("timeout", 0.0, False), ("max_retries", 0, True), ("backoff", 0.0, True))
+                 ("timeout", 0.0, False), ("max_retries", 0, True), ("backoff", 0.0, True),
+                 ("stop_unannotated", 0, True))
 
 
 def _check_build_options(args) -> None:
@@ -297,10 +305,12 @@ def cmd_build(args) -> int:
     client, concurrency = _teacher_client(args, counters)
     settings = BuildSettings(domains=list(parse_domain_list(args.domains)), min_score=args.min_score,
                              max_step_diff=args.max_step_diff, max_regenerations=args.max_regenerations,
-                             teacher=args.teacher, model=args.model, outliers=args.outliers)
+                             teacher=args.teacher, model=args.model, outliers=args.outliers,
+                             structure_check=args.structure_check)
     try:
         stats = build(args.seeds, args.out, client, settings, prompts=prompts, concurrency=concurrency,
-                      counters=counters, progress=not args.no_progress, shard=args.shard)
+                      counters=counters, progress=not args.no_progress, shard=args.shard,
+                      stop_unannotated=args.stop_unannotated)
     finally:
         getattr(client, "close", lambda: None)()
     out = shard_dir(args.out, *parse_shard(args.shard)) if args.shard else args.out

@@ -40,6 +40,14 @@ What that means here, given what an instance reply holds (``parse.Instance``):
 - **Answer type** (this project's addition): the group's answers have one type (yes/no,
   integer, number, option, text), since training compares the domains' losses on them.
 
+**Structure check** (``structure_check``, ``--structure-check``): ``"dag"`` (the default)
+compares each solution's uses/derives with the graph as above. ``"verdict"`` is for teachers
+that do not annotate their steps (the paper's own format): it takes the teacher's verification
+of each instance instead (prompt 3: dependencies preserved, same step count, same abstract
+chain of thought), as the paper does. An instance whose verification says FAIL fails the group
+(``verdict_fail``); one that states no verdict passes on its score, which the pipeline already
+requires to be at least ``min_score`` (the template's "if score >= min_score, output PASS").
+
 A group that fails is discarded, as in the paper. ``outliers="regenerate"`` (``--outliers
 regenerate``) instead regenerates the instance named by the failure, within the instance's
 regeneration budget: a departure from the paper, which may keep groups the paper drops.
@@ -55,6 +63,12 @@ from iga_ds.data.schema import answer_type
 from iga_ds.data.teacher.parse import Instance, StepDependencies
 
 OUTLIER_POLICIES = ("discard", "regenerate")
+STRUCTURE_CHECKS = ("dag", "verdict")
+UNANNOTATED = "structure_unannotated"
+# the drop reasons of each structure check; a group dropped with one of these, or with
+# ANSWER_TYPE (the rule after it), reached the structure check
+CHECK_REASONS = {"dag": ("structure_mismatch", UNANNOTATED), "verdict": ("verdict_fail",)}
+ANSWER_TYPE = "answer_type_mismatch"
 FORWARD_LABELS = ("IMPLIES", "CAUSES", "IS_A", "HAS_PROPERTY")
 # the rule and the operation a step applies: it passes through them and never derives them
 NOT_FACTS = ("CONSTRAINT", "RELATION")
@@ -218,12 +232,12 @@ def _answer_type_failure(instances: Mapping[str, Instance]) -> GroupFailure | No
     if len(set(types.values())) < 2:
         return None
     majority = Counter(types.values()).most_common(1)[0][0]
-    return GroupFailure("answer_type_mismatch", next(d for d, t in types.items() if t != majority))
+    return GroupFailure(ANSWER_TYPE, next(d for d, t in types.items() if t != majority))
 
 
 def _structure_failure(domain: str, inst: Instance, dag: dict) -> GroupFailure | None:
     if inst.dependencies is None:
-        return GroupFailure(f"structure_unannotated ({domain}: the steps name no uses/derives nodes)", domain)
+        return GroupFailure(f"{UNANNOTATED} ({domain}: the steps name no uses/derives nodes)", domain)
     problems = structure_problems(inst.dependencies, dag)
     if problems:
         more = f"; {len(problems) - 1} more" if len(problems) > 1 else ""
@@ -231,13 +245,39 @@ def _structure_failure(domain: str, inst: Instance, dag: dict) -> GroupFailure |
     return None
 
 
-def check_group(instances: Mapping[str, Instance], dag: dict, max_step_diff: int) -> GroupFailure | None:
-    """The first rule the group breaks (step count, dependency structure, answer type), or None."""
+def _verdict_failure(domain: str, verdict: str | None) -> GroupFailure | None:
+    if verdict == "FAIL":
+        return GroupFailure(f"verdict_fail ({domain}: the teacher's verification says FAIL)", domain)
+    return None
+
+
+def check_reason(reason: str) -> str | None:
+    """The structure check whose drop reason ``reason`` is, or None."""
+    head = reason.split(" (")[0]
+    return next((check for check, reasons in CHECK_REASONS.items() if head in reasons), None)
+
+
+def reached_check(reason: str | None) -> bool:
+    """Whether a group kept (``reason`` None) or dropped for ``reason`` went through the structure check."""
+    return reason is None or check_reason(reason) is not None or reason.split(" (")[0] == ANSWER_TYPE
+
+
+def check_group(instances: Mapping[str, Instance], dag: dict, max_step_diff: int,
+                structure_check: str = "dag", verdicts: Mapping[str, str | None] | None = None,
+                ) -> GroupFailure | None:
+    """The first rule the group breaks (step count, dependency structure, answer type), or None.
+    ``structure_check="verdict"`` judges the structure by ``verdicts`` (domain -> PASS, FAIL or
+    None, the teacher's verification) instead of the steps' uses/derives."""
+    if structure_check not in STRUCTURE_CHECKS:
+        raise ValueError(f"structure_check {structure_check!r}: expected one of {', '.join(STRUCTURE_CHECKS)}")
     counts = {d: inst.step_count for d, inst in instances.items()}
     if max(counts.values()) - min(counts.values()) > max_step_diff:
         return GroupFailure("step_count_spread", step_count_outlier(counts))
     for domain, inst in instances.items():
-        failure = _structure_failure(domain, inst, dag)
+        if structure_check == "verdict":
+            failure = _verdict_failure(domain, (verdicts or {}).get(domain))
+        else:
+            failure = _structure_failure(domain, inst, dag)
         if failure is not None:
             return failure
     return _answer_type_failure(instances)

@@ -123,7 +123,7 @@ def merge_shards(seeds_path: str | Path, out_dir: str | Path) -> dict:
         (out / SETTINGS_FILE).unlink(missing_ok=True)
         write_jsonl(out / DROPPED_FILE, [dropped[sid] for sid in ids if sid in dropped])
         write_jsonl(out / KEPT_FILE, [r for sid in ids if sid in kept for r in kept[sid]])
-        stats = {**compute_stats(out, ids), "merged_shards": count}
+        stats = {**compute_stats(out, ids, structure_check=settings["structure_check"]), "merged_shards": count}
         atomic_write_json(out / STATS_FILE, stats)
         atomic_write_json(out / SETTINGS_FILE, {**settings, "merged_shards": count})
     return stats

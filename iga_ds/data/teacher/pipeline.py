@@ -28,6 +28,14 @@ the run got through, are in neither file and are tried again by the next run. Se
 or are refused several times in a row stop the build (a setup mistake would repeat for every
 seed) and nothing more is started; a stopped or interrupted build abandons its requests in
 flight instead of waiting for them.
+
+A teacher that does not name the uses/derives nodes of its steps (the paper's own format) fails
+the default structure check on every group. The build notices: seeds dropped as
+``structure_unannotated`` are held back until some seed passes the structure check or fails it
+otherwise; when the first ``stop_unannotated`` (8) seeds of a fresh build that reach the check
+all fail it unannotated, the build stops, drops none of them, and names ``--structure-check
+verdict`` (the teacher's verification verdict, as the paper filters). A build whose folder
+records no group judged by the structure check yet may switch the check on resume.
 """
 from __future__ import annotations
 
@@ -43,7 +51,7 @@ from pathlib import Path
 
 from iga_ds.data.domains import DEFAULT_DOMAINS
 from iga_ds.data.teacher.clients import ChatClient, Counters, TeacherError, TeacherRejected
-from iga_ds.data.teacher.filters import check_group
+from iga_ds.data.teacher.filters import STRUCTURE_CHECKS, UNANNOTATED, check_group, check_reason, reached_check
 from iga_ds.data.teacher.parse import Instance, MalformedOutput, parse_dag, parse_instance, parse_verification
 from iga_ds.data.teacher.prompts import Prompts, Template
 from iga_ds.data.teacher.shards import SHARD_DIR, in_shard, parse_shard, shard_dir
@@ -57,6 +65,10 @@ LOCK_FILE = ".build.lock"
 PAPER_RETENTION = 0.78
 # seeds in a row whose requests failed after all retries, or were refused, stop the build
 STOP_AFTER = 3
+# the first seeds of a build to reach the structure check that, all unannotated, stop it
+STOP_UNANNOTATED = 8
+# settings a resumed build may change while its folder records no group they judged
+SWITCHABLE = ("structure_check",)
 
 
 @dataclass
@@ -72,6 +84,9 @@ class BuildSettings:
     templates_sha256: str = ""
     shard: str = ""  # "I/N" for shard I of N; "" for the whole seeds file
     outliers: str = "discard"  # a group failing the filter: "discard" (the paper) or "regenerate"
+    # the solutions' dependency structure: "dag" (each step's uses/derives against the DAG) or
+    # "verdict" (the teacher's verification verdict, as the paper; for teachers that do not annotate)
+    structure_check: str = "dag"
 
 
 def read_seeds(path: str | Path) -> list[dict]:
@@ -194,7 +209,7 @@ class SeedProcessor:
                 "alignment_score": ver.score,
                 "meta": {"teacher_model": s.model, "verdict": ver.verdict,
                          "self_score": inst.self_score, "step_count": inst.step_count,
-                         "regenerations": used.get(domain, 0)},
+                         "regenerations": used.get(domain, 0), "structure_check": s.structure_check},
             })
         return records
 
@@ -223,7 +238,8 @@ class SeedProcessor:
     def _filter_outliers(self, accepted: dict, dag: dict, outcome: GroupOutcome, used: dict) -> list[str]:
         """[] if the group passes the filter; else drop it (the paper), or name the domain to regenerate."""
         s = self.settings
-        failure = check_group({d: accepted[d][0] for d in s.domains}, dag, s.max_step_diff)
+        failure = check_group({d: accepted[d][0] for d in s.domains}, dag, s.max_step_diff, s.structure_check,
+                              {d: accepted[d][1].verdict for d in s.domains})
         if failure is None:
             return []
         if s.outliers != "regenerate":
@@ -344,6 +360,26 @@ class hold_output_dir:
             self._fd = None
 
 
+def reached_structure_check(outcomes: Outcomes) -> bool:
+    """Whether any recorded group went through the structure check (kept, or dropped by it or after it)."""
+    return bool(outcomes.kept) or any(reached_check(rec["reason"]) for rec in outcomes.dropped.values())
+
+
+def structure_check_counts(outcomes: Outcomes, seed_ids: set[str]) -> dict[str, dict[str, int]]:
+    """check -> the groups of ``seed_ids`` it let through that are kept, and those it dropped.
+    A kept group names its check in ``meta.structure_check`` (none: ``dag``, the only one before)."""
+    counts: dict[str, Counter] = {}
+    for sid, records in outcomes.kept.items():
+        if sid in seed_ids and records:
+            meta = records[0].get("meta") if isinstance(records[0].get("meta"), dict) else {}
+            counts.setdefault(meta.get("structure_check", "dag"), Counter())["kept"] += 1
+    for sid, rec in outcomes.dropped.items():
+        check = check_reason(rec["reason"]) if sid in seed_ids else None
+        if check is not None:
+            counts.setdefault(check, Counter())["dropped"] += 1
+    return {check: {"kept": c["kept"], "dropped": c["dropped"]} for check, c in sorted(counts.items())}
+
+
 def _check_settings(out: Path, settings: BuildSettings) -> None:
     path = out / SETTINGS_FILE
     wanted = asdict(settings)
@@ -353,15 +389,22 @@ def _check_settings(out: Path, settings: BuildSettings) -> None:
         except ValueError:
             raise DataError(f"{path}: not valid JSON; move the output directory away to rebuild") from None
         defaults = asdict(BuildSettings())  # a field added since: its default is what was used
+        switched = False
         for key, value in wanted.items():
-            if stored.get(key, defaults[key]) != value:
-                raise UserError(f"{out} was built with {key}={stored.get(key, defaults[key])!r}, this run has "
-                                f"{value!r}: resume with the same arguments or use another --out")
+            if stored.get(key, defaults[key]) == value:
+                continue
+            if key in SWITCHABLE and not reached_structure_check(read_outcomes(out)):
+                switched = True  # no recorded group depends on it
+                continue
+            raise UserError(f"{out} was built with {key}={stored.get(key, defaults[key])!r}, this run has "
+                            f"{value!r}: resume with the same arguments or use another --out")
+        if switched:
+            atomic_write_json(path, {**stored, **wanted})
     else:
         atomic_write_json(path, wanted)
 
 
-def compute_stats(out: Path, seed_ids: list[str], this_run: dict | None = None) -> dict:
+def compute_stats(out: Path, seed_ids: list[str], this_run: dict | None = None, structure_check: str = "dag") -> dict:
     """Counts of distinct seeds of the seeds file: kept + dropped + pending == seeds."""
     outcomes = read_outcomes(out)
     wanted = set(seed_ids)
@@ -385,6 +428,8 @@ def compute_stats(out: Path, seed_ids: list[str], this_run: dict | None = None) 
         "paper_retention": PAPER_RETENTION,
         "drop_reasons": dict(sorted(reasons.items())),
         "mean_alignment_score": sum(scores) / len(scores) if scores else None,
+        "structure_check": structure_check,
+        "structure_check_groups": structure_check_counts(outcomes, wanted),
         "this_run": dict(sorted(this_run.items())),
     }
 
@@ -424,17 +469,53 @@ class _Recorder:
             self.bar.close()
 
 
+class _AnnotationWatch:
+    """Whether the teacher annotates its steps, told by the first seeds to reach the structure check.
+
+    Seeds dropped as structure_unannotated are held back (not recorded) while the watch is open.
+    A seed that passes the check, or fails it otherwise, closes it: the held seeds are recorded
+    as the drops they are. When ``window`` seeds are held (or the run ends with some held and
+    none other through the check), the watch trips: the held seeds stay to do, the build stops.
+    """
+
+    def __init__(self, window: int):
+        self.window, self.open = window, window > 0
+        self.held: list[GroupOutcome] = []
+
+    def admit(self, outcome: GroupOutcome) -> list[GroupOutcome]:
+        """The outcomes to record now (none while ``outcome`` is held back)."""
+        if not self.open or not reached_check(outcome.reason):
+            return [outcome]
+        if outcome.reason is not None and outcome.reason.split(" (")[0] == UNANNOTATED:
+            self.held.append(outcome)
+            return []
+        self.open = False
+        ready, self.held = [*self.held, outcome], []
+        return ready
+
+    def tripped(self, ended: bool = False) -> bool:
+        return self.open and bool(self.held) and (ended or len(self.held) >= self.window)
+
+    def error(self) -> UserError:
+        return UserError(f"stopped: the first {len(self.held)} seeds to reach the structure check all failed as "
+                         f"{UNANNOTATED}: the teacher does not name the uses/derives nodes of its steps; nothing "
+                         "was dropped: run again with --structure-check verdict to filter on the teacher's "
+                         "verification verdict instead, as the paper does")
+
+
 class _Run:
     """What this run does with each seed's result: record it, hold it back, or stop the build.
 
     A refused request (a 4xx) is the seed's own fault only if other seeds get through: until
     one does, refused seeds are held back, not dropped, so that a setup mistake (a wrong model
     name, a too-large --max-tokens) drops nothing. STOP_AFTER seeds in a row that fail or are
-    refused stop the build with the last cause.
+    refused stop the build with the last cause. Seeds dropped as unannotated go through the
+    watch (:class:`_AnnotationWatch`), which may hold them back and stop the build.
     """
 
-    def __init__(self, recorder: _Recorder):
+    def __init__(self, recorder: _Recorder, watch: _AnnotationWatch | None = None):
         self.recorder, self.tally = recorder, recorder.tally
+        self.watch = watch or _AnnotationWatch(0)
         self.streak, self.got_through = 0, False
         self.held: list[tuple[str, TeacherRejected]] = []
         self.last_error: str | None = None
@@ -442,9 +523,12 @@ class _Run:
 
     def take(self, seed_id: str, result) -> None:
         if isinstance(result, GroupOutcome):
-            self.recorder(result)
+            for outcome in self.watch.admit(result):
+                self.recorder(outcome)
             self.streak, self.got_through = 0, True
             self._drop_held()
+            if self.watch.tripped() and self.stop is None:
+                self.stop = self.watch.error()
         elif isinstance(result, SeedAbandoned):
             self.tally["abandoned"] += 1
         elif isinstance(result, TeacherError):  # a refusal (TeacherRejected) or retries spent
@@ -479,6 +563,10 @@ class _Run:
         """Settle the held refusals: drops if the run was not stopped and some seed got through."""
         if self.stop is None and self.got_through:
             self._drop_held()
+        if self.stop is None and self.watch.tripped(ended=True):
+            self.stop = self.watch.error()
+        if self.watch.held:
+            self.tally["held_unannotated"] += len(self.watch.held)
         self.tally["refused"] += len(self.held)
         self.tally["abandoned"] += abandoned
         self.held.clear()
@@ -539,8 +627,9 @@ def _check_not_a_cut_off_merge(out: Path) -> None:
                         "same --seeds and --out again to finish it")
 
 
-def _seeds_to_do(out: Path, seeds: list[dict], settings: BuildSettings) -> list[dict]:
-    """Prepare ``out`` for a new or resumed build; return the seeds in neither output file."""
+def _seeds_to_do(out: Path, seeds: list[dict], settings: BuildSettings) -> tuple[list[dict], Outcomes]:
+    """Prepare ``out`` for a new or resumed build; return the seeds in neither output file, and
+    what the folder records."""
     _check_not_a_cut_off_merge(out)
     _check_settings(out, settings)
     _repair_tail(out / KEPT_FILE, complete_group=len(settings.domains))
@@ -548,7 +637,7 @@ def _seeds_to_do(out: Path, seeds: list[dict], settings: BuildSettings) -> list[
     outcomes = read_outcomes(out)
     _drop_repeats(out, outcomes)
     done = outcomes.finished()
-    return [s for s in seeds if s["seed_id"] not in done]
+    return [s for s in seeds if s["seed_id"] not in done], outcomes
 
 
 def _process_seeds(todo: list[dict], processor: SeedProcessor, run: _Run, concurrency: int) -> None:
@@ -584,14 +673,20 @@ def _progress_bar(progress: bool, total: int, done: int):
 
 def build(seeds_path: str | Path, out_dir: str | Path, client: ChatClient, settings: BuildSettings,
           prompts: Prompts | None = None, concurrency: int = 4, counters: Counters | None = None,
-          progress: bool = True, shard: str | None = None) -> dict:
+          progress: bool = True, shard: str | None = None, stop_unannotated: int = STOP_UNANNOTATED) -> dict:
     """Run (or resume) the pipeline; return the stats also written to ``stats.json``.
 
     ``shard="I/N"`` builds only shard I of N of the seeds, in ``out_dir/shard-I-of-N``.
+    ``stop_unannotated``: the number of first seeds to reach the structure check that, all
+    failing it as structure_unannotated, stop the build (0: never; module docstring).
     Raises the UserError that stopped the build, after writing the stats.
     """
     if concurrency < 1:
         raise UserError(f"--concurrency {concurrency}: expected at least 1")
+    if stop_unannotated < 0:
+        raise UserError(f"--stop-unannotated {stop_unannotated}: expected a number >= 0 (0: never stop)")
+    if settings.structure_check not in STRUCTURE_CHECKS:
+        raise UserError(f"--structure-check {settings.structure_check!r}: expected one of {', '.join(STRUCTURE_CHECKS)}")
     seeds = read_seeds(seeds_path)
     out = Path(out_dir)
     if shard:
@@ -603,15 +698,18 @@ def build(seeds_path: str | Path, out_dir: str | Path, client: ChatClient, setti
     counters = counters or getattr(client, "counters", None) or Counters()
     make_dir(out)
     with hold_output_dir(out):
-        todo = _seeds_to_do(out, seeds, settings)
+        todo, recorded = _seeds_to_do(out, seeds, settings)
         recorder = _Recorder(out, counters, _progress_bar(progress, len(seeds), len(seeds) - len(todo)))
-        run = _Run(recorder)
+        # only a build with no group through the check yet watches (a resume would hold back
+        # the unannotated drops of a teacher already known to annotate some steps)
+        fresh = settings.structure_check == "dag" and not reached_structure_check(recorded)
+        run = _Run(recorder, _AnnotationWatch(stop_unannotated if fresh else 0))
         try:
             _process_seeds(todo, SeedProcessor(client, prompts, settings, counters), run, concurrency)
         finally:
             recorder.close()
             # written after a stop or an interrupt too: the stats count what is recorded
-            stats = compute_stats(out, [s["seed_id"] for s in seeds], run.summary(counters))
+            stats = compute_stats(out, [s["seed_id"] for s in seeds], run.summary(counters), settings.structure_check)
             atomic_write_json(out / STATS_FILE, stats)
     if run.stop is not None:
         raise run.stop
