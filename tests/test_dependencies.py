@@ -17,7 +17,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # import name -> distribution name, where the two differ by more than '-' and '_'
-DISTRIBUTION_OF = {"yaml": "pyyaml"}
+DISTRIBUTION_OF = {"yaml": "pyyaml", "mlflow": "mlflow-skinny"}
 USED_WITHOUT_IMPORT = {
     "tensorboard": "torch.utils.tensorboard writes the events through it (iga_ds.train.logbook)",
 }

@@ -192,11 +192,51 @@ class CheckpointConfig(Section):
                                           "run's; false: such a resume stops with a line naming each change")
 
 
+# the trackers `logging.report_to` may name
+REPORTERS = ("tensorboard", "wandb", "mlflow")
+
+
 class LoggingConfig(Section):
-    every_steps: int = setting(1, "write metrics.jsonl and TensorBoard every this many steps",
+    every_steps: int = setting(1, "write metrics.jsonl, TensorBoard and `report_to`'s trackers every this many "
+                               "steps",
                                expected="a positive integer", ge=1)
-    tensorboard: bool = setting(True, "TensorBoard events under output_dir/tensorboard")
+    tensorboard: bool = setting(True, "TensorBoard events under output_dir/tensorboard; `false` turns them off "
+                                "(then `report_to` must not name `tensorboard`)")
     progress: bool = setting(True, "a progress bar with ETA on rank 0")
+    report_to: list[str] = setting(list, f"trackers ({', '.join(REPORTERS)}) that rank 0 sends the metrics.jsonl "
+                                   "scalars (every `every_steps`) and the resolved config (as params); the W&B or MLflow "
+                                   "run is finished at the end, on a stop and on an error, and a resumed run continues "
+                                   "it. TensorBoard stays switched by `tensorboard` (naming it here is allowed, with "
+                                   "`tensorboard: false` an error). wandb reads `WANDB_API_KEY`, `WANDB_ENTITY` and "
+                                   "`WANDB_MODE` (e.g. `offline`) from the environment itself, and its files go to "
+                                   "`WANDB_DIR`, else output_dir/wandb. The clients: `pip install 'iga-ds[tracking]'`",
+                                   expected="a list of tracker names, or one name")
+    project: Optional[str] = setting(None, "the W&B project and the MLflow experiment; null: `WANDB_PROJECT` / "
+                                     "`MLFLOW_EXPERIMENT_NAME` from the environment, else `iga-ds`")
+    run_name: Optional[str] = setting(None, "the run's name in W&B and MLflow; null: `WANDB_NAME` / `MLFLOW_RUN_NAME`, "
+                                      "else the name of output_dir")
+    mlflow_tracking_uri: Optional[str] = setting(None, "where MLflow records runs; null: `MLFLOW_TRACKING_URI`, else a "
+                                                 "file store in output_dir/mlruns")
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_name(cls, names: Any) -> Any:
+        return [names] if isinstance(names, str) else names  # `report_to: wandb` is a list of one
+
+    @field_validator("report_to")
+    @classmethod
+    def _known_reporters(cls, names: list[str]) -> list[str]:
+        unknown = [n for n in names if n not in REPORTERS]
+        if unknown:
+            raise config_problem(f"unknown tracker {unknown[0]!r}; expected any of {', '.join(REPORTERS)}")
+        return list(dict.fromkeys(names))
+
+    @model_validator(mode="after")
+    def _tensorboard_agrees(self) -> "LoggingConfig":
+        if "tensorboard" in self.report_to and not self.tensorboard:
+            raise config_problem("report_to: names tensorboard, but logging.tensorboard is false; drop one",
+                                 nested=True)
+        return self
 
 
 class RunConfig(Section):
