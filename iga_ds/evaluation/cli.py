@@ -1,8 +1,9 @@
 """``iga-ds eval``.
 
-Everything here imports at the top: the evaluation modules import torch and transformers only
-inside the functions that load and run a model, so ``iga-ds --help`` and every other command's
-start-up stay free of them.
+Everything here imports at the top but :mod:`iga_ds.evaluation.bases` (the base a run recorded,
+or the built-in tiny base: it reads the run config's pydantic models), imported by the command:
+the evaluation modules import torch and transformers only inside the functions that load and
+run a model, so ``iga-ds --help`` and every other command's start-up stay free of them.
 """
 from __future__ import annotations
 
@@ -51,10 +52,19 @@ def register(subparsers: Any) -> None:
         description="Generate greedily, extract final answers, score exact match per domain and "
         "ID/OOD split, and write eval.json (resumable: rerun the same command after a kill).",
     )
-    ev.add_argument("--base", required=True,
-                    help="the causal LM: a local folder, a Hugging Face hub id (org/name[@revision]; downloaded, "
-                    "or read from the Hugging Face cache when HF_HUB_OFFLINE=1) or a .gguf file")
-    ev.add_argument("--adapter", help="PEFT adapter directory (from training)")
+    ev.add_argument("--base",
+                    help="the causal LM, any base training takes: a local folder, a Hugging Face hub id "
+                    "(org/name[@revision]; downloaded, or read from the Hugging Face cache when HF_HUB_OFFLINE=1), "
+                    "a .gguf file, packaged:NAME, or builtin:tiny (the cached built-in base; its settings with --tiny); "
+                    "default: the base the run of --run or --adapter trained")
+    trained = ev.add_mutually_exclusive_group()
+    trained.add_argument("--adapter", help="PEFT adapter directory (from training)")
+    trained.add_argument("--run", metavar="RUN_DIR",
+                         help="a training run's folder (its final adapter, and its base unless --base is given) "
+                         "or an adapter folder, e.g. demo_out/erm")
+    ev.add_argument("--tiny", action="append", type=_option, default=[], metavar="KEY=VALUE",
+                    help="with --base builtin:tiny: a setting of the built-in base, as model.tiny in the run YAML, "
+                    "e.g. hidden_size=256 (repeatable; default: the run's, else the defaults)")
     ev.add_argument("--tokenizer", help="a tokenizer folder, hub id or .gguf file (default: the adapter's if saved "
                     "there, else the base's)")
     ev.add_argument("--prompt-format", choices=("auto", "plain", "chat"), default=None,
@@ -127,18 +137,23 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    from iga_ds.evaluation.bases import resolve_eval_base
+
     _check_args(args)
     items, source, records = _load_items(args)  # bad data fails before the model loads
     if args.limit is not None:
         items = items[: args.limit]
     if not items:
         raise UserError("no items to evaluate")
-    model, tokenizer = load_model(args.base, args.adapter, args.tokenizer, dtype=args.dtype, device=args.device)
-    fmt = eval_prompt_format(tokenizer, args.adapter, args.prompt_format)
+    chosen = resolve_eval_base(args.base, args.adapter, args.run, args.tiny)
+    adapter = str(chosen.adapter) if chosen.adapter is not None else None
+    model, tokenizer = load_model(chosen.base, adapter, args.tokenizer, dtype=args.dtype, device=args.device)
+    fmt = eval_prompt_format(tokenizer, adapter, args.prompt_format)
     settings = {
         "model": {
-            "base": check_model_source(args.base, "--base").label,  # a hub id stays an id
-            "adapter": str(Path(args.adapter).resolve()) if args.adapter else None,
+            "base": check_model_source(chosen.base, "--base").label,  # a hub id stays an id
+            "adapter": str(Path(adapter).resolve()) if adapter else None,
+            **chosen.settings(),  # where the base came from: builtin:tiny, the run
         },
         **source,
         "generation": {

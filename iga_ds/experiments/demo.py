@@ -6,7 +6,8 @@ groups as the in-distribution (ID) test set, and use the generator's shortcut-fr
 as the out-of-distribution (OOD) set; pretrain (or load from the cache) the tiny LLaMA base;
 fine-tune LoRA with each method through the same DeepSpeed ZeRO-2 engine (CPU, one process);
 decode greedily, extract answers, and print accuracy ID and OOD, the Delta-gap (ID - OOD, in
-points, smaller is more robust) and wall time. Sized for a few minutes on 2 CPU cores.
+points, smaller is more robust) and wall time; draw ``figure.png`` (the accuracies and each
+method's training loss; ``iga-ds report`` links it). Sized for a few minutes on 2 CPU cores.
 Progress is a bar on a terminal and a few plain lines in a log (:mod:`iga_ds.progress`);
 ``progress=False`` (``iga-ds demo --quiet``) leaves the step lines and the table alone.
 """
@@ -28,6 +29,8 @@ from iga_ds.data.synth import synthesize
 from iga_ds.evaluation.generation import eval_prompt_format, load_model
 from iga_ds.evaluation.records import isomer_eval_items
 from iga_ds.evaluation.runner import evaluate
+from iga_ds.experiments.figures import demo_figure
+from iga_ds.experiments.results import DEMO_FIGURE, load_run
 from iga_ds.files import atomic_write_json, atomic_write_text, read_jsonl
 from iga_ds.metrics.accuracy import format_percent
 from iga_ds.progress import is_terminal
@@ -86,8 +89,8 @@ def _train_and_evaluate(s: DemoSettings, method: str, out: Path, base: Path, tra
     t0 = time.perf_counter()
     model, tokenizer = load_model(base, result.adapter_dir, device="cpu", dtype="float32")
     fmt = eval_prompt_format(tokenizer, result.adapter_dir)  # plain: the tiny base has no chat template
-    settings = {"base": str(base), "adapter": str(result.adapter_dir), "max_new_tokens": s.max_new_tokens,
-                "greedy": True}
+    settings = {"benchmark": "synthetic", "base": str(base), "adapter": str(result.adapter_dir),
+                "max_new_tokens": s.max_new_tokens, "greedy": True}
     ev = evaluate(items, model, tokenizer, out / method / "eval.json", settings, fmt.prompt,
                   max_new_tokens=s.max_new_tokens, batch_size=48, progress=progress, restart=True,
                   add_special_tokens=fmt.add_special_tokens)
@@ -134,10 +137,20 @@ def run_demo(out_dir: str | os.PathLike = "demo_out", methods: Sequence[str] = (
     total = time.perf_counter() - t_all
     atomic_write_json(out / "results.json", {"settings": dataclasses.asdict(s), "rows": rows, "total_seconds": total})
     atomic_write_text(out / "results.txt", table + "\n")
+    figure = write_figure(out, rows)
     print("\n" + table)
     print(f"\ntotal {total:.0f}s; details in {out}/results.json and {out}/<method>/eval.json")
+    print(f"figure: {figure} (accuracy ID and OOD, training loss); report: iga-ds report {out}")
     print(path_hint())
     return rows
+
+
+def write_figure(out: Path, rows: Sequence[dict]) -> Path:
+    """``out/figure.png``: each method's accuracy in and out of distribution and its training loss
+    (its run's metrics.jsonl)."""
+    runs = {r["method"]: load_run(out / r["method"]).cell for r in rows}
+    demo_figure(rows, runs, out / DEMO_FIGURE)
+    return out / DEMO_FIGURE
 
 
 @contextlib.contextmanager

@@ -1,5 +1,7 @@
 """PNG figures for the report: OOD accuracy per method, LCS per layer, mask statistics over
-training, OOD accuracy against training time. matplotlib with the Agg backend (no display)."""
+training, OOD accuracy against training time; a single run's loss curve; the demo's figure (ID
+and OOD accuracy per method, and the training loss). matplotlib with the Agg backend (no
+display), imported when a figure is drawn."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -137,6 +139,61 @@ def accuracy_vs_time_figure(cells: Sequence[Cell], path: Path) -> str | None:
     ax.set_ylabel("average OOD accuracy (%)")
     ax.set_title("OOD accuracy against training time")
     ax.legend(fontsize=7)
+    out = _save(fig, path)
+    plt.close(fig)
+    return out
+
+
+def _loss_lines(ax, rows: dict[str, list[Cell]], window: int) -> bool:
+    """Training loss per step of each row (mean over its cells, moving average) on ``ax``."""
+    drawn = False
+    for label, group in rows.items():
+        xs, ys = _seed_mean_series(group, "loss", window)
+        if xs:
+            ax.plot(xs, ys, label=label, linewidth=1.2)
+            drawn = True
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(f"Training loss ({window}-step moving average)" if window > 1 else "Training loss")
+    return drawn
+
+
+def loss_figure(cells: Sequence[Cell], path: Path, window: int = 1) -> str | None:
+    """The training loss of each row over the steps (a single run: its loss curve)."""
+    rows: dict[str, list[Cell]] = {}
+    for c in cells:
+        rows.setdefault(c.label, []).append(c)
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    if not _loss_lines(ax, rows, window):
+        plt.close(fig)
+        return None
+    ax.legend(fontsize=7)
+    out = _save(fig, path)
+    plt.close(fig)
+    return out
+
+
+def demo_figure(rows: Sequence[dict], cells: dict[str, Cell], path: Path, window: int = 5) -> str | None:
+    """The demo's figure: accuracy in and out of distribution per method (``rows`` of its
+    results.json), and each method's training loss (``cells``: its run, by method name)."""
+    if not rows:
+        return None
+    plt = _pyplot()
+    fig, (acc, loss) = plt.subplots(1, 2, figsize=(10, 3.6))
+    methods = [r["method"] for r in rows]
+    width = 0.38
+    for k, (key, name) in enumerate((("id_accuracy", "ID"), ("ood_accuracy", "OOD"))):
+        values = [r.get(key) if r.get(key) is not None else float("nan") for r in rows]
+        acc.bar([i + (k - 0.5) * width for i in range(len(rows))], values, width, label=name)
+    acc.set_xticks(range(len(rows)), methods)
+    acc.set_ylim(0, 100)
+    acc.set_ylabel("accuracy (%)")
+    acc.set_title("Accuracy in and out of distribution")
+    acc.legend(fontsize=7)
+    if _loss_lines(loss, {m: [cells[m]] for m in methods if m in cells}, window):
+        loss.legend(fontsize=7)
+    fig.tight_layout()
     out = _save(fig, path)
     plt.close(fig)
     return out

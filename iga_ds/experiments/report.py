@@ -1,6 +1,11 @@
 """``report.md``: tables shaped like the paper's main results, ablation, efficiency and LCS-by-layer
 tables (mean +- sample std over seeds, best in bold), plus PNG figures (``figures.py``).
 
+``iga-ds report DIR`` reads three kinds of folder (:func:`iga_ds.experiments.results.folder_kind`):
+an experiment grid (the tables above), the demo's folder (its table, accuracy per domain, the
+training losses and its figure) and a single training run (its settings, its loss curve in brief,
+and its evaluation when one lies beside it).
+
 Numbers come only from the result files; a value a cell lacks is shown as "–". Several results
 folders ("students", e.g. the same grid trained from two bases) share one report: their headline
 columns side by side, then each student's own tables under its name.
@@ -12,15 +17,21 @@ import os
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from iga_ds.errors import UserError
-from iga_ds.experiments.figures import make_figures
+from iga_ds.experiments.figures import demo_figure, loss_figure, make_figures, mask_figure
 from iga_ds.experiments.paired import paired_section, selection_section
 from iga_ds.experiments.tables import DASH, Stat, column, group_rows, markdown
 from iga_ds.experiments.update_size import UPDATE_SIZE_NOTE, update_size_table
 from iga_ds.experiments.results import (
+    DEMO,
+    DEMO_FIGURE,
+    GRID,
+    RUN,
     Cell,
+    Demo,
+    Run,
     benchmarks_of,
     cell_avg_delta_gap,
     cell_avg_headline,
@@ -30,9 +41,14 @@ from iga_ds.experiments.results import (
     cell_lcs,
     cell_median_step_ms,
     cell_metric_mean,
+    eval_files,
+    folder_kind,
     headline_accuracy,
     is_iga_row,
+    load_demo,
     load_results,
+    load_run,
+    loss_summary,
     row_order,
 )
 from iga_ds.files import atomic_write_text, check_output_file, read_json, read_text
@@ -396,14 +412,202 @@ def _selection(root: Path) -> dict | None:
     return read_json(path, objects=True) if path.is_file() else None
 
 
+# -- a single training run and the demo's folder ------------------------------------------------
+
+DEFAULT_TITLE = "IGA results"
+
+
+def _num(value: Any, digits: int = 3) -> str:
+    return DASH if not isinstance(value, (int, float)) or isinstance(value, bool) else f"{value:.{digits}f}"
+
+
+def _cell_text(value: Any) -> str:
+    """A value as a Markdown table entry (no line breaks, no column bars)."""
+    text = value if isinstance(value, str) else str(value)
+    return text.replace("|", "\\|").replace("\n", " ") if text else DASH
+
+
+def _base_text(config: dict[str, Any]) -> str:
+    model, resolved = config.get("model") or {}, config.get("resolved") or {}
+    text = str(model.get("name_or_path") or DASH)
+    if model.get("tiny"):
+        text += " " + ", ".join(f"{k}={v}" for k, v in sorted(model["tiny"].items()))
+    folder = resolved.get("base_model_dir")
+    return text + (f" (at {folder})" if folder and folder != model.get("name_or_path") else "")
+
+
+def run_settings_table(config: dict[str, Any]) -> str:
+    """A training run's settings from its ``config.resolved.yaml``."""
+    get = lambda section: config.get(section) or {}  # noqa: E731
+    lora, data, sched, resolved = get("lora"), get("data"), get("schedule"), get("resolved")
+    method = get("method")
+    params = method.get("params") or {}
+    body = [
+        ["base model", _base_text(config)],
+        ["method", str(method.get("name") or DASH) + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(params.items()))})"
+                                                      if params else "")],
+        ["LoRA", f"r {lora.get('r')}, alpha {lora.get('alpha')}, dropout {lora.get('dropout')}, modules "
+                 f"{', '.join(lora.get('target_modules') or [])}"],
+        ["data", f"{data.get('train')}; domains {', '.join((resolved.get('iga') or {}).get('domains') or []) or DASH}; "
+                 f"{data.get('groups_per_step')} groups per step, max_length {data.get('max_length')}, prompt "
+                 f"format {resolved.get('prompt_format') or data.get('prompt_format')}"],
+        ["schedule", f"lr {sched.get('lr')}, {resolved.get('total_steps', sched.get('max_steps'))} steps, warmup ratio "
+                     f"{sched.get('warmup_ratio')}, gradient clipping {sched.get('gradient_clipping')}"],
+        ["seed", config.get("seed")],
+        ["devices", resolved.get("world_size")],
+        ["trainable parameters", f"{resolved['trainable_parameters']:,} of {resolved['total_parameters']:,}"
+         if isinstance(resolved.get("trainable_parameters"), int) and isinstance(resolved.get("total_parameters"), int)
+         else resolved.get("trainable_parameters", DASH)],
+    ]
+    return markdown(["setting", "value"], [[name, _cell_text(value)] for name, value in body])
+
+
+def loss_lines(metrics: Sequence[dict[str, Any]]) -> list[str]:
+    """The loss curve of a training log in brief: a sentence and a table or two."""
+    summary = loss_summary(metrics)
+    if summary is None:
+        return ["No training loss logged (metrics.jsonl).", ""]
+    s = summary
+    lines = [f"{s['steps']} steps logged ({s['first_step']:.0f} to {s['last_step']:.0f}).", "",
+             markdown(["first step", f"lowest (step {s['min_step']:.0f})", "last step",
+                       f"mean, last 10% ({s['tail_steps']} steps)"],
+                      [[_num(s["first"]), _num(s["min"]), _num(s["last"]), _num(s["tail_mean"])]]), ""]
+    if s["per_domain"]:
+        lines += ["Per domain, mean over the last 10% of steps:", "",
+                  markdown(list(s["per_domain"]), [[_num(v) for v in s["per_domain"].values()]]), ""]
+    if s["median_step_ms"] is not None:
+        rate = f", {s['median_tokens_per_s']:.0f} tokens/s" if s["median_tokens_per_s"] is not None else ""
+        lines += [f"Median step: {s['median_step_ms']:.0f} ms{rate}.", ""]
+    return lines
+
+
+def _eval_lcs(result: dict[str, Any]) -> float | None:
+    lcs = result.get("lcs") or {}
+    layers = lcs.get("layers_x1e-2") or {}
+    value = layers.get(str(lcs.get("default_layer")), layers.get(lcs.get("default_layer")))
+    return value if value is not None or not layers else list(layers.values())[-1]
+
+
+def evaluation_lines(cell: Cell) -> list[str]:
+    """Each evaluation of a run: its headline figures, then accuracy per domain."""
+    header = ["evaluation", "items scored", "accuracy %", "ID %", "OOD %", "Δ-gap", "OOD follows wrong cue %",
+              "LCS (×1e-2)"]
+    body = [[name, _cell_text(r.get("n_scored", DASH)), _num(r.get("accuracy"), 1), _num(r.get("id_accuracy"), 1),
+             _num(r.get("ood_accuracy"), 1), _num(r.get("delta_gap"), 1), _num(r.get("ood_cue_follow"), 1),
+             _num(_eval_lcs(r), 2)] for name, r in cell.evals.items()]
+    domains = sorted({d for r in cell.evals.values() for d in (r.get("per_domain") or {})})
+    lines = [markdown(header, body), ""]
+    if domains:
+        rows = [[name] + [_num(((r.get("per_domain") or {}).get(d) or {}).get("accuracy"), 1) for d in domains]
+                for name, r in cell.evals.items()]
+        lines += ["Accuracy per domain (%):", "", markdown(["evaluation"] + domains, rows), ""]
+    return lines
+
+
+def build_run_report(run: Run, figures: dict[str, str] | None = None, title: str | None = None,
+                     discussion: str | None = None) -> str:
+    """The report of a single training run: settings, loss curve in brief, its evaluations."""
+    found = ", ".join(str(p.relative_to(run.folder)) for p in eval_files(run.folder))
+    parts = [f"# {title or 'Training run ' + run.folder.name}", "",
+             f"Read as {RUN}: `{run.folder}` (config.resolved.yaml, metrics.jsonl"
+             + (f", {found})." if found else ")."), "", "## Settings", "", run_settings_table(run.config), "",
+             "## Training loss", "", *loss_lines(run.cell.metrics), "## Evaluation", ""]
+    if run.cell.evals:
+        parts += evaluation_lines(run.cell)
+    else:
+        parts += [f"No evaluation beside the run (eval.json or eval/*.json in `{run.folder}`); `iga-ds eval --run "
+                  f"{run.folder} --data TEST.jsonl --out {run.folder}/eval.json` writes one.", ""]
+    return "\n".join(parts + _ending(discussion, figures))
+
+
+def demo_table(demo: Demo) -> str:
+    """The demo's own table (results.json), with the wrong-cue share of each method's evaluation."""
+    header = ["Method", "acc ID %", "acc OOD %", "Δ-gap", "OOD follows wrong cue %", "final loss", "train s", "eval s"]
+    body = []
+    for row in demo.results["rows"]:
+        run = demo.runs.get(row["method"])
+        cue = next((r.get("ood_cue_follow") for r in run.cell.evals.values()), None) if run else None
+        body.append([row["method"], _num(row.get("id_accuracy"), 1), _num(row.get("ood_accuracy"), 1),
+                     _num(row.get("delta_gap"), 1), _num(cue, 1), _num(row.get("final_loss")),
+                     _num(row.get("train_seconds"), 0), _num(row.get("eval_seconds"), 0)])
+    return markdown(header, body)
+
+
+def build_demo_report(demo: Demo, figure: str | None = None, title: str | None = None,
+                      discussion: str | None = None) -> str:
+    """The report of the demo's folder: its table, accuracy per domain, training losses, the figure."""
+    rows = demo.results["rows"]
+    settings = demo.results.get("settings") or {}
+    total = demo.results.get("total_seconds")
+    parts = [f"# {title or 'Demo results'}", "",
+             f"Read as {DEMO} (`iga-ds demo`): `{demo.folder}/results.json` and each method's training run, "
+             f"`{demo.folder}/<method>`.", "",
+             "Settings: " + ", ".join(f"{k} {v}" for k, v in settings.items())
+             + (f"; total {total:.0f} s." if isinstance(total, (int, float)) else "."), "",
+             "## Accuracy in and out of distribution", "", demo_table(demo), ""]
+    domains = sorted({d for r in rows for d in (r.get("per_domain") or {})})
+    if domains:
+        parts += ["## Accuracy per domain (%)", "", markdown(["Method"] + domains, [
+            [r["method"]] + [_num((r.get("per_domain") or {}).get(d), 1) for d in domains] for r in rows]), ""]
+    summaries = {m: loss_summary(run.cell.metrics) for m, run in demo.runs.items()}
+    losses = [[m, _num(s["first"]), _num(s["min"]), _num(s["last"]), _num(s["tail_mean"])]
+              for m, s in summaries.items() if s]
+    if losses:
+        parts += ["## Training loss", "", markdown(["Method", "first step", "lowest", "last step",
+                                                    "mean, last 10%"], losses), ""]
+    return "\n".join(parts + _ending(discussion, {"ID and OOD accuracy per method, training loss": figure}
+                                      if figure else None))
+
+
+def _run_figures(run: Run, out: Path) -> dict[str, str]:
+    folder = out.parent / "figures"
+    made = {"Training loss": loss_figure([run.cell], folder / "loss.png"),
+            "Mask statistics over training": mask_figure([run.cell], folder / "mask_stats.png", window=5)}
+    return {caption: os.path.relpath(path, out.parent) for caption, path in made.items() if path}
+
+
+def _demo_figure(demo: Demo, out: Path, draw: bool) -> str | None:
+    """The demo's figure, relative to the report: the one the demo wrote, else (a folder from
+    before the demo drew one) drawn now beside the report, under figures/ (``draw``)."""
+    path = demo.folder / DEMO_FIGURE
+    if not path.is_file() and draw:
+        path = out.parent / "figures" / DEMO_FIGURE
+        demo_figure(demo.results["rows"], {m: run.cell for m, run in demo.runs.items()}, path)
+    return os.path.relpath(path, out.parent) if path.is_file() else None
+
+
+def _write_single(kind: str, root: Path, out: str | Path | None, figures: bool, title: str,
+                  discussion: str | Path | None) -> Path:
+    """The report of a demo folder or of a single training run."""
+    given = None if title == DEFAULT_TITLE else title
+    out = Path(out) if out else root / "report.md"
+    check_output_file(out)
+    text = read_text(discussion, "discussion file") if discussion is not None else None
+    if kind == DEMO:
+        demo = load_demo(root)
+        report = build_demo_report(demo, _demo_figure(demo, out, figures), given, text)
+    else:
+        run = load_run(root)
+        report = build_run_report(run, _run_figures(run, out) if figures else None, given, text)
+    atomic_write_text(out, report)
+    return out
+
+
 def write_report(root: str | os.PathLike | Sequence[str | os.PathLike], out: str | Path | None = None,
-                 figures: bool = True, title: str = "IGA results", discussion: str | Path | None = None,
-                 names: Sequence[str] | None = None) -> Path:
-    """Write the report of the results folder ``root``, or of several folders side by side, one
-    name in ``names`` each; ``discussion`` is a Markdown file appended as written
-    (interpretation; every number stays in the generated tables)."""
+                 figures: bool = True, title: str = DEFAULT_TITLE, discussion: str | Path | None = None,
+                 names: Sequence[str] | None = None, log: Callable[[str], None] | None = print) -> Path:
+    """Write the report of the results folder ``root`` (an experiment grid, the demo's folder or
+    a single training run; ``log`` says which), or of several grids side by side, one name in
+    ``names`` each; ``discussion`` is a Markdown file appended as written (interpretation; every
+    number stays in the generated tables)."""
     roots = [Path(root)] if isinstance(root, (str, os.PathLike)) else [Path(r) for r in root]
     students = len(roots) > 1 or bool(names)
+    if not students:
+        kind = folder_kind(roots[0])
+        if log is not None:
+            log(f"{roots[0]}: read as {kind}")
+        if kind != GRID:
+            return _write_single(kind, roots[0], out, figures, title, discussion)
     if students:
         names = _student_names(roots, names)
         if out is None and len(roots) > 1:

@@ -167,6 +167,7 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 UPDATE_NORMS_FILE = "update_norms.json"
+RUN_CONFIG = "config.resolved.yaml"  # a training run's resolved config, in its output folder
 UPDATE_NORM_FIELDS = ("path", "displacement")
 
 
@@ -206,9 +207,21 @@ def _read_cell(folder: Path) -> Cell:
     ablation = ablation or None
     settings = "" if ablation or info.get("label") else _cell_settings(folder, info)
     cell = Cell(folder.name, method, seed, ablation, _label(method, ablation, info.get("label"), settings), info)
-    eval_files = [folder / "eval.json"] if (folder / "eval.json").is_file() else []
-    eval_files += sorted((folder / "eval").glob("*.json")) if (folder / "eval").is_dir() else []
-    for eval_path in eval_files:
+    _read_outputs(folder, cell)
+    cell.variant = _read_variant(folder)
+    return cell
+
+
+def eval_files(folder: Path) -> list[Path]:
+    """A run's or a cell's evaluations: ``eval.json`` and ``eval/*.json``."""
+    found = [folder / "eval.json"] if (folder / "eval.json").is_file() else []
+    return found + (sorted((folder / "eval").glob("*.json")) if (folder / "eval").is_dir() else [])
+
+
+def _read_outputs(folder: Path, cell: Cell) -> None:
+    """What training and evaluation left in ``folder``: evaluations, the training log, the update
+    sizes and the gradient clip, into ``cell``."""
+    for eval_path in eval_files(folder):
         result = read_json(eval_path, objects=True)
         _check_numbers(result, EVAL_NUMBERS, str(eval_path))
         _check_lcs(result, str(eval_path))
@@ -220,9 +233,7 @@ def _read_cell(folder: Path) -> Cell:
     if (folder / "metrics.jsonl").is_file():
         cell.metrics = _read_metrics(folder / "metrics.jsonl")
     cell.update_norms = _read_update_norms(folder / UPDATE_NORMS_FILE)  # beside metrics.jsonl
-    cell.variant = _read_variant(folder)
-    cell.gradient_clipping = _read_clip(folder / "config.resolved.yaml")
-    return cell
+    cell.gradient_clipping = _read_clip(folder / RUN_CONFIG)
 
 
 def item_group(row: dict[str, Any]) -> str:
@@ -264,6 +275,81 @@ def _read_clip(path: Path) -> float | None:
     raw = read_yaml_file(path, "resolved run config") or {}
     clip = (raw.get("schedule") or {}).get("gradient_clipping") if isinstance(raw, dict) else None
     return float(clip) if _is_number(clip) and clip > 0 else None
+
+
+# -- a single training run, the demo's folder, and which of the three a folder is ------------------
+
+DEMO_RESULTS = "results.json"  # what `iga-ds demo` writes last
+DEMO_FIGURE = "figure.png"  # the demo's figure, beside its results
+GRID, DEMO, RUN = "an experiment grid", "a demo folder", "a training run"  # as the report names them
+
+
+def folder_kind(root: str | Path) -> str:
+    """Which results folder ``root`` is: GRID (``<cell>/cell.json``), DEMO (the demo's
+    ``results.json``) or RUN (a training output folder, ``config.resolved.yaml``); else one line
+    naming the folder and what was expected."""
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(f"{root}: no such results folder")
+    if any((p / "cell.json").is_file() for p in root.iterdir()):
+        return GRID
+    if (root / DEMO_RESULTS).is_file():
+        return DEMO
+    if (root / RUN_CONFIG).is_file():
+        return RUN
+    raise DataError(f"{root}: not a folder iga-ds reports on; expected an experiment grid (<cell>/cell.json, "
+                    f"from `iga-ds experiment`), a demo folder ({DEMO_RESULTS}, from `iga-ds demo`) or a training "
+                    f"run ({RUN_CONFIG}, from `iga-ds train`)")
+
+
+@dataclass
+class Run:
+    """A training output folder: its resolved config and what it left, as a ``Cell``."""
+
+    folder: Path
+    config: dict[str, Any]
+    cell: Cell
+
+
+def load_run(folder: str | Path) -> Run:
+    """A training run's folder: ``config.resolved.yaml``, ``metrics.jsonl`` and any evaluation
+    beside them (``eval.json``, ``eval/*.json``)."""
+    folder = Path(folder)
+    config = read_yaml_file(folder / RUN_CONFIG, "resolved run config")
+    if not isinstance(config, dict):
+        raise DataError(f"{folder / RUN_CONFIG}: expected a mapping (a training run's resolved config)")
+    method = str((config.get("method") or {}).get("name") or "erm")
+    seed = config.get("seed") if isinstance(config.get("seed"), int) else 0
+    resolved = config.get("resolved") or {}
+    info = {"method": method, "seed": seed, "trainable_params": resolved.get("trainable_parameters"),
+            "num_devices": resolved.get("world_size")}
+    settings = non_default_settings(method, (config.get("method") or {}).get("params"))
+    cell = Cell(folder.name, method, seed, None, _label(method, None, None, settings), info)
+    _read_outputs(folder, cell)
+    return Run(folder, config, cell)
+
+
+@dataclass
+class Demo:
+    """The demo's folder: ``results.json`` (settings, one row per method) and each method's run."""
+
+    folder: Path
+    results: dict[str, Any]
+    runs: dict[str, Run]  # by method name, where its run folder is there
+
+
+def load_demo(root: str | Path) -> Demo:
+    root = Path(root)
+    results = read_json(root / DEMO_RESULTS, objects=True)
+    rows = results.get("rows")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("method"), str) for r in rows):
+        raise DataError(f"{root / DEMO_RESULTS}: field 'rows': expected a list of objects with a 'method' "
+                        "(as `iga-ds demo` writes it)")
+    for row in rows:
+        _check_numbers(row, ("id_accuracy", "ood_accuracy", "delta_gap", "final_loss", "train_seconds",
+                             "eval_seconds"), str(root / DEMO_RESULTS))
+    runs = {r["method"]: load_run(root / r["method"]) for r in rows if (root / r["method"] / RUN_CONFIG).is_file()}
+    return Demo(root, results, runs)
 
 
 def load_results(root: str | Path) -> list[Cell]:
@@ -368,3 +454,26 @@ def cell_avg_headline(cell: Cell, benchmarks: Sequence[str]) -> float | None:
 def benchmarks_of(cells: Sequence[Cell]) -> list[str]:
     names = {b for c in cells for b in c.evals}
     return [b for b in PAPER_BENCHMARK_ORDER if b in names] + sorted(names - set(PAPER_BENCHMARK_ORDER))
+
+
+def loss_summary(metrics: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """A training log's loss curve in a few numbers: steps logged, the first, lowest and last
+    loss, the mean over the last 10% of steps (overall and per domain, ``loss.<domain>``), the
+    median step time and throughput. None without a logged loss."""
+    steps, losses = metric_series(metrics, "loss")
+    if not losses:
+        return None
+    tail = max(1, int(round(0.1 * len(losses))))
+    low = min(range(len(losses)), key=losses.__getitem__)
+    domains = sorted({k.split(".", 1)[1] for row in metrics for k in row if k.startswith("loss.")})
+    per_domain = {}
+    for domain in domains:
+        values = metric_series(metrics, f"loss.{domain}")[1]
+        per_domain[domain] = sum(values[-tail:]) / len(values[-tail:]) if values else None
+    times = sorted(metric_series(metrics, "step_time_s")[1])
+    rates = sorted(metric_series(metrics, "tokens_per_s")[1])
+    return {"steps": len(losses), "first_step": steps[0], "last_step": steps[-1], "first": losses[0],
+            "min": losses[low], "min_step": steps[low], "last": losses[-1], "tail_steps": tail,
+            "tail_mean": sum(losses[-tail:]) / tail, "per_domain": per_domain,
+            "median_step_ms": 1000.0 * times[len(times) // 2] if times else None,
+            "median_tokens_per_s": rates[len(rates) // 2] if rates else None}
