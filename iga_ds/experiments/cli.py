@@ -1,8 +1,8 @@
-"""``iga-ds experiment``, ``iga-ds report``, ``iga-ds pack``, ``iga-ds demo`` and ``iga-ds diagnose``.
+"""``iga-ds experiment``, ``report``, ``pack``, ``demo``, ``diagnose`` and ``export``.
 
-``experiment``, ``report``, ``demo`` and ``diagnose`` import what they run when they run, not when the parser
-is built: it loads torch, which would slow ``iga-ds --help`` and every other command's
-start-up. ``pack`` loads no heavy library and is imported at the top.
+``experiment``, ``report``, ``demo``, ``diagnose`` and ``export`` import what they run when they
+run, not when the parser is built: it loads torch, which would slow ``iga-ds --help`` and every
+other command's start-up. ``pack`` loads no heavy library and is imported at the top.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from iga_ds.files import check_output_dir, check_output_file
 def register(subparsers: Any) -> None:
     _register_report(subparsers)
     _register_diagnose(subparsers)
+    _register_export(subparsers)
 
     pk = subparsers.add_parser(
         "pack",
@@ -72,13 +73,16 @@ def register(subparsers: Any) -> None:
 def _register_report(subparsers: Any) -> None:
     rep = subparsers.add_parser(
         "report",
-        help="tables shaped like the paper's Tables 2, 3, 4, 6 and figures from a results folder",
-        description="Read DIR/<cell>/cell.json, eval.json (or eval/*.json), metrics.jsonl and "
-        "update_norms.json; write DIR/report.md and PNG figures under DIR/figures (see "
-        "docs/EVALUATION.md for the layout). Several folders, one --name each, share one report "
-        "(--out): their headline columns side by side, then each one's tables under its name.",
+        help="the report of an experiment grid (the paper's Tables 2, 3, 4, 6 and figures), the demo's folder "
+        "or a single training run",
+        description="DIR is an experiment grid (DIR/<cell>/cell.json, eval.json or eval/*.json, metrics.jsonl, "
+        "update_norms.json: the paper's tables and figures), the demo's folder (results.json: its table, "
+        "accuracy per domain, training loss and its figure) or a training run (config.resolved.yaml: its "
+        "settings, loss curve and any evaluation beside it); the first line says which was read. Writes "
+        "DIR/report.md and PNG figures under DIR/figures (see docs/EVALUATION.md). Several grids, one --name "
+        "each, share one report (--out): their headline columns side by side, then each one's tables under its name.",
     )
-    rep.add_argument("dir", nargs="+", help="results folder(s)")
+    rep.add_argument("dir", nargs="+", help="results folder(s): a grid, the demo's folder or a training run")
     rep.add_argument("--name", action="append", metavar="NAME",
                      help="the name of each results folder, in order (repeatable; one per folder when several)")
     rep.add_argument("--out", help="report file (default: DIR/report.md; required with several folders)")
@@ -229,3 +233,37 @@ def _fresh_adapter(fresh: Any, args: argparse.Namespace) -> Any:
         if not fresh.target_modules:
             raise UserError(f"--target-modules {args.target_modules!r}: expected comma-separated layer names")
     return fresh
+
+
+def _register_export(subparsers: Any) -> None:
+    ex = subparsers.add_parser(
+        "export",
+        help="merge a trained adapter into its base for serving, or write the adapter with a portable base reference",
+        description="SOURCE: a training run's folder (its adapter/), an adapter folder or a checkpoint's folder. By "
+        "default the adapter is merged into the base it trained on (PEFT's merge_and_unload) and OUT gets safetensors "
+        "weights, the tokenizer with its chat template and a model card: AutoModelForCausalLM.from_pretrained(OUT) "
+        "loads it. With --adapter-only, OUT gets the adapter with its base named portably (a hub id, packaged:NAME, "
+        "builtin:tiny, or a path relative to OUT) and the model card. Written into a temporary folder beside OUT, "
+        "renamed at the end.",
+    )
+    ex.add_argument("source", metavar="SOURCE", help="a run folder, an adapter folder or a checkpoint's folder")
+    ex.add_argument("--out", required=True, help="the folder to write (new or empty, unless --overwrite)")
+    ex.add_argument("--adapter-only", action="store_true", help="write the adapter and its card, merge nothing")
+    ex.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                    help="the merged weights' dtype (the merge itself is done in float32)")
+    ex.add_argument("--overwrite", action="store_true", help="replace an existing, non-empty --out")
+    ex.add_argument("--trust-remote-code", action="store_true",
+                    help="let a hub base run its own modelling code (off by default)")
+    ex.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    ex.set_defaults(func=run_export)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from iga_ds.experiments import export as ex
+
+    settings = ex.ExportSettings(args.source, args.out, adapter_only=args.adapter_only, dtype=args.dtype,
+                                 overwrite=args.overwrite, trust_remote_code=args.trust_remote_code,
+                                 progress=not args.quiet)
+    out = ex.export(settings, log=(lambda msg: None) if args.quiet else None)
+    print(ex.describe(settings, out))
+    return 0

@@ -38,14 +38,14 @@ from iga_ds.data.prompts import AUTO, PromptFormat, prompt_format, saved_prompt_
 from iga_ds.data.schema import read_isomer_jsonl
 from iga_ds.errors import ConfigError, DataError, UserError
 from iga_ds.evaluation.generation import resolve_device
-from iga_ds.files import atomic_write_json, read_json, read_yaml_file
+from iga_ds.files import atomic_write_json, read_yaml_file
 from iga_ds.lora.modules import LoraModule, find_lora_modules
 from iga_ds.methods import GradientMethod, ModuleGrads, get_method
 from iga_ds.models import TOKENIZER_FILES, check_model_source
 from iga_ds.progress import progress as progress_of
 from iga_ds.train.batching import encode_example, pad_id, pad_rows, sequence_losses
 from iga_ds.train.model import add_lora, load_base_model, load_tokenizer
-from iga_ds.train.pretrain import default_tiny_base
+from iga_ds.train.model_card import adapter_base, base_location, read_tiny
 
 REFERENCE = "erm"  # the plain mean: every share is measured against it
 RUN_CONFIG = "config.resolved.yaml"
@@ -178,6 +178,7 @@ class Source:
     prompt_format: str = AUTO
     domains: list[str] | None = None
     max_length: int | None = None
+    tiny: dict[str, Any] | None = None  # builtin:tiny's shape, where an adapter records one
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "base": self.base, "adapter": str(self.adapter) if self.adapter else None,
@@ -198,9 +199,11 @@ def _run_source(folder: Path, adapter: Path) -> Source:
     base = resolved.get("base_model_dir") or (cfg.get("model") or {}).get("name_or_path")
     if not base:
         raise UserError(f"--run {folder}: {RUN_CONFIG} names no base model")
+    if base != BUILTIN_TINY and not Path(base).exists() and Path(base).is_absolute():
+        base = adapter_base(adapter)  # the run came from another machine: the base its adapter names
     fmt = saved_prompt_format(adapter) or resolved.get("prompt_format") or data.get("prompt_format") or AUTO
     return Source("run", str(base), adapter, _adapter_tokenizer(adapter, cfg.get("tokenizer")), fmt,
-                  (resolved.get("iga") or {}).get("domains"), data.get("max_length"))
+                  (resolved.get("iga") or {}).get("domains"), data.get("max_length"), read_tiny(adapter))
 
 
 def resolve_source(run: str) -> Source:
@@ -218,10 +221,12 @@ def resolve_source(run: str) -> Source:
         for folder in (path.parent, path.parent.parent.parent):
             if (folder / RUN_CONFIG).is_file():
                 return _run_source(folder, path)
-        base = read_json(path / ADAPTER_CONFIG, objects=True, error=UserError).get("base_model_name_or_path")
-        if not base:
-            raise UserError(f"--run {path}: {ADAPTER_CONFIG} names no base model (base_model_name_or_path)")
-        return Source("adapter", str(base), path, _adapter_tokenizer(path, None), saved_prompt_format(path) or AUTO)
+        try:
+            base = adapter_base(path)  # a relative path: against the adapter's folder
+        except UserError as exc:
+            raise UserError(f"--run {path}: {exc}") from None
+        return Source("adapter", base, path, _adapter_tokenizer(path, None), saved_prompt_format(path) or AUTO,
+                      tiny=read_tiny(path))
     if run == BUILTIN_TINY:
         return Source("base", BUILTIN_TINY)  # pretrained (or read from the cache) when the model loads
     check_model_source(run, "--run")
@@ -243,7 +248,7 @@ def load_model(source: Source, fresh: FreshLora, dtype: str = "float32", device:
     """(PEFT model in eval mode on ``device``, its trainable LoRA modules, tokenizer). Eval mode:
     no dropout, so that the gradients are the same on every call."""
     if source.base == BUILTIN_TINY:
-        source.base = str(default_tiny_base(progress=progress))
+        source.base = base_location(BUILTIN_TINY, source.tiny, progress=progress)
     model = load_base_model(source.base, dtype)
     if source.adapter is not None:
         from peft import PeftModel

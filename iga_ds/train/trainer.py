@@ -57,7 +57,9 @@ from iga_ds.train.checkpoint import (STOP_FILE, StopSignal, adopt_schedule, chec
                                     resolve_resume, save_checkpoint)
 from iga_ds.train.distributed import init_distributed, resolve_dist
 from iga_ds.train.logbook import METRICS_FILE, Logbook, truncate_metrics
+from iga_ds.train.trackers import require_trackers
 from iga_ds.train.model import add_lora, load_base_model, load_tokenizer
+from iga_ds.train.model_card import make_portable
 from iga_ds.train.optim import GroupStepAdamW, lr_lambda
 from iga_ds.train.pretrain import default_tiny_base
 from iga_ds.train.update_norms import UpdateNorms
@@ -171,6 +173,7 @@ class Trainer:
         if not os.environ.get("IGA_DS_VERBOSE"):
             logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         check_output_dir(cfg.output_dir, "output_dir")  # before anything loads
+        require_trackers(cfg.logging)
         accum = check_batch_layout(cfg.data.groups_per_step, cfg.data.groups_per_micro_batch, dist.world_size)
         ds_dict, hook_config = build_ds_config(cfg, load_ds_json(cfg.deepspeed), dist.world_size, accum,
                                                cfg.deepspeed, run_source=cfg.source, check_model=True)
@@ -194,6 +197,7 @@ class Trainer:
             self._prepare_output(out, stop, start_step, {
                 "base_model_dir": str(base_dir), "world_size": dist.world_size, "total_steps": total_steps,
                 "trainable_parameters": counts[0], "total_parameters": counts[1], "prompt_format": fmt.name,
+                "train_records": len(records), "train_groups": len(groups),
                 "deepspeed_config": ds_dict, "iga": hook_config.to_dict()})
         self._print(f"training LoRA r={cfg.lora.r}: {counts[0]:,} trainable of {counts[1]:,} parameters; "
                     f"method {hook_config.method}; {len(groups)} groups, {total_steps} steps, "
@@ -396,7 +400,8 @@ class Trainer:
             state = {"step": step, "world_size": s.dist.world_size, "total_steps": s.total_steps,
                      "update_path": s.updates.state(), "schedule": self._schedule(s.total_steps)}
             save_checkpoint(s.engine, s.out / "checkpoints", step, state, s.dist.rank, self.cfg.checkpoint.keep_last,
-                            lambda path: save_adapter_atomic(s.engine.module, s.tokenizer, path, s.prompt_format))
+                            lambda path: save_adapter_atomic(s.engine.module, s.tokenizer, path, s.prompt_format,
+                                                             self._portable(s, step)))
         if stopping and s.stop.reason is not None and s.dist.rank == 0:
             s.stop.consume()  # done: the next run must not stop on it
         if stopping and step < s.total_steps:
@@ -410,21 +415,29 @@ class Trainer:
         if status == "completed":
             adapter_dir = s.out / "adapter"
             if s.dist.rank == 0:
-                save_adapter_atomic(s.engine.module, s.tokenizer, adapter_dir, s.prompt_format)
+                save_adapter_atomic(s.engine.module, s.tokenizer, adapter_dir, s.prompt_format, self._portable(s))
                 s.updates.write(s.out, s.total_steps)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
         self.engine = s.engine
         return adapter_dir
 
+    def _portable(self, s: Session, step: int | None = None) -> Callable[[Path], Any]:
+        """What makes a saved adapter folder portable: its base named as the user wrote it (or the
+        folder given to the trainer), and a model card of the run at ``step`` (None: the end)."""
+        spec = self.base_model_dir or self.cfg.model.name_or_path
+        return lambda folder: make_portable(folder, s.out, spec, self.cfg.model.tiny or None, step)
+
     def _print(self, msg: str) -> None:
         if self.dist.rank == 0 and not self.quiet:
             print(msg, flush=True)
 
 
-def save_adapter_atomic(peft_model, tokenizer, path: Path, fmt: PromptFormat | None = None) -> None:
+def save_adapter_atomic(peft_model, tokenizer, path: Path, fmt: PromptFormat | None = None,
+                        finish: Callable[[Path], Any] | None = None) -> None:
     """PEFT adapter (+ tokenizer, + the prompt format it was trained with) into ``path`` via a
-    temporary folder and a rename."""
+    temporary folder and a rename; ``finish(folder)`` completes the folder before the rename
+    (:func:`iga_ds.train.model_card.make_portable`: the base named portably, the model card)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -433,6 +446,8 @@ def save_adapter_atomic(peft_model, tokenizer, path: Path, fmt: PromptFormat | N
         tokenizer.save_pretrained(str(tmp))
     if fmt is not None:
         save_prompt_format(tmp, fmt)
+    if finish is not None:
+        finish(tmp)
     old = path.with_name(f".{path.name}.{os.getpid()}.old")
     if path.exists():
         os.rename(path, old)
