@@ -1,0 +1,79 @@
+"""bench/bench_train.py: the CPU smoke run end to end (every variant in its own process, the
+same tokens for all), and its arithmetic (FLOPs, MFU, the summary) and skip rule in-process."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import bench_train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_small_run_measures_every_variant_on_the_same_tokens(tmp_path):
+    out = tmp_path / "bench_train.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "bench_train.py"), "--small", "--out", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    rows = report["variants"]
+    assert [row["variant"] for row in rows] == list(bench_train.VARIANTS)
+    assert report["card"] == "CPU" and report["peak_flops"] is None
+    ran = [row for row in rows if "skipped" not in row]
+    assert all(row["skipped"].strip() for row in rows if row not in ran)  # a skip says why
+    # the anchors that need nothing beyond the package's own dependencies always run
+    assert {"torch", "iga_ds_erm", "iga_ds_iga"} <= {row["variant"] for row in ran}
+    steps = report["settings"]["steps"]
+    for row in ran:
+        assert "error" not in row, row["error"]
+        assert len(row["step_times_s"]) == steps and all(t > 0 for t in row["step_times_s"]), row["variant"]
+        assert row["median_step_s"] > 0 and row["tokens_per_s"] > 0, row["variant"]
+        assert row["timed_steps"] == steps - report["settings"]["warmup_steps"]
+        assert row["mfu"] is None  # no bf16 peak for a CPU
+    # the same records, token ids and batches: identical token counts, step by step
+    assert len({tuple(row["step_tokens"]) for row in ran}) == 1, {row["variant"]: row["step_tokens"] for row in ran}
+    assert ran[0]["tokens"] > 0
+    assert "card: CPU" in proc.stdout and "median step s" in proc.stdout
+
+
+def test_a_missing_accelerate_skips_the_hf_trainer_with_the_reason(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real(name, *a))
+    assert "accelerate" in bench_train.skip_reason("hf_trainer")
+    assert bench_train.skip_reason("torch") is None and bench_train.skip_reason("iga_ds_iga") is None
+    row = bench_train.measure("hf_trainer", {}, Path("unused"), argparse.Namespace(), [], None)
+    assert row["variant"] == "hf_trainer" and "accelerate" in row["skipped"]
+    assert "skipped: accelerate" in bench_train.table([row], "CPU")
+
+
+def test_flops_follow_the_documented_formula():
+    counts = {"base_linear": 1000, "lora": 10, "layers": 2, "attn_width": 8}
+    # (4 * 1000 + 6 * 10) * T + 12 * 2 * 8 * sum(n^2)
+    assert bench_train.step_flops(counts, [5, 7], [13, 25]) == [4060 * 5 + 192 * 13, 4060 * 7 + 192 * 25]
+
+
+def test_peak_flops_by_card_name_and_override():
+    assert bench_train.peak_flops("NVIDIA H200", None) == 989e12
+    assert bench_train.peak_flops("NVIDIA H100 80GB HBM3", None) == 989e12
+    assert bench_train.peak_flops("NVIDIA A100-SXM4-80GB", None) == 312e12
+    assert bench_train.peak_flops("CPU", None) is None
+    assert bench_train.peak_flops("CPU", 100.0) == 100e12
+
+
+def test_summary_leaves_out_the_warm_up_steps():
+    result = {"step_times_s": [9.0, 1.0, 2.0, 3.0], "step_tokens": [100, 100, 200, 300], "peak_memory_bytes": 2e9}
+    row = bench_train.summarize(result, 1, [50.0, 10.0, 20.0, 30.0], 10.0)
+    assert row["median_step_s"] == 2.0 and row["timed_steps"] == 3 and row["tokens"] == 700
+    assert row["tokens_per_s"] == pytest.approx(600 / 6)
+    assert row["mfu"] == pytest.approx(60 / 6 / 10)
+    assert row["peak_memory_gb"] == pytest.approx(2.0)
+    assert "error" in bench_train.summarize(result, 4, [0.0] * 4, None)
