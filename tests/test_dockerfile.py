@@ -2,7 +2,8 @@
 entrypoint, runs as non-root, sets no cache variable a container runtime would keep over the
 job's, builds no DeepSpeed op the trainer does not use, its pip line works with
 docker/constraints.txt (which keeps the base image's torch), and .dockerignore sends exactly the
-copied files as build context. CI does not build the image."""
+copied files as build context. tests/test_container_image.py builds and runs the image with podman
+on a stand-in base."""
 from __future__ import annotations
 
 import json
@@ -100,8 +101,33 @@ def test_parser_rejects_broken_files():
 def test_base_image_is_ngc_pytorch_chosen_by_pinned_build_arg(instructions):
     first_from = next(i for i, (word, _) in enumerate(instructions) if word == "FROM")
     args_before = {a.split("=")[0]: a.split("=", 1)[1] for w, a in instructions[:first_from] if w == "ARG" and "=" in a}
-    assert instructions[first_from][1] == "nvcr.io/nvidia/pytorch:${NGC_PYTORCH_TAG}"
+    # BASE_IMAGE swaps the whole base (CI's stand-in); by default it is NGC's PyTorch at the pinned tag
+    assert instructions[first_from][1] == "${BASE_IMAGE}"
+    assert args_before["BASE_IMAGE"] == "nvcr.io/nvidia/pytorch:${NGC_PYTORCH_TAG}"
     assert re.fullmatch(r"\d{2}\.\d{2}-py3", args_before["NGC_PYTORCH_TAG"]), args_before
+
+
+def test_torch_is_the_base_image_unless_a_version_is_named(instructions):
+    # TORCH_VERSION empty (the default): no torch line runs and NGC's torch stays; set (the CPU
+    # stand-in), torch is installed through the same constraints, pinned to exactly that build
+    args = dict((a.split("=", 1) + [""])[:2] for w, a in instructions if w == "ARG")
+    assert args["TORCH_VERSION"] == "" and args["IGA_EXTRAS"] == "mpi"
+    torch_run = next(a for w, a in instructions if w == "RUN" and "TORCH_VERSION" in a)
+    assert re.search(r'if \[ -n "\$\{TORCH_VERSION\}" \]; then\s+IGA_BASE_TORCH_VERSION="\$\{TORCH_VERSION\}" '
+                     r"pip install -c docker/constraints.txt torch", torch_run), torch_run
+    # pip reads these from the environment; declared without a value, they stay unset
+    for name in ("PIP_FIND_LINKS", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_NO_INDEX"):
+        assert name in args and args[name] == "", name
+
+
+def test_layers_put_dependencies_before_the_sources(instructions):
+    # a change to the package's sources reinstalls only the package, not torch or its dependencies
+    words = [(w, a) for w, a in instructions]
+    index = {a.split()[0]: i for i, (w, a) in enumerate(words) if w == "COPY"}
+    deps_run = next(i for i, (w, a) in enumerate(words) if w == "RUN" and "-r /tmp/iga-requirements.txt" in a)
+    package_run = next(i for i, (w, a) in enumerate(words) if w == "RUN" and "--no-deps" in a)
+    assert index["pyproject.toml"] < deps_run < index["iga_ds"] < package_run
+    assert index["README.md"] > deps_run  # the README changes often; it is only needed by the package
 
 
 def test_pins_are_named_and_agree_with_constraints_and_pyproject(instructions):
