@@ -152,7 +152,7 @@ CAPTURED_ERM = {"method": "erm_captured", "params": {}, "gas": 2, "layout": UNEV
 # IGA at tau = 0 (the mask exactly one): the same layout and schedule as DeepSpeed's ERM case below
 IGA_TAU0 = {"method": "iga", "params": {"tau": 0.0}, "gas": 2, "layout": UNEVEN_2x2, "steps": 3,
             "overlap_comm": True, "bucket": 200}
-NON_FINITE = {"method": "iga", "params": {"svd": "exact"}, "gas": 1, "layout": EVEN_2x1, "steps": 2, "nan_step": 0}
+NON_FINITE = {"method": "iga", "params": {}, "gas": 1, "layout": EVEN_2x1, "steps": 2, "nan_step": 0}
 # the scenarios of the tests below that need no launch of their own (all but the dead rank's)
 SHARED = {
     **{f"case/{i}": case_scenario(*c) for i, c in zip(CASE_IDS, CASES)},

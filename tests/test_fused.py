@@ -943,7 +943,7 @@ def test_results_tile_the_stacks_buffers_they_name():
         for t in (gA, gB):
             assert t._base is not None and t.untyped_storage().data_ptr() in base_of
     assert sum(t.numel() for gA, gB, _ in out for t in (gA, gB)) == sum(b.numel() for b in out.bases)
-    method = get_method("iga", implementation="fused", rank=3)
+    method = get_method("iga", implementation="fused", projection="svd", rank=3)
     updates = method.combine(mods, 1)
     assert isinstance(updates, TiledResults) and len(updates.bases) == 2 * 2  # one stack per shape
     assert sum(u.gA.numel() + u.gB.numel() for u in updates) == sum(b.numel() for b in updates.bases)
