@@ -31,6 +31,16 @@ from iga_ds.models import is_hub_model_id
 from iga_ds.models.packaged import PACKAGED_PREFIX
 
 BUILTIN_TINY = "builtin:tiny"
+# the resolved config a training run writes into its output folder: what marks a folder as a run
+RUN_CONFIG = "config.resolved.yaml"
+
+
+def run_of_adapter(adapter: Path) -> Path | None:
+    """The training run an adapter folder belongs to (RUN/adapter or RUN/checkpoints/TAG/adapter)."""
+    for folder in (adapter.parent, adapter.parent.parent.parent):
+        if (folder / RUN_CONFIG).is_file():
+            return folder
+    return None
 # the repository's configs/ and ds_configs/, shipped in the package (pyproject.toml's package
 # data; in a source checkout, symbolic links to the two folders): `iga-ds init` writes them out
 SHIPPED = Path(__file__).resolve().parent / "shipped"

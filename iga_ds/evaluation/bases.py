@@ -23,12 +23,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from iga_ds.config.base import validate_section
-from iga_ds.config.run import BUILTIN_TINY, TinyBaseConfig
+from iga_ds.config.run import BUILTIN_TINY, RUN_CONFIG, TinyBaseConfig, run_of_adapter
 from iga_ds.errors import UserError
 from iga_ds.files import read_json, read_yaml_file
 from iga_ds.models import cache_root
 
-RUN_CONFIG = "config.resolved.yaml"
 ADAPTER_CONFIG = "adapter_config.json"
 TINY_FOLDER = "tiny-base"  # under the cache root, as training writes it
 
@@ -61,14 +60,6 @@ def tiny_settings(options: list[tuple[str, Any]] | dict[str, Any] | None, where:
     """Every setting of the built-in base (defaults filled in), checked as ``model.tiny`` is."""
     cfg = validate_section(TinyBaseConfig, dict(options or {}), where)
     return json.loads(json.dumps(cfg.to_dict()))  # as pretrain.json records them
-
-
-def run_of_adapter(adapter: Path) -> Path | None:
-    """The training run an adapter folder belongs to (RUN/adapter or RUN/checkpoints/TAG/adapter)."""
-    for folder in (adapter.parent, adapter.parent.parent.parent):
-        if (folder / RUN_CONFIG).is_file():
-            return folder
-    return None
 
 
 def read_run_config(run: Path) -> dict[str, Any]:

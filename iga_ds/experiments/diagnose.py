@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from iga_ds.config.run import BUILTIN_TINY, DataConfig, LoraSettings
+from iga_ds.config.run import BUILTIN_TINY, RUN_CONFIG, DataConfig, LoraSettings, run_of_adapter
 from iga_ds.data.groups import complete_groups
 from iga_ds.data.prompts import AUTO, PromptFormat, prompt_format, saved_prompt_format
 from iga_ds.data.schema import read_isomer_jsonl
@@ -48,7 +48,6 @@ from iga_ds.train.model import add_lora, load_base_model, load_tokenizer
 from iga_ds.train.model_card import adapter_base, base_location, read_tiny
 
 REFERENCE = "erm"  # the plain mean: every share is measured against it
-RUN_CONFIG = "config.resolved.yaml"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
@@ -218,9 +217,9 @@ def resolve_source(run: str) -> Source:
                             f"{path}/checkpoints/TAG/adapter")
         return _run_source(path, path / "adapter")
     if path.is_dir() and (path / ADAPTER_CONFIG).is_file():
-        for folder in (path.parent, path.parent.parent.parent):
-            if (folder / RUN_CONFIG).is_file():
-                return _run_source(folder, path)
+        folder = run_of_adapter(path)
+        if folder is not None:
+            return _run_source(folder, path)
         try:
             base = adapter_base(path)  # a relative path: against the adapter's folder
         except UserError as exc:

@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 import yaml
 
-from iga_ds.config.run import BUILTIN_TINY, TinyBaseConfig, config_from_dict
+from iga_ds.config.run import BUILTIN_TINY, RUN_CONFIG, TinyBaseConfig, config_from_dict
 from iga_ds.data.benchmarks import load_benchmark, resolve_options
 from iga_ds.data.groups import complete_groups
 from iga_ds.data.splits import random_pairing, split_by_instance, synthetic_eval_splits
@@ -298,7 +298,7 @@ def run_cell(grid: Grid, cell: Cell, out: Path, prepared: PreparedData, progress
                         "the end; rerun the same command to run this cell again", exit_code=1)
     peak = peak_memory_gb(cuda) if measured else None
     _free_memory()
-    resolved = yaml.safe_load((cell_dir / "config.resolved.yaml").read_text(encoding="utf-8"))["resolved"]
+    resolved = yaml.safe_load((cell_dir / RUN_CONFIG).read_text(encoding="utf-8"))["resolved"]
     domains = resolved["iga"]["domains"]
     n_groups = len(complete_groups(read_records(train_file), domains, train_file))
     epochs = trained.step * cfg.data.groups_per_step / n_groups if n_groups else None

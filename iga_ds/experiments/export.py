@@ -26,11 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from iga_ds.config.run import RUN_CONFIG, run_of_adapter
 from iga_ds.data.prompts import PROMPT_FORMAT_FILE, saved_prompt_format
 from iga_ds.errors import UserError
 from iga_ds.files import make_dir, read_json, read_yaml_file
 from iga_ds.models import TOKENIZER_FILES, check_model_source, load_auto_tokenizer, load_causal_lm
-from iga_ds.train.model_card import (ADAPTER_CONFIG, CARD_FILE, RUN_CONFIG, TINY_FILE, CardFacts, adapter_base,
+from iga_ds.train.model_card import (ADAPTER_CONFIG, CARD_FILE, TINY_FILE, CardFacts, adapter_base,
                                      base_location, name_base, read_tiny, run_facts, set_base,
                                      write_card)
 
@@ -85,10 +86,8 @@ def find_adapter(given: str) -> Found:
         raise UserError(f"{given}: no {ADAPTER_CONFIG} in it; expected {EXPECTED}")
     if not (path / ADAPTER_WEIGHTS).is_file():
         raise UserError(f"{given}: no {ADAPTER_WEIGHTS} in it (only safetensors weights are read); expected {EXPECTED}")
-    for run in (path.parent, path.parent.parent.parent):
-        if (run / RUN_CONFIG).is_file():
-            return Found(path, run, _checkpoint_step(path))
-    return Found(path)
+    run = run_of_adapter(path)
+    return Found(path) if run is None else Found(path, run, _checkpoint_step(path))
 
 
 def check_out(out: str, overwrite: bool, found: Found) -> Path:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from iga_ds.config.run import RUN_CONFIG
 from iga_ds.errors import ConfigError, DataError
 from iga_ds.files import iter_jsonl, read_json, read_yaml_file
 from iga_ds.methods import method_parameters
@@ -167,7 +168,6 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 UPDATE_NORMS_FILE = "update_norms.json"
-RUN_CONFIG = "config.resolved.yaml"  # a training run's resolved config, in its output folder
 UPDATE_NORM_FIELDS = ("path", "displacement")
 
 

@@ -22,14 +22,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from iga_ds.config.run import LoggingConfig
+from iga_ds.config.run import RUN_CONFIG, LoggingConfig
 from iga_ds.errors import ConfigError, UserError
 from iga_ds.files import atomic_write_json, read_yaml_file
 
 log = logging.getLogger("iga_ds.train")
 
 TRACKING_FILE = "tracking.json"  # the trackers' run ids, for a resume
-RESOLVED_FILE = "config.resolved.yaml"
 # tracker -> (its module, what to install for it)
 CLIENTS = {"wandb": ("wandb", "pip install wandb"), "mlflow": ("mlflow", "pip install mlflow-skinny")}
 PARAM_CHARS = 250  # a param's value is cut to this (MLflow's limit was 500 before 2.x)
@@ -147,7 +146,7 @@ class Trackers:
             return
         self.out = out
         ids = _read_ids(out / TRACKING_FILE) if resumed else {}
-        params = flat_params(read_yaml_file(out / RESOLVED_FILE)) if (out / RESOLVED_FILE).is_file() else {}
+        params = flat_params(read_yaml_file(out / RUN_CONFIG)) if (out / RUN_CONFIG).is_file() else {}
         try:
             for name in wanted:
                 self.runs[name] = self._start(name, settings, params, ids, quiet)

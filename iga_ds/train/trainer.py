@@ -36,7 +36,7 @@ from iga_ds.cluster.liveness import PeerWatch
 from iga_ds.cluster.ranks import DistEnv
 from iga_ds.config.deepspeed import build_ds_config, load_ds_json
 from iga_ds.config.hook import HookConfig
-from iga_ds.config.run import BUILTIN_TINY, RunConfig, TinyBaseConfig
+from iga_ds.config.run import BUILTIN_TINY, RUN_CONFIG, RunConfig, TinyBaseConfig
 from iga_ds.data.groups import complete_groups
 from iga_ds.data.prompts import CHAT, PromptFormat, prompt_format, save_prompt_format
 from iga_ds.engine.hook import EngineHook, attach
@@ -327,7 +327,7 @@ class Trainer:
         out.mkdir(parents=True, exist_ok=True)
         if stop.discard_stale():
             self._print(f"removed {out / STOP_FILE}, a stop request left by an earlier run")
-        atomic_write_text(out / "config.resolved.yaml",
+        atomic_write_text(out / RUN_CONFIG,
                           yaml.safe_dump({**self.cfg.to_dict(), "resolved": resolved}, sort_keys=False))
         truncate_metrics(out / METRICS_FILE, start_step)
 
