@@ -476,7 +476,10 @@ def check_repo_script(checker, cmd, program, args, env):
     path = REPO / program
     if not path.is_file():
         return checker.fail(cmd, f"{program} does not exist")
-    if program in ("launch/deepspeed_slurm.sh", "launch/docker_run.sh"):  # one node of 8 GPUs
+    if program == "launch/docker_run.sh":  # one node: 8 GPUs, or the ranks IGA_NUM_GPUS asks for
+        return _train_script(checker, cmd, args, world=int(env.get("IGA_NUM_GPUS", 8)),
+                             cpu=env.get("IGA_ACCELERATOR") == "cpu")
+    if program == "launch/deepspeed_slurm.sh":  # one node of 8 GPUs
         return _train_script(checker, cmd, args, world=8)
     if program == "launch/mpirun.sh":
         if "--" not in args:
