@@ -2,12 +2,15 @@
 evaluated, a killed cell rerun while the finished one is skipped, then `iga-ds report`."""
 from __future__ import annotations
 
+import inspect
 import json
 import textwrap
 from pathlib import Path
 
 import pytest
 from tiny_models import shrunk_tiny_base_config
+
+from iga_ds.methods import method_class
 
 
 @pytest.mark.slow
@@ -50,6 +53,10 @@ def test_two_cells_train_evaluate_resume_and_report(tmp_path, monkeypatch, capsy
         cell = out / name
         info = json.loads((cell / "cell.json").read_text())
         assert info["seed"] == 0 and info["steps"] == 3 and info["trainable_params"] > 0
+        # every parameter the method ran with, so labels survive a change of the defaults
+        if name == "iga-s0":
+            assert info["method_params"]["tau"] == 0.5 and info["method_params"]["normalize"] == "mean"
+        assert set(info["method_params"]) == set(inspect.signature(method_class(info["train_method"])).parameters) - {"self"}
         assert not (cell / "checkpoints").exists() and (cell / "adapter" / "adapter_config.json").is_file()
         ev = json.loads((cell / "eval" / "synthetic.json").read_text())
         items = ev["items"]

@@ -809,9 +809,12 @@ def test_bf16_precision_is_float64_up_to_bfloat16_rounding(normalize):
     mods = [make_module(i, r=4, d_in=96, d_out=80, dtype=torch.float32, scaling=1.5) for i in range(3)]
     wide = [ModuleGrads(m.name, m.index, m.A.double(), m.B.double(), m.gA.double(), m.gB.double(), m.scaling)
             for m in mods]
-    ref = batched_iga(wide, normalize=normalize, generators=generators(wide), projection="svd", factors="split")
-    got = batched_iga(mods, normalize=normalize, generators=generators(mods), triton_precision="bf16", projection="svd", factors="split")
-    f32 = batched_iga(mods, normalize=normalize, generators=generators(mods), projection="svd", factors="split")
+    # tau 0.5, the setting these bounds were measured at: at 1.0 float32 alone lands about 1e-3
+    # from float64 on these modules under the SVD split, which would hide what bf16 adds
+    opts = dict(normalize=normalize, tau=0.5, projection="svd", factors="split")
+    ref = batched_iga(wide, generators=generators(wide), **opts)
+    got = batched_iga(mods, generators=generators(mods), triton_precision="bf16", **opts)
+    f32 = batched_iga(mods, generators=generators(mods), **opts)
     for (gA, gB, stats), (rA, rB, rstats), (fA, fB, _), m in zip(got, ref, f32, mods):
         want = product(rA, rB, m.scaling)
         err32 = rel(product(fA.double(), fB.double(), m.scaling), want)

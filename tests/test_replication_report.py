@@ -77,8 +77,10 @@ def test_the_replication_grid_runs_iga_at_the_shipped_defaults():
         method = get_method(variant.method, **variant.params)
         return {"tau": method.tau, "normalize": method.normalize}
 
+    from iga_ds.methods.iga.common import DEFAULT_NORMALIZE, DEFAULT_TAU
+
     shipped = settings(variants["iga"])
-    assert shipped == {"tau": 0.5, "normalize": "snr"}  # the defaults README.md states
+    assert shipped == {"tau": DEFAULT_TAU, "normalize": DEFAULT_NORMALIZE}
     assert settings(variants["tau_2.0"]) == {**shipped, "tau": 2.0}
     assert settings(variants["normalize_mean"]) == {**shipped, "normalize": "mean"}
     for key in ("iga_no_projection", "iga_lora_space", "iga_binary", "random_pairing", "n2"):
@@ -103,11 +105,12 @@ def _cell(root: Path, name: str, method: str, params: dict, label: str | None = 
 def test_a_method_row_off_the_shipped_defaults_says_which_setting_it_is(tmp_path):
     from iga_ds.experiments.report import build_report
     from iga_ds.experiments.results import load_results
+    from iga_ds.methods.iga.common import DEFAULT_TAU
 
     for seed in (0, 1):
         _cell(tmp_path, f"erm-s{seed}", "erm", {}, ood=50.0 + seed)
-        _cell(tmp_path, f"iga-s{seed}", "iga", {"tau": 0.5}, ood=60.0 + seed)  # the default tau, said or not
-        _cell(tmp_path, f"iga_mean-s{seed}", "iga", {"tau": 0.5, "normalize": "mean"}, ood=55.0 + seed)
+        _cell(tmp_path, f"iga-s{seed}", "iga", {"tau": DEFAULT_TAU}, ood=60.0 + seed)  # the default tau, said or not
+        _cell(tmp_path, f"iga_mean-s{seed}", "iga", {"tau": DEFAULT_TAU, "normalize": "mean"}, ood=55.0 + seed)
         _cell(tmp_path, f"iga_t2-s{seed}", "iga", {"tau": 2.0, "normalize": "none"}, ood=52.0 + seed)
         _cell(tmp_path, f"sand-s{seed}", "sand_mask", {"tau": 0.9}, label="SAND-Mask, tau 0.9")
     labels = {c.name: c.label for c in load_results(tmp_path)}

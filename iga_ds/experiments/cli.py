@@ -89,6 +89,9 @@ def _register_report(subparsers: Any) -> None:
     rep.add_argument("--no-figures", action="store_true")
     rep.add_argument("--title", default="IGA results", help="the report's heading")
     rep.add_argument("--discussion", help="Markdown file appended after the tables (interpretation)")
+    rep.add_argument("--against", action="append", default=[], metavar="ROW",
+                     help="also pair every row of a grid against the row with this label (repeatable), as "
+                          "against ERM-SFT: e.g. the grouping cost at another batch size")
     rep.set_defaults(func=run_report)
 
 
@@ -144,7 +147,7 @@ def run_report(args: argparse.Namespace) -> int:
     from iga_ds.experiments.report import write_report
 
     out = write_report(args.dir, out=args.out, figures=not args.no_figures, title=args.title,
-                       discussion=args.discussion, names=args.name)
+                       discussion=args.discussion, names=args.name, against=args.against)
     print(f"wrote {out}")
     return 0
 

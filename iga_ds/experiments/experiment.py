@@ -52,6 +52,7 @@ from iga_ds.experiments.grid import (  # noqa: F401
 )
 from iga_ds.experiments.report import write_report
 from iga_ds.files import atomic_write_json, atomic_write_text, read_jsonl, write_jsonl
+from iga_ds.methods import resolved_parameters
 from iga_ds.metrics.accuracy import format_percent
 from iga_ds.train.batching import read_records
 from iga_ds.train.pretrain import default_tiny_base
@@ -318,6 +319,7 @@ def run_cell(grid: Grid, cell: Cell, out: Path, prepared: PreparedData, progress
         "trainable_params": resolved["trainable_parameters"],
         "num_devices": resolved["world_size"],
         "domains": domains,
+        "method_params": resolved_parameters(resolved["iga"]["method"], resolved["iga"]["params"]),
         "spec_hash": _spec_hash(spec),
         "evaluations": {name: {k: r.get(k) for k in ("accuracy", "id_accuracy", "ood_accuracy", "delta_gap",
                                                       "ood_cue_follow")}

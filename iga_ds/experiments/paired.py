@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from iga_ds.errors import UserError
 from iga_ds.experiments.results import METHOD_LABELS, Cell, benchmarks_of, cell_clipped_share, row_order
 from iga_ds.experiments.tables import DASH, Stat, group_rows, markdown
 from iga_ds.experiments.update_size import update_ratios
@@ -164,11 +165,21 @@ PAIRED_NOTE = (
 )
 
 
-def paired_section(cells: Sequence[Cell]) -> list[str]:
-    """The rows' definitions, then for every evaluation with an OOD split the paired table; the
-    lines of the section body (empty without a baseline)."""
+def check_against(cells: Sequence[Cell], against: Sequence[str]) -> None:
+    """Every label in ``against`` names a method row of ``cells``."""
+    labels = {c.label for c in cells if not c.ablation}
+    for label in against:
+        if label not in labels:
+            raise UserError(f"--against {label!r}: no such row; the rows are: "
+                            + "; ".join(row_order(sorted(labels))))
+
+
+def paired_section(cells: Sequence[Cell], against: Sequence[str] = ()) -> list[str]:
+    """The rows' definitions, then for every evaluation with an OOD split the paired table, and
+    one more against each row labelled in ``against``; the lines of the section body."""
     parts = ["How each row's training maps to the paper's text, read from its cells' settings:", "",
              definitions_table(cells), ""]
+    check_against(cells, against)
     baseline = headline_baseline(cells)
     benches = [b for b in benchmarks_of(cells) if any(r["split"] == "ood" for c in cells for r in c.items.get(b, []))]
     if baseline is None or not benches:
@@ -176,6 +187,9 @@ def paired_section(cells: Sequence[Cell]) -> list[str]:
     parts += [f"Headline baseline: the row \"{baseline}\" (ERM-SFT by the paper's definition). {PAIRED_NOTE}", ""]
     for bench in benches:
         parts += [paired_table(cells, bench, baseline), ""]
+    for other in against:
+        parts += [f"Every row against the row \"{other}\", paired the same way:", ""]
+        parts += [line for bench in benches for line in (paired_table(cells, bench, other), "")]
     return parts
 
 

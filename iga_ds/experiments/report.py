@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 from iga_ds.errors import UserError
 from iga_ds.experiments.figures import demo_figure, loss_figure, make_figures, mask_figure
-from iga_ds.experiments.paired import paired_section, selection_section
+from iga_ds.experiments.paired import check_against, paired_section, selection_section
 from iga_ds.experiments.tables import DASH, Stat, column, group_rows, markdown
 from iga_ds.experiments.update_size import UPDATE_SIZE_NOTE, update_size_table
 from iga_ds.experiments.results import (
@@ -39,16 +39,19 @@ from iga_ds.experiments.results import (
     cell_default_lcs,
     cell_final_loss,
     cell_lcs,
+    cell_method_params,
     cell_median_step_ms,
     cell_metric_mean,
     eval_files,
     folder_kind,
     headline_accuracy,
+    METHOD_LABELS,
     is_iga_row,
     load_demo,
     load_results,
     load_run,
     loss_summary,
+    non_default_settings,
     row_order,
 )
 from iga_ds.files import atomic_write_text, check_output_file, read_json, read_text
@@ -86,9 +89,17 @@ def main_table(cells: Sequence[Cell]) -> str:
     return markdown(header, body)
 
 
-def _iga_label(labels: Sequence[str]) -> str | None:
-    """The IGA row among method rows: at the shipped defaults if there is one."""
-    return next((label for label in row_order(list(labels)) if is_iga_row(label)), None)
+def _iga_label(rows: dict[str, list[Cell]]) -> str | None:
+    """The IGA row among method rows: at the shipped defaults if there is one (labelled ``IGA``,
+    or named otherwise with every recorded parameter at its default), else the first IGA row."""
+    labels = [label for label in row_order(list(rows)) if is_iga_row(label)]
+
+    def at_defaults(label: str) -> bool:
+        return all(c.variant is not None and c.variant.get("method") == "iga"
+                   and not non_default_settings("iga", cell_method_params(c.info, c.variant) or {}) for c in rows[label])
+
+    return next((label for label in labels if label == METHOD_LABELS["iga"]), None) \
+        or next((label for label in labels if at_defaults(label)), None) or (labels[0] if labels else None)
 
 
 def _full_iga(main_cells: Sequence[Cell]) -> tuple[str, list[Cell]]:
@@ -283,9 +294,10 @@ def claims_section(cells: Sequence[Cell]) -> str | None:
     return "\n".join(lines)
 
 
-def report_body(cells: Sequence[Cell], level: int = 2) -> list[str]:
+def report_body(cells: Sequence[Cell], level: int = 2, against: Sequence[str] = ()) -> list[str]:
     """The lines of one results folder's report under its title, with sections at heading ``level``:
-    the whole report's body, or one student's among several."""
+    the whole report's body, or one student's among several; ``against``: rows to pair every row
+    against, beside ERM-SFT."""
 
     h = "#" * level
     main_cells = [c for c in cells if not c.ablation]
@@ -313,7 +325,7 @@ def report_body(cells: Sequence[Cell], level: int = 2) -> list[str]:
     if moved:
         parts += [f"{h} How far each row moved the adapter, against ERM-SFT", "", UPDATE_SIZE_NOTE, "", moved, ""]
     parts += [f"{h} Rows by the paper's definitions, and paired comparisons against ERM-SFT", "",
-              *paired_section(cells)]
+              *paired_section(cells, against)]
     claims = claims_section(cells)
     if claims:
         parts += [f"{h} The paper's claims, checked on these runs", "", claims, ""]
@@ -333,10 +345,10 @@ def _ending(discussion: str | None, figures: dict[str, str] | None) -> list[str]
 
 
 def build_report(cells: Sequence[Cell], figures: dict[str, str] | None = None, title: str = "IGA results",
-                 discussion: str | None = None, selection: dict | None = None) -> str:
+                 discussion: str | None = None, selection: dict | None = None, against: Sequence[str] = ()) -> str:
     chosen = ["## Selection of each row's schedule (in-distribution only)", "", *selection_section(selection)] \
         if selection else []
-    return "\n".join([f"# {title}", "", *chosen, *report_body(cells), *_ending(discussion, figures)])
+    return "\n".join([f"# {title}", "", *chosen, *report_body(cells, against=against), *_ending(discussion, figures)])
 
 
 def side_by_side_table(students: Sequence[tuple[str, Sequence[Cell]]], bench: str) -> str:
@@ -595,24 +607,31 @@ def _write_single(kind: str, root: Path, out: str | Path | None, figures: bool, 
 
 def write_report(root: str | os.PathLike | Sequence[str | os.PathLike], out: str | Path | None = None,
                  figures: bool = True, title: str = DEFAULT_TITLE, discussion: str | Path | None = None,
-                 names: Sequence[str] | None = None, log: Callable[[str], None] | None = print) -> Path:
+                 names: Sequence[str] | None = None, log: Callable[[str], None] | None = print,
+                 against: Sequence[str] = ()) -> Path:
     """Write the report of the results folder ``root`` (an experiment grid, the demo's folder or
     a single training run; ``log`` says which), or of several grids side by side, one name in
     ``names`` each; ``discussion`` is a Markdown file appended as written (interpretation; every
-    number stays in the generated tables)."""
+    number stays in the generated tables); ``against``: row labels of a single grid to pair every
+    row against, beside the headline ERM-SFT."""
     roots = [Path(root)] if isinstance(root, (str, os.PathLike)) else [Path(r) for r in root]
     students = len(roots) > 1 or bool(names)
     if not students:
         kind = folder_kind(roots[0])
         if log is not None:
             log(f"{roots[0]}: read as {kind}")
+        if kind != GRID and against:
+            raise UserError(f"--against: pairs rows of an experiment grid; {roots[0]} is {kind}")
         if kind != GRID:
             return _write_single(kind, roots[0], out, figures, title, discussion)
     if students:
         names = _student_names(roots, names)
+        if against:
+            raise UserError("--against: one experiment grid at a time")
         if out is None and len(roots) > 1:
             raise UserError("--out: required with several results folders (the report belongs to none of them)")
     loaded = [load_results(r) for r in roots]
+    check_against(loaded[0], against)  # before anything is drawn
     out = Path(out) if out else roots[0] / "report.md"
     check_output_file(out)
     # read before the figures are drawn: a bad discussion file leaves nothing written
@@ -624,6 +643,7 @@ def write_report(root: str | os.PathLike | Sequence[str | os.PathLike], out: str
         for name, cells in zip(names, loaded):
             made.update(_draw(cells, out.parent / "figures" / slug(name), out, prefix=f"{name}: "))
     report = (build_students_report(list(zip(names, loaded)), made, title=title, discussion=text) if students
-              else build_report(loaded[0], made, title=title, discussion=text, selection=_selection(roots[0])))
+              else build_report(loaded[0], made, title=title, discussion=text, selection=_selection(roots[0]),
+                                     against=against))
     atomic_write_text(out, report)
     return out

@@ -113,15 +113,24 @@ def non_default_settings(method: str, params: Any) -> str:
                      if key not in defaults or defaults[key].default != value)
 
 
+def cell_method_params(info: dict[str, Any], variant: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A cell's method parameters: every one as the run recorded it (``method_params`` of
+    ``cell.json``), else those its grid row gave (``cell_spec.json``; the rest were the defaults
+    of the package that ran it)."""
+    recorded = info.get("method_params")
+    if isinstance(recorded, dict):
+        return recorded
+    return variant.get("params") if isinstance(variant, dict) else None
+
+
 def _cell_settings(folder: Path, info: dict[str, Any]) -> str:
-    """The non-default parameters of a cell's gradient method, from its ``cell_spec.json``."""
+    """The non-default parameters of a cell's gradient method."""
     spec_path = folder / "cell_spec.json"
-    if not spec_path.is_file():
-        return ""
-    variant = read_json(spec_path, objects=True).get("variant")
-    if not isinstance(variant, dict):
-        return ""
-    return non_default_settings(str(info.get("train_method") or variant.get("method")), variant.get("params"))
+    variant = read_json(spec_path, objects=True).get("variant") if spec_path.is_file() else None
+    variant = variant if isinstance(variant, dict) else None
+    method = info.get("train_method") or (variant or {}).get("method")
+    params = cell_method_params(info, variant)
+    return non_default_settings(str(method), params) if method and params is not None else ""
 
 
 # the numbers the tables read: a number or null each, else an error naming the file and field

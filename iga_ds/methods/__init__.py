@@ -60,6 +60,13 @@ def method_parameters(name: str) -> dict[str, inspect.Parameter]:
     return {k: p for k, p in sig.parameters.items() if k != "self"}
 
 
+def resolved_parameters(name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """Every keyword parameter of method ``name``: ``params`` over its defaults (what a run
+    records, so that its settings still read right after a default changes)."""
+    defaults = {k: p.default for k, p in method_parameters(name).items() if p.default is not inspect.Parameter.empty}
+    return {**defaults, **params}
+
+
 def get_method(name: str, **params: Any) -> GradientMethod:
     cls = method_class(name)
     allowed = method_parameters(name)

@@ -1,0 +1,69 @@
+"""results/shift-smollm2/report.md is what the command in results/README.md makes of the
+archived grid, to the byte; ``--against`` pairs every row against another row as against ERM-SFT."""
+from __future__ import annotations
+
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from iga_ds.errors import UserError
+from iga_ds.experiments.report import write_report
+
+ROOT = Path(__file__).resolve().parents[1]
+ARCHIVE = ROOT / "results" / "shift-smollm2" / "shift-smollm2.tar.xz"
+REPORT = ROOT / "results" / "shift-smollm2" / "report.md"
+
+
+def _documented_command() -> list[str]:
+    """The `iga-ds report runs/shift-smollm2` line of results/README.md, as arguments."""
+    text = (ROOT / "results" / "README.md").read_text(encoding="utf-8").replace("\\\n", " ")
+    line = next(line.strip() for line in text.splitlines() if line.strip().startswith("iga-ds report runs/shift-smollm2"))
+    return shlex.split(line)[1:]
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("shift")
+    with tarfile.open(ARCHIVE) as tar:
+        tar.extractall(root / "runs", filter="data")
+    return root
+
+
+def test_the_archived_report_regenerates_from_the_archive(grid):
+    args = _documented_command()
+    out = args[args.index("--out") + 1]
+    (grid / out).parent.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run([sys.executable, "-m", "iga_ds", *args], cwd=grid, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (grid / out).read_text(encoding="utf-8") == REPORT.read_text(encoding="utf-8")
+    assert sorted(p.name for p in (grid / out).parent.glob("figures/*.png")) == \
+        sorted(p.name for p in REPORT.parent.glob("figures/*.png"))
+
+
+def _ood(cell: Path) -> float:
+    return json.loads((cell / "eval" / "synthetic.json").read_text())["ood_accuracy"]
+
+
+def test_against_pairs_every_row_with_the_named_row(grid, tmp_path):
+    base, other = "ERM-SFT, 64 single instances per step", "ERM, grouped batches, 16 groups x 4 domains"
+    out = write_report(grid / "runs" / "shift-smollm2", out=tmp_path / "r.md", figures=False, against=[base], log=None)
+    section = out.read_text().split(f'Every row against the row "{base}"')[1]
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in section.splitlines() if line.startswith("| ")}
+    assert rows[base][3] == "—"
+    # the paired point estimate is the mean over seeds of the per-seed OOD difference
+    runs = grid / "runs" / "shift-smollm2"
+    diff = statistics.mean(_ood(runs / f"erm_grouped_g16-s{s}") - _ood(runs / f"erm_sft_b64-s{s}") for s in range(5))
+    shown = float(rows[other][3].split(" [")[0])
+    assert abs(shown - diff) <= 0.05 + 1e-9 and shown != 0  # one decimal as printed
+
+
+def test_against_an_unknown_row_writes_nothing(grid, tmp_path):
+    with pytest.raises(UserError, match=r"--against 'nope': no such row; the rows are: ERM-SFT; "):
+        write_report(grid / "runs" / "shift-smollm2", out=tmp_path / "r.md", against=["nope"], log=None)
+    assert list(tmp_path.iterdir()) == []
