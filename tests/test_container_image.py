@@ -8,7 +8,8 @@ settings (local indexes, certificates) and mounted into the build (`podman build
 host's file:// indexes are not visible inside a build and PyPI's proxy certificate is not in the
 stand-in's store, so the build itself needs no network. Then launch/docker_run.sh, with podman as
 the engine, runs `iga-ds selfcheck` and a 2-rank CPU training run (gloo, DS_ACCELERATOR=cpu) in
-the image as its non-root user, writing into a mounted workspace.
+the image, writing into a mounted workspace: as the image's non-root user (a root caller), and as
+a uid the image does not know (what any other caller runs as); the outputs are the caller's.
 
 Skips with the reason where podman cannot build or run containers. The two settings podman needs
 on these machines (the runc runtime, `default_ulimits = []`) are .ci/system-deps's drop-in
@@ -202,7 +203,14 @@ def test_image_is_a_cpu_build_and_runs_as_its_non_root_user(image):
     assert size < 3 * 2**30, f"the CPU image is {size / 2**30:.2f} GiB"
 
 
-def test_docker_run_sh_with_podman_trains_two_cpu_ranks_into_the_workspace(image, tmp_path):
+# (IGA_CONTAINER_USER, the uid that owns the workspace and every output): a root caller gets the
+# image's own user; any other caller runs as itself (docker_run.sh passes --user UID:GID, a uid
+# the image's passwd does not know), so what it writes stays its own
+CALLERS = [pytest.param(None, IMAGE_UID, id="root-caller"), pytest.param("4321:4321", 4321, id="user-4321")]
+
+
+@pytest.mark.parametrize("container_user, owner", CALLERS)
+def test_docker_run_sh_with_podman_trains_two_cpu_ranks_into_the_workspace(image, tmp_path, container_user, owner):
     tag, timings, _ = image
     ws = tmp_path / "ws"
     ws.mkdir()
@@ -212,17 +220,18 @@ def test_docker_run_sh_with_podman_trains_two_cpu_ranks_into_the_workspace(image
                             "--groups", "40", "--no-progress"], capture_output=True, text=True, timeout=300)
     assert synth.returncode == 0, synth.stderr
     (ws / "cache").mkdir()
-    # the caller is root here, so docker_run.sh runs the image's own user (uid 1000): the
-    # workspace is that user's, as a checkout is its owner's
+    # the workspace is the container user's, as a checkout is its owner's
     for path in [ws, *ws.rglob("*")]:
-        os.chown(path, IMAGE_UID, IMAGE_UID, follow_symlinks=False)
+        os.chown(path, owner, owner, follow_symlinks=False)
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "IGA_CONTAINER_USER")}
+    if container_user is not None:  # what docker_run.sh derives for a caller of that uid (test_launch_docker_run.py)
+        env["IGA_CONTAINER_USER"] = container_user
     env.update(IGA_ENGINE="podman", IGA_ACCELERATOR="cpu", IGA_NUM_GPUS="2", IGA_IMAGE=tag,
                IGA_CACHE_DIR=str(ws / "cache"), OMP_NUM_THREADS="1")
     start = time.monotonic()
     proc = subprocess.run([str(ws / "launch" / "docker_run.sh"), *TINY_RUN], cwd=ws, env=env,
                           capture_output=True, text=True, timeout=900)
-    timings["docker_run"] = time.monotonic() - start
+    timings[f"docker_run_{owner}"] = time.monotonic() - start
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     # selfcheck first (its report), then both ranks of the deepspeed launcher
@@ -234,5 +243,5 @@ def test_docker_run_sh_with_podman_trains_two_cpu_ranks_into_the_workspace(image
                  "adapter/adapter_model.safetensors"):
         assert (run / name).exists(), (name, sorted(str(p.relative_to(run)) for p in written))
     owners = {p.lstat().st_uid for p in [run, *written]}
-    assert owners == {IMAGE_UID}, owners  # written by the image's non-root user, the workspace's owner
-    assert ws.stat().st_uid == IMAGE_UID
+    assert owners == {owner}, owners  # written by the container's non-root user, the workspace's owner
+    assert ws.stat().st_uid == owner

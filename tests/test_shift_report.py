@@ -67,3 +67,20 @@ def test_against_an_unknown_row_writes_nothing(grid, tmp_path):
     with pytest.raises(UserError, match=r"--against 'nope': no such row; the rows are: ERM-SFT; "):
         write_report(grid / "runs" / "shift-smollm2", out=tmp_path / "r.md", against=["nope"], log=None)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_readme_states_the_shipped_rows_figures_from_the_archived_report():
+    """The README's first screen quotes the paired comparison of the IGA row at the shipped
+    defaults (the row the claims table compares) as the archived report prints it."""
+    report = REPORT.read_text(encoding="utf-8")
+    shipped = report.split("## The paper's claims")[1].split("\n| ", 1)[1].split(" against ERM-SFT |")[0]
+    paired = report.split("## Rows by the paper's definitions")[1].split("Every row against")[0]
+    cells = {line.split(" | ")[0][2:]: line.split(" | ") for line in paired.splitlines() if line.startswith("| ")}
+    iga, erm = cells[shipped], cells["ERM-SFT"]
+    ood, delta = iga[2].split(" [")[0], iga[3].replace(" [", " points [")
+    cue = iga[5].replace("-", "", 1).replace(" [", " [", 1)
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert f"the shipped IGA scores {ood}% against ERM-SFT's {erm[2].split(' [')[0]}%: {delta}" in readme
+    assert f"Its cue effect is lower by {cue}" in readme
+    flips = (round(float(iga[6].split(" [")[0])), round(float(erm[6].split(" [")[0])))
+    assert f"flips with the cue on {flips[0]}% of items (ERM-SFT: {flips[1]}%)" in readme

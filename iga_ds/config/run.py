@@ -99,7 +99,7 @@ class ModelConfig(Section):
         "`\"auto\"` follow it (bfloat16: bf16, float16: fp16, float32: neither), and a half dtype needs its own "
         "block enabled (float32 weights may train in bf16 or fp16: DeepSpeed casts them)")
     gradient_checkpointing: bool = setting(False, "activation checkpointing (non-reentrant), for large models")
-    attn_implementation: Optional[str] = setting("eager", "Hugging Face attention implementation, e.g. `sdpa`; "
+    attn_implementation: Optional[str] = setting("sdpa", "Hugging Face attention implementation, e.g. `eager`; "
                                                  "null: the library's default")
     tiny: dict[str, Any] = setting(dict, "with `builtin:tiny` only: the base's shape and pretraining, fields of "
                                    "`TinyBaseConfig` below, e.g. `{hidden_size: 256, num_layers: 4, steps: 1500}`; "

@@ -336,7 +336,7 @@ def _move_into_place(tmp: Path, final: Path) -> None:
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
-def load_base_model(path: str, dtype: str = "float32", attn_implementation: str | None = "eager"):
+def load_base_model(path: str, dtype: str = "float32", attn_implementation: str | None = "sdpa"):
     """The causal LM at ``path``: a local folder, a Hugging Face hub id or a .gguf file
     (``iga_ds.models``; downloaded only for a hub id, never remote code)."""
     import torch
