@@ -11,8 +11,9 @@ same records, token ids, batches and schedule:
   reason where it is absent);
 - ``iga_ds_erm`` and ``iga_ds_iga``: ``python -m iga_ds train --config RUN.yaml`` with a run YAML
   written here (method ``erm``, then ``iga`` with its defaults); their step times are the ones
-  the trainer logs in ``metrics.jsonl`` (``step_time_s``), so process start-up, model loading
-  and tokenization are not counted. The trainer does not log its memory peak: the command runs
+  the trainer logs in ``metrics.jsonl`` (``step_interval_s``: from one step's end to the next,
+  the previous step's logging included, as the Trainer's callbacks see it), so process start-up,
+  model loading and tokenization are not counted. The trainer does not log its memory peak: the command runs
   under ``runpy`` in a thin wrapper that reads ``torch.cuda.max_memory_allocated`` at the end.
 
 The records are a synthetic isomer set (``iga_ds.data.synth``, as ``iga-ds data synth`` writes
@@ -27,7 +28,7 @@ every variant. The named shapes keep their own vocabulary size (larger than the 
 the output layer costs what it costs in the real model).
 
 A step's time: ``torch`` synchronizes the device and reads the clock around each optimizer step
-(building the micro-batches included, as the trainer's ``step_time_s`` includes them);
+(building the micro-batches included, as the trainer's step times include them);
 ``hf_trainer`` times from one ``on_step_end`` to the next, the device synchronized there (its
 loop fetches a step's batches before ``on_step_begin``). The median and its spread (10th-90th
 percentile) are over the steps after ``--warmup-steps``; tokens/s is the tokens of those steps
@@ -289,7 +290,7 @@ def iga_result(out_dir: Path) -> dict:
     resolved = (out_dir / "config.resolved.yaml").read_text(encoding="utf-8")
     attn = next((line.split(":", 1)[1].strip() for line in resolved.splitlines()
                  if line.strip().startswith("attn_implementation:")), None)
-    return {"step_times_s": [r["step_time_s"] for r in rows],
+    return {"step_times_s": [r["step_interval_s"] for r in rows],
             "step_tokens": [round(r["tokens_per_s"] * r["step_time_s"]) for r in rows],
             "losses": [r["loss"] for r in rows], "attn_implementation": attn}
 

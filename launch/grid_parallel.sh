@@ -8,9 +8,9 @@
 # (`iga-ds experiment --grid GRID --out OUT --only CELL`), so results do not depend on how many
 # run at once. First `--prepare` makes what the cells share (the data; each built-in tiny base,
 # pretrained on a GPU when there is one); then the cells run JOBS at a time, one CPU thread
-# each, round-robin over the visible GPUs (CPU only when there are none). In a grid with a
-# selection stage the candidates go first, and a row's cells start as soon as its own choice is
-# made. Logs: OUT/logs/CELL.log. Rerun the same line to resume after a kill: finished cells are
+# each, round-robin over the visible GPUs (CPU only when there are none), the longest expected
+# first (`--dry-run` shows the estimates). In a grid with a selection stage the candidates go
+# first, and a row's cells start as soon as its own choice is made. Logs: OUT/logs/CELL.log. Rerun the same line to resume after a kill: finished cells are
 # skipped, killed ones rerun. PATTERNs after JOBS keep the cells whose names match one (and their
 # rows' selection candidates), as `--only` does; two runs on one OUT with disjoint patterns
 # share the machine. LAUNCH_FOR=SECONDS starts no cell after that many seconds, so that
@@ -34,7 +34,7 @@ listing() {  # the dry run's "CELL STATE ..." lines
   local lines
   # a listing that fails must not read as a finished grid (a missing command lists no cells);
   # called as $(listing), the exit ends the script through set -e
-  lines=$("${cli[@]}" experiment --grid "$grid" --out "$out" "${only[@]}" --dry-run) \
+  lines=$("${cli[@]}" experiment --grid "$grid" --out "$out" "${only[@]}" --dry-run --launch-order) \
     || { echo "grid_parallel: could not list the cells with '${cli[*]} experiment --dry-run'" \
            "(set IGA_DS_CLI to the command, e.g. 'python -m iga_ds')" >&2; exit 2; }
   awk 'NF >= 4 {print $1, $2}' <<< "$lines"
@@ -71,7 +71,8 @@ declare -A running=() tried=()
 status=0 launched=0 chose=0
 while ((left > 0)); do
   # ready: not finished, not waiting for a choice, not started by this run (a failed cell is
-  # not retried until the next run); the dry run lists selection candidates first
+  # not retried until the next run); the listing's launch order puts selection candidates
+  # first, then the longest expected cell (the parallel processes then finish together)
   mapfile -t ready < <(awk '$2 == "todo" || $2 == "partial" {print $1}' <<< "$state")
   for cell in "${ready[@]}"; do
     ((${#running[@]} < jobs)) || break

@@ -430,3 +430,36 @@ def test_shift_and_control_grids_hold_the_rows_and_state_the_rule_first(name):
     sizes = {k: ex.cell_run_dict(grid, ex.Cell(rows[k], 0), REPO / "c", "t.jsonl")["data"]["groups_per_step"]
              for k in ("erm_grouped_g16", "erm_sft_b64", "erm_sft")}
     assert sizes == {"erm_grouped_g16": 16, "erm_sft_b64": 64, "erm_sft": 16}  # sequences: 64, 64, 16
+
+
+def test_estimates_scale_finished_cells_by_work_and_the_launch_order_puts_the_longest_first(tmp_path, capsys):
+    from iga_ds.cli import main
+
+    text = GRID.replace("  lora_sft: {method: erm, domains: [math]}\n",
+                        "  lora_sft: {method: erm, domains: [math]}\n"
+                        "  big: {method: erm, train: {data: {groups_per_step: 16}}}\n")
+    grid = ex.load_grid(write_grid(tmp_path, text))
+    out = tmp_path / "out"
+    cells = grid.cells()
+    work = {c.name: ex.cell_work(grid, c) for c in cells}
+    # 4 groups x 4 domains x 3 steps; lora_sft: one domain; big: 16 groups
+    assert (work["erm-s0"], work["lora_sft-s0"], work["big-s0"]) == (48.0, 12.0, 192.0)
+    assert ex.cell_estimates(grid, out, [], cells)[0]["erm-s0"] is None  # nothing finished yet
+    for name, seconds in (("erm-s0", 24.0), ("iga-s0", 96.0), ("iga-s7", 48.0)):
+        (out / name).mkdir(parents=True)
+        (out / name / "cell.json").write_text(json.dumps({"wall_time_s": seconds}))
+    est, _ = ex.cell_estimates(grid, out, [], cells)
+    assert est["erm-s7"] == pytest.approx(24.0)  # its row's 0.5 s per unit of work
+    assert est["iga-s7"] == pytest.approx(48.0 * (2.0 + 1.0) / 2)  # the row's mean rate
+    assert est["big-s0"] == pytest.approx(192.0 * 1.0)  # no finished cell of its row: the grid's median rate
+    names = [c.name for c in cells]
+    order = ex.launch_order(["selection/x_lr1-s0", *names], {**est, "selection/x_lr1-s0": 1.0}, work)
+    assert order[:3] == ["selection/x_lr1-s0", "big-s0", "big-s7"]
+    assert order.index("iga-s0") < order.index("erm-s0")  # 72 s before 24 s
+    # nothing known: by work alone, ties in the listing's order
+    blank = dict.fromkeys(names)
+    assert ex.launch_order(names, blank, work)[:3] == ["big-s0", "big-s7", "erm-s0"]
+    assert main(["experiment", "--grid", str(tmp_path / "grid.yaml"), "--out", str(tmp_path / "fresh"),
+                 "--dry-run", "--launch-order"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[0] == "big-s0" and lines[0].endswith("est -")

@@ -279,3 +279,24 @@ def test_bad_input_is_one_line_and_exit_2(run, tmp_path, capsys, case, says):
     if case == "out_taken":  # asked for: replaced whole
         assert main(["export", str(folder), "--out", str(out), "--adapter-only", "--overwrite", "--quiet"]) == 0
         assert (out / "adapter_config.json").is_file() and not (out / "keep.txt").exists()
+
+
+def test_export_eval_and_diagnose_name_a_run_its_checkpoints_and_adapters_alike(run, tmp_path):
+    """One lookup (config.run.locate_adapter) behind the three commands that take a trained adapter."""
+    from iga_ds.config.run import locate_adapter
+    from iga_ds.evaluation.bases import run_adapter
+    from iga_ds.experiments.diagnose import resolve_source
+    from iga_ds.experiments.export import find_adapter
+
+    root, folder, base, cache = run
+    checkpoint = folder / "checkpoints" / "step_00000002"
+    cases = {folder: folder / "adapter", folder / "adapter": folder / "adapter", checkpoint: checkpoint / "adapter",
+             checkpoint / "adapter": checkpoint / "adapter"}
+    for given, adapter in cases.items():
+        assert locate_adapter(given, "x") == (adapter, folder), given
+        assert run_adapter(str(given)) == (adapter, folder)
+        assert find_adapter(str(given)).adapter == adapter and find_adapter(str(given)).run == folder
+        source = resolve_source(str(given))
+        assert (source.adapter, source.kind) == (adapter, "run"), given
+    assert find_adapter(str(checkpoint)).step == 2 and find_adapter(str(folder)).step is None
+    assert locate_adapter(tmp_path, "x") is None

@@ -35,10 +35,11 @@ FAKE = textwrap.dedent("""\
         wanted = {row for c, row in cells.items() if not keep or any(fnmatch.fnmatchcase(c, p) for p in keep)}
         for c in [c for row in wanted for c in rows[row]]:
             print(f"{c} {'done' if done(c) else 'todo'} method x")
-        for c, row in cells.items():
-            if row not in wanted:
-                continue
-            state = "done" if done(c) else "todo" if chosen(row) else "waiting"
+        listed = [c for c in cells if cells[c] in wanted]
+        if "--launch-order" in args and os.environ.get("FAKE_FIRST"):  # the CLI's longest-first order
+            listed.sort(key=lambda c: c != os.environ["FAKE_FIRST"])
+        for c in listed:
+            state = "done" if done(c) else "todo" if chosen(cells[c]) else "waiting"
             print(f"{c} {state} method x")
         sys.exit(0)
     if "--prepare" in args:
@@ -129,3 +130,11 @@ def test_patterns_keep_their_cells_and_rows_candidates(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert {n for _, w, n in events if w == "end"} == {"selection/b_lr1", "b-s0"}
     assert "2 cells to run" in proc.stdout
+
+
+def test_cells_start_in_the_listings_launch_order(tmp_path):
+    # the CLI's --launch-order listing puts b-s0 first (as the longest): it starts before a's cells
+    proc, events = _run(tmp_path, 1, FAKE_FIRST="b-s0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    starts = [n for _, w, n in sorted(events) if w == "start" and not n.startswith("selection/")]
+    assert starts == ["b-s0", "a-s0", "a-s1"]

@@ -190,7 +190,9 @@ def test_the_adapter_reloads_on_the_converted_folder_and_reproduces_the_logits(r
     _, trainer, single, ids = runs
     trained = trainer.engine.module
     trained.eval()
-    base = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32, attn_implementation="eager")
+    # the attention the run trained with: eager and SDPA differ in the last digits
+    base = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32,
+                                                attn_implementation=trainer.cfg.model.attn_implementation)
     reloaded = PeftModel.from_pretrained(base, str(single.adapter_dir)).eval()
     with torch.no_grad():
         want = trained(input_ids=ids).logits

@@ -70,8 +70,12 @@ def test_logged_first_loss_matches_a_recomputation_with_the_base(run):
     for i, d in enumerate(DOMAINS):
         assert rec[f"loss.{d}"] == pytest.approx(float(seq[mb.domain_ids == i].mean()), rel=1e-5)
     assert rec["target_tokens"] == mb.num_target_tokens
-    for key in ("lr", "grad_norm", "step_time_s", "tokens_per_s"):
+    for key in ("lr", "grad_norm", "step_time_s", "step_interval_s", "tokens_per_s"):
         assert isinstance(rec[key], float) and rec[key] > 0, key
+    # end to end holds each step's own time, and the intervals tile part of the run's wall time
+    recs = [json.loads(line) for line in (tmp / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert len(recs) > 1 and all(r["step_interval_s"] >= r["step_time_s"] for r in recs)
+    assert sum(r["step_interval_s"] for r in recs) < result.wall_seconds
 
 
 def test_metrics_tensorboard_and_resolved_config(run):

@@ -25,7 +25,7 @@ from pydantic import PrivateAttr, field_validator, model_validator
 
 from iga_ds.config.base import Number, Section, config_problem, error_line, setting, validate_section
 from iga_ds.data.sources import is_hub_dataset_id
-from iga_ds.errors import ConfigError
+from iga_ds.errors import ConfigError, UserError
 from iga_ds.files import read_yaml_file
 from iga_ds.models import is_hub_model_id
 from iga_ds.models.packaged import PACKAGED_PREFIX
@@ -35,12 +35,31 @@ BUILTIN_TINY = "builtin:tiny"
 RUN_CONFIG = "config.resolved.yaml"
 
 
+ADAPTER_CONFIG = "adapter_config.json"  # PEFT's: what makes a folder an adapter
+
+
 def run_of_adapter(adapter: Path) -> Path | None:
     """The training run an adapter folder belongs to (RUN/adapter or RUN/checkpoints/TAG/adapter)."""
     for folder in (adapter.parent, adapter.parent.parent.parent):
         if (folder / RUN_CONFIG).is_file():
             return folder
     return None
+
+
+def locate_adapter(path: Path, name: str) -> tuple[Path, Path | None] | None:
+    """What ``path`` names, as (adapter folder, the run it belongs to or None): a training run's
+    folder (its final adapter), a checkpoint's folder (RUN/checkpoints/TAG) or an adapter folder;
+    None when it is none of these. ``name`` is how an error names it (e.g. ``--run PATH``)."""
+    if not path.is_dir():
+        return None
+    if (path / RUN_CONFIG).is_file():
+        if not (path / "adapter" / ADAPTER_CONFIG).is_file():
+            raise UserError(f"{name}: a run folder without adapter/ (the run has not finished); name a "
+                            f"checkpoint's folder, {path}/checkpoints/TAG")
+        return path / "adapter", path
+    if not (path / ADAPTER_CONFIG).is_file() and (path / "adapter" / ADAPTER_CONFIG).is_file():
+        path = path / "adapter"  # a checkpoint's folder
+    return (path, run_of_adapter(path)) if (path / ADAPTER_CONFIG).is_file() else None
 # the repository's configs/ and ds_configs/, shipped in the package (pyproject.toml's package
 # data; in a source checkout, symbolic links to the two folders): `iga-ds init` writes them out
 SHIPPED = Path(__file__).resolve().parent / "shipped"

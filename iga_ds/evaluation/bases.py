@@ -23,12 +23,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from iga_ds.config.base import validate_section
-from iga_ds.config.run import BUILTIN_TINY, RUN_CONFIG, TinyBaseConfig, run_of_adapter
+from iga_ds.config.run import ADAPTER_CONFIG, BUILTIN_TINY, RUN_CONFIG, TinyBaseConfig, locate_adapter, run_of_adapter
 from iga_ds.errors import UserError
 from iga_ds.files import read_json, read_yaml_file
 from iga_ds.models import cache_root
 
-ADAPTER_CONFIG = "adapter_config.json"
 TINY_FOLDER = "tiny-base"  # under the cache root, as training writes it
 
 
@@ -71,17 +70,12 @@ def read_run_config(run: Path) -> dict[str, Any]:
 
 
 def run_adapter(run: str) -> tuple[Path, Path | None]:
-    """``--run``: (adapter folder, run folder): a run's final adapter, or an adapter folder."""
-    path = Path(run).expanduser()
-    if path.is_dir() and (path / RUN_CONFIG).is_file():
-        if not (path / "adapter" / ADAPTER_CONFIG).is_file():
-            raise UserError(f"--run {run}: no adapter/ (the run has not finished); name a checkpoint's adapter, "
-                            f"--run {run}/checkpoints/TAG/adapter")
-        return path / "adapter", path
-    if path.is_dir() and (path / ADAPTER_CONFIG).is_file():
-        return path, run_of_adapter(path)
-    raise UserError(f"--run {run}: expected a training run's folder (with {RUN_CONFIG} and adapter/) or a PEFT "
-                    f"adapter folder (with {ADAPTER_CONFIG})")
+    """``--run``: (adapter folder, run folder): a run's final adapter, a checkpoint's, or an adapter folder."""
+    found = locate_adapter(Path(run).expanduser(), f"--run {run}")
+    if found is None:
+        raise UserError(f"--run {run}: expected a training run's folder (with {RUN_CONFIG} and adapter/), a "
+                        f"checkpoint's folder or a PEFT adapter folder (with {ADAPTER_CONFIG})")
+    return found
 
 
 def _recorded_base(run: Path, cfg: dict[str, Any]) -> str:

@@ -47,7 +47,11 @@ def register(subparsers: Any) -> None:
     exp.add_argument("--out", required=True, help="results folder (the one `iga-ds report` reads)")
     exp.add_argument("--only", action="append", default=[], metavar="PATTERN",
                      help="run only cells whose name matches this glob, e.g. 'iga-*' or '*-s0' (repeatable)")
-    exp.add_argument("--dry-run", action="store_true", help="list the cells and their state; run nothing")
+    exp.add_argument("--dry-run", action="store_true",
+                     help="list the cells, their state and expected seconds (from finished cells); run nothing")
+    exp.add_argument("--launch-order", action="store_true",
+                     help="with --dry-run: list in the order launch/grid_parallel.sh starts them (selection "
+                     "candidates first, then the longest expected cell first)")
     exp.add_argument("--prepare", action="store_true",
                      help="only prepare what the cells share (the data, the built-in tiny bases), then exit: "
                      "the first step of running cells in parallel processes")
@@ -108,17 +112,23 @@ def run_pack(args: argparse.Namespace) -> int:
     return 0
 
 
-def list_cells(grid, out: Path, candidates, cells) -> None:
-    """The --dry-run listing: selection candidates first (``selection/<cell>``), then the cells."""
+def list_cells(grid, out: Path, candidates, cells, launch: bool = False) -> None:
+    """The --dry-run listing: selection candidates first (``selection/<cell>``), then the cells,
+    each with its expected seconds; ``launch``: in the order grid_parallel.sh starts them."""
     import dataclasses
 
-    from iga_ds.experiments.experiment import SELECTION_DIR, cell_status
+    from iga_ds.experiments.experiment import SELECTION_DIR, cell_estimates, cell_status, launch_order
 
     unselected = dataclasses.replace(grid, selection=None)
     rows = [(f"{SELECTION_DIR}/{c.name}", cell_status(unselected, c, out / SELECTION_DIR), c) for c in candidates]
     rows += [(c.name, cell_status(grid, c, out), c) for c in cells]
+    estimates, work = cell_estimates(grid, out, candidates, cells)
+    if launch:
+        order = {name: i for i, name in enumerate(launch_order([r[0] for r in rows], estimates, work))}
+        rows.sort(key=lambda r: order[r[0]])
     for name, status, cell in rows:
-        print(f"{name:<28} {status:<8} {cell.variant.kind:<9} method {cell.variant.method}")
+        est = "-" if estimates[name] is None else f"{estimates[name]:.0f}s"
+        print(f"{name:<28} {status:<8} {cell.variant.kind:<9} method {cell.variant.method:<14} est {est}")
     print(f"{len(rows)} cells")
 
 
@@ -132,7 +142,7 @@ def run_experiment(args: argparse.Namespace) -> int:
     if not cells and not candidates:
         raise UserError(f"--only {' '.join(args.only)}: no cell of {grid.path} matches")
     if args.dry_run:
-        list_cells(grid, Path(args.out), candidates, cells)
+        list_cells(grid, Path(args.out), candidates, cells, launch=args.launch_order)
         return 0
     check_output_dir(args.out)  # before the data is generated or a cell trains
     if args.prepare:

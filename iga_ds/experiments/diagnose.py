@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from iga_ds.config.run import BUILTIN_TINY, RUN_CONFIG, DataConfig, LoraSettings, run_of_adapter
+from iga_ds.config.run import BUILTIN_TINY, RUN_CONFIG, DataConfig, LoraSettings, locate_adapter
 from iga_ds.data.groups import complete_groups
 from iga_ds.data.prompts import AUTO, PromptFormat, prompt_format, saved_prompt_format
 from iga_ds.data.schema import read_isomer_jsonl
@@ -48,7 +48,6 @@ from iga_ds.train.model import add_lora, load_base_model, load_tokenizer
 from iga_ds.train.model_card import adapter_base, base_location, read_tiny
 
 REFERENCE = "erm"  # the plain mean: every share is measured against it
-ADAPTER_CONFIG = "adapter_config.json"
 
 
 # -- methods ---------------------------------------------------------------------------------
@@ -206,18 +205,13 @@ def _run_source(folder: Path, adapter: Path) -> Source:
 
 
 def resolve_source(run: str) -> Source:
-    """``--run``: a training run's folder (its final adapter), an adapter folder (a run's, or a
-    checkpoint's, RUN/checkpoints/TAG/adapter: the run's settings then apply; else its base from
-    adapter_config.json), or a base model (``builtin:tiny``, a folder, a hub id, a .gguf file) to
+    """``--run``: a training run's folder (its final adapter), a checkpoint's folder, an adapter
+    folder (a run's, or a checkpoint's, RUN/checkpoints/TAG/adapter: the run's settings then
+    apply; else its base from adapter_config.json), or a base model (``builtin:tiny``, a folder, a hub id, a .gguf file) to
     which a fresh adapter is added."""
-    path = Path(run).expanduser()
-    if path.is_dir() and (path / RUN_CONFIG).is_file():
-        if not (path / "adapter" / ADAPTER_CONFIG).is_file():
-            raise UserError(f"--run {path}: no adapter/ (the run has not finished); name a checkpoint's adapter, "
-                            f"{path}/checkpoints/TAG/adapter")
-        return _run_source(path, path / "adapter")
-    if path.is_dir() and (path / ADAPTER_CONFIG).is_file():
-        folder = run_of_adapter(path)
+    found = locate_adapter(Path(run).expanduser(), f"--run {run}")
+    if found is not None:
+        path, folder = found
         if folder is not None:
             return _run_source(folder, path)
         try:

@@ -333,6 +333,56 @@ def run_cell(grid: Grid, cell: Cell, out: Path, prepared: PreparedData, progress
 # -- the grid ----------------------------------------------------------------------------------
 
 
+def cell_work(grid: Grid, cell: Cell) -> float:
+    """The sequences a cell trains on (a step's, times the steps): what its time scales with."""
+    run = cell_run_dict(grid, cell, Path("."), "")
+    data = run.get("data") or {}
+    per_step = data.get("groups_per_step", 8) * len(data.get("domains") or base_domains(grid))
+    return float(per_step * ((run.get("schedule") or {}).get("max_steps") or 1))
+
+
+def _finished_seconds(folder: Path) -> float | None:
+    try:
+        wall = json.loads((folder / MARKER).read_text(encoding="utf-8")).get("wall_time_s")
+    except (OSError, json.JSONDecodeError):
+        return None
+    return float(wall) if isinstance(wall, (int, float)) and wall > 0 else None
+
+
+def cell_estimates(grid: Grid, out: Path, candidates: Sequence[Cell],
+                   cells: Sequence[Cell]) -> tuple[dict[str, float | None], dict[str, float]]:
+    """Each cell's expected seconds (``selection/<cell>`` for candidates): its work times the
+    seconds per unit of work of its row's finished cells (candidates and cells alike), else of
+    the grid's (median); None while nothing has finished. Also each cell's work."""
+    entries = [(f"{SELECTION_DIR}/{c.name}", c, c.variant.key.rsplit("_lr", 1)[0], out / SELECTION_DIR / c.name)
+               for c in candidates]
+    entries += [(c.name, c, c.variant.key, out / c.name) for c in cells]
+    work = {name: cell_work(grid, cell) for name, cell, _, _ in entries}
+    rates: dict[str, list[float]] = {}
+    for name, _, row, folder in entries:
+        seconds = _finished_seconds(folder)
+        if seconds is not None:
+            rates.setdefault(row, []).append(seconds / work[name])
+    every = sorted(r for row in rates.values() for r in row)
+    grid_rate = every[len(every) // 2] if every else None
+    estimates: dict[str, float | None] = {}
+    for name, _, row, _ in entries:
+        rate = sum(rates[row]) / len(rates[row]) if row in rates else grid_rate
+        estimates[name] = None if rate is None else rate * work[name]
+    return estimates, work
+
+
+def launch_order(names: Sequence[str], estimates: dict[str, float | None], work: dict[str, float]) -> list[str]:
+    """Selection candidates first (their choices release rows), then the longest expected cell
+    first, so that the parallel processes finish together; by work alone while no time is known."""
+    known = any(v is not None for v in estimates.values())
+    def key(item):
+        index, name = item
+        cost = (estimates[name] or 0.0) if known else work[name]
+        return (not name.startswith(SELECTION_DIR + "/"), -cost, index)
+    return [name for _, name in sorted(enumerate(names), key=key)]
+
+
 def cell_status(grid: Grid, cell: Cell, out: Path) -> str:
     """"done", "partial" (killed: no marker), "todo", or "waiting" (a row whose selection stage has
     not chosen yet); a done cell made from another spec is an error."""

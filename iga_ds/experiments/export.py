@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from iga_ds.config.run import RUN_CONFIG, run_of_adapter
+from iga_ds.config.run import RUN_CONFIG, locate_adapter
 from iga_ds.data.prompts import PROMPT_FORMAT_FILE, saved_prompt_format
 from iga_ds.errors import UserError
 from iga_ds.files import make_dir, read_json, read_yaml_file
@@ -75,18 +75,12 @@ def find_adapter(given: str) -> Found:
         raise UserError(f"{given}: no such folder; expected {EXPECTED}")
     if not path.is_dir():
         raise UserError(f"{given}: not a folder; expected {EXPECTED}")
-    if (path / RUN_CONFIG).is_file():
-        if not (path / "adapter" / ADAPTER_CONFIG).is_file():
-            raise UserError(f"{given}: a run folder without adapter/ (the run has not finished); name a checkpoint's "
-                            f"folder, {given}/checkpoints/TAG")
-        return Found(path / "adapter", path)
-    if not (path / ADAPTER_CONFIG).is_file() and (path / "adapter" / ADAPTER_CONFIG).is_file():
-        path = path / "adapter"  # a checkpoint's folder
-    if not (path / ADAPTER_CONFIG).is_file():
+    found = locate_adapter(path, given)
+    if found is None:
         raise UserError(f"{given}: no {ADAPTER_CONFIG} in it; expected {EXPECTED}")
+    path, run = found
     if not (path / ADAPTER_WEIGHTS).is_file():
         raise UserError(f"{given}: no {ADAPTER_WEIGHTS} in it (only safetensors weights are read); expected {EXPECTED}")
-    run = run_of_adapter(path)
     return Found(path) if run is None else Found(path, run, _checkpoint_step(path))
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from iga_ds.config.run import BUILTIN_TINY, RUN_CONFIG, TinyBaseConfig
+from iga_ds.config.run import ADAPTER_CONFIG, BUILTIN_TINY, RUN_CONFIG, TinyBaseConfig
 from iga_ds.errors import UserError
 from iga_ds.files import atomic_write_json, atomic_write_text, iter_jsonl, read_json, read_yaml_file
 from iga_ds.models.packaged import PACKAGED, PACKAGED_PREFIX
@@ -33,7 +33,6 @@ from iga_ds.train.logbook import METRICS_FILE
 from iga_ds.train.model import tiny_base_key
 from iga_ds.train.pretrain import default_tiny_base, generator_corpus, generator_words
 
-ADAPTER_CONFIG = "adapter_config.json"
 CARD_FILE = "README.md"
 TINY_FILE = "tiny_base.json"  # beside adapter_config.json: the built-in base's shape (model.tiny)
 _HF_HOME = "https://huggingface.co/"

@@ -143,8 +143,13 @@ class Trainer:
         s.stop.install()
         try:
             s.engine.train()
+            last_end = time.perf_counter()
             while step < s.total_steps:
                 record = self.train_step(s, step)
+                # end to end, as a trainer's callbacks see a step: the last step's logging and
+                # checkpoint check included (step_time_s is the step's own work)
+                end = time.perf_counter()
+                record["step_interval_s"], last_end = end - last_end, end
                 step += 1
                 history.append(record)
                 book.write(record)
