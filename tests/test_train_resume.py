@@ -146,6 +146,8 @@ def test_a_resume_under_another_schedule_names_the_changes_and_refuses_unless_al
     out = tmp / "rescheduled"
     first = _train(tmp, data, base, out, **{"schedule.max_steps": 3, "checkpoint.stop_at_step": 1})
     assert first.status == "stopped" and first.step == 1
+    with pytest.raises(ConfigError, match=r"another schedule \(seed 3 -> 4\)"):  # another order of the groups
+        _train(tmp, data, base, out, seed=4, **{"schedule.max_steps": 3})
     changed = {"schedule.max_steps": 4, "schedule.lr": 1e-3}
     with pytest.raises(ConfigError) as refused:
         _train(tmp, data, base, out, **changed)

@@ -217,7 +217,7 @@ class CheckpointConfig(Section):
     stop_at_step: Optional[int] = setting(None, "save and exit 0 at this step, as a signal would (splits a run over "
                                           "time-boxed jobs)", expected="a positive integer or null", ge=1)
     allow_schedule_change: bool = setting(False, "resume a checkpoint saved under another schedule (`schedule.*`, "
-                                          "`data.groups_per_step`, the number of steps) and continue under this "
+                                          "`data.groups_per_step`, the number of steps, `seed`) and continue under this "
                                           "run's; false: such a resume stops with a line naming each change")
 
 

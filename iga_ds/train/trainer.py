@@ -319,12 +319,14 @@ class Trainer:
         return start_step
 
     def _schedule(self, total_steps: int) -> dict[str, Any]:
-        """The settings a run's steps follow, saved with each checkpoint; a resume compares them."""
+        """The settings a run's steps follow, saved with each checkpoint; a resume compares them.
+        The seed orders the groups the remaining steps take."""
         schedule = self.cfg.schedule.to_dict()
         if schedule["max_steps"] is not None:
             del schedule["epochs"]  # max_steps wins over it
         return {**{f"schedule.{key}": value for key, value in schedule.items()},
-                "data.groups_per_step": self.cfg.data.groups_per_step, "total_steps": total_steps}
+                "data.groups_per_step": self.cfg.data.groups_per_step, "total_steps": total_steps,
+                "seed": self.cfg.seed}
 
     def _prepare_output(self, out: Path, stop: StopSignal, start_step: int, resolved: dict[str, Any]) -> None:
         """Rank 0, before step 1 (whose collectives no other rank passes without it): a stale stop
