@@ -33,8 +33,6 @@ from iga_ds.models.packaged import PACKAGED_PREFIX
 BUILTIN_TINY = "builtin:tiny"
 # the resolved config a training run writes into its output folder: what marks a folder as a run
 RUN_CONFIG = "config.resolved.yaml"
-
-
 ADAPTER_CONFIG = "adapter_config.json"  # PEFT's: what makes a folder an adapter
 
 
@@ -60,6 +58,8 @@ def locate_adapter(path: Path, name: str) -> tuple[Path, Path | None] | None:
     if not (path / ADAPTER_CONFIG).is_file() and (path / "adapter" / ADAPTER_CONFIG).is_file():
         path = path / "adapter"  # a checkpoint's folder
     return (path, run_of_adapter(path)) if (path / ADAPTER_CONFIG).is_file() else None
+
+
 # the repository's configs/ and ds_configs/, shipped in the package (pyproject.toml's package
 # data; in a source checkout, symbolic links to the two folders): `iga-ds init` writes them out
 SHIPPED = Path(__file__).resolve().parent / "shipped"

@@ -207,8 +207,8 @@ def _run_source(folder: Path, adapter: Path) -> Source:
 def resolve_source(run: str) -> Source:
     """``--run``: a training run's folder (its final adapter), a checkpoint's folder, an adapter
     folder (a run's, or a checkpoint's, RUN/checkpoints/TAG/adapter: the run's settings then
-    apply; else its base from adapter_config.json), or a base model (``builtin:tiny``, a folder, a hub id, a .gguf file) to
-    which a fresh adapter is added."""
+    apply; else its base from adapter_config.json), or a base model (``builtin:tiny``, a folder,
+    a hub id, a .gguf file) to which a fresh adapter is added."""
     found = locate_adapter(Path(run).expanduser(), f"--run {run}")
     if found is not None:
         path, folder = found

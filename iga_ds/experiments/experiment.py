@@ -357,7 +357,11 @@ def cell_estimates(grid: Grid, out: Path, candidates: Sequence[Cell],
     entries = [(f"{SELECTION_DIR}/{c.name}", c, c.variant.key.rsplit("_lr", 1)[0], out / SELECTION_DIR / c.name)
                for c in candidates]
     entries += [(c.name, c, c.variant.key, out / c.name) for c in cells]
-    work = {name: cell_work(grid, cell) for name, cell, _, _ in entries}
+    per_row = {}  # a row's cells share their work: one run dict per row, not per seed
+    for _, cell, _, _ in entries:
+        if cell.variant.key not in per_row:
+            per_row[cell.variant.key] = cell_work(grid, cell)
+    work = {name: per_row[cell.variant.key] for name, cell, _, _ in entries}
     rates: dict[str, list[float]] = {}
     for name, _, row, folder in entries:
         seconds = _finished_seconds(folder)
