@@ -15,9 +15,12 @@ import torch
 from tiny_models import shrunk_tiny_base_config
 
 from iga_ds.cli import main
+from iga_ds.data.domains import DEFAULT_DOMAINS
 from iga_ds.data.synth import generate_groups
 from iga_ds.errors import ConfigError, DataError, UserError
 from iga_ds.experiments import diagnose as dg
+from iga_ds.experiments.experiment import ungroup
+from iga_ds.experiments.grid import POOLED_DOMAIN
 from iga_ds.files import write_jsonl
 from iga_ds.methods import ModuleGrads, get_method
 
@@ -190,6 +193,13 @@ def test_per_domain_gradients_agree_with_one_backward_over_everything(tiny):
 RUN_DOMAINS = ["science", "math", "medical", "legal"]  # a run's order, not the sorted one
 
 
+def test_a_run_trained_ungrouped_is_measured_on_the_datas_domains(tiny):
+    _, data = tiny
+    groups, order = dg.twin_groups(data, 2, [POOLED_DOMAIN])  # what an ERM-SFT run's settings name
+    assert order == sorted(RUN_DOMAINS) == sorted({r["domain"] for g in groups for r in g})
+    assert [[r["domain"] for r in g] for g in groups] == [order, order]
+
+
 @pytest.fixture(scope="module")
 def run_folder(tiny, tmp_path_factory):
     """A run folder as training leaves it: the adapter (a fresh one, B drawn) with its tokenizer,
@@ -247,6 +257,7 @@ def test_the_command_on_a_run(tiny, run_folder, tmp_path, capsys):
     (["--method", "iga:nonsense=1"], "nonsense"),
     (["--groups", "0"], "--groups 0"),
     (["--data", "NOCUE"], "no meta.cue"),
+    (["--data", "POOLED"], "at least 2"),  # an ungrouped row's records: one domain, nothing to compare
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, says):
     no_cue = tmp_path / "plain.jsonl"
@@ -254,8 +265,10 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, says):
     argv = {"--run": "builtin:tiny", "--data": str(tmp_path / "ok.jsonl"), "--groups": "1",
             "--out": str(tmp_path / "d.json")}
     write_jsonl(tmp_path / "ok.jsonl", generate_groups(2, seed=1, shortcut=0.9))
+    pooled = tmp_path / "pooled.jsonl"
+    write_jsonl(pooled, ungroup(generate_groups(2, seed=1, shortcut=0.9), DEFAULT_DOMAINS))
     for key, value in zip(args[::2], args[1::2]):
-        argv[key] = str(no_cue) if value == "NOCUE" else value
+        argv[key] = {"NOCUE": str(no_cue), "POOLED": str(pooled)}.get(value, value)
     rc = main(["diagnose", *[x for kv in argv.items() for x in kv]])
     err = capsys.readouterr().err
     assert rc == 2 and says in err

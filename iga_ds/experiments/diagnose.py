@@ -145,10 +145,16 @@ def without_cue(record: dict[str, Any]) -> dict[str, Any]:
 
 def twin_groups(path: str, groups: int, domains: Sequence[str] | None) -> tuple[list[list[dict]], list[str]]:
     """The first ``groups`` complete isomer groups of ``path`` (each ordered like the domains:
-    ``domains``, else every domain of the data, sorted), every record checked for its cue."""
+    ``domains``, else every domain of the data, sorted), every record checked for its cue. A run
+    trained ungrouped names one pooled domain: its checkpoint is measured on the data's domains."""
     records = read_isomer_jsonl(path, missing="--data: file not found")
     have = sorted({str(r["domain"]) for r in records})
-    order = list(domains) if domains else have
+    order = list(domains) if domains and len(domains) > 1 else have
+    if len(order) < 2:
+        # one domain has no spread and every mask keeps all of it: a table of ERM's figures
+        raise DataError(f"{path}: every record is of domain {order[0]!r}; the diagnostic compares domains, so "
+                        "--data needs isomer groups of at least 2 (an ungrouped row's train.jsonl pools them: "
+                        "give the grid's data/fit.jsonl)")
     missing = [d for d in order if d not in have]
     if missing:
         raise DataError(f"{path}: no {', '.join(missing)} instances (the run's domains are {', '.join(order)})")
