@@ -207,6 +207,7 @@ def _fake_run_cell(calls):
         folder = out / cell.name
         folder.mkdir(parents=True)
         (folder / "scratch.txt").write_text("work in progress")
+        (folder / "cell_spec.json").write_text(json.dumps(grid.cell_spec(cell), default=str))  # as run_cell does
         info = {**cell.info(), "spec_hash": ex._spec_hash(grid.cell_spec(cell)), "evaluations": {}}
         (folder / ex.MARKER).write_text(json.dumps(info))
         return info
@@ -249,7 +250,9 @@ def test_a_finished_cell_of_another_grid_is_not_reused(tmp_path, monkeypatch):
     ex.run_grid(grid, out, report=False)
     changed = ex.load_grid(write_grid(tmp_path, GRID.replace("seeds: [0, 7]", "seeds: [0]")
                                       .replace("max_steps: 3", "max_steps: 4")))
-    with pytest.raises(UserError, match=r"erm-s0/cell.json: this cell was finished with other settings"):
+    # the message names the setting that changed
+    with pytest.raises(UserError, match=r"erm-s0/cell.json: this cell was finished with other settings .*"
+                                        r"\(run\.schedule\.max_steps: was 3, now 4\)"):
         ex.run_grid(changed, out, report=False)
 
 

@@ -387,6 +387,27 @@ def launch_order(names: Sequence[str], estimates: dict[str, float | None], work:
     return [name for _, name in sorted(enumerate(names), key=key)]
 
 
+def _first_change(recorded: Path, spec: dict[str, Any]) -> str:
+    """' (KEY: was A, now B)' for the first setting that differs from the cell's recorded spec,
+    '' when it cannot be told (no readable record)."""
+    try:
+        before = json.loads(json.dumps(json.loads(recorded.read_text(encoding="utf-8")), sort_keys=True))
+    except (OSError, json.JSONDecodeError):
+        return ""
+    now = json.loads(json.dumps(spec, sort_keys=True, default=str))  # as the hash sees it
+
+    def walk(a: Any, b: Any, path: str) -> str | None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in sorted(set(a) | set(b)):
+                found = walk(a.get(key), b.get(key), f"{path}.{key}" if path else key)
+                if found:
+                    return found
+            return None
+        return None if a == b else f" ({path}: was {a!r}, now {b!r})"
+
+    return walk(before, now, "") or ""
+
+
 def cell_status(grid: Grid, cell: Cell, out: Path) -> str:
     """"done", "partial" (killed: no marker), "todo", or "waiting" (a row whose selection stage has
     not chosen yet); a done cell made from another spec is an error."""
@@ -403,9 +424,11 @@ def cell_status(grid: Grid, cell: Cell, out: Path) -> str:
             info = json.loads(marker.read_text(encoding="utf-8"))
         except json.JSONDecodeError:
             return "partial"
-        if info.get("spec_hash") != _spec_hash(grid.cell_spec(cell)):
-            raise UserError(f"{marker}: this cell was finished with other settings than {grid.path} gives now; "
-                            "use another --out folder, or delete the cell folder to run it again")
+        spec = grid.cell_spec(cell)
+        if info.get("spec_hash") != _spec_hash(spec):
+            raise UserError(f"{marker}: this cell was finished with other settings than {grid.path} gives now"
+                            f"{_first_change(cell_dir / 'cell_spec.json', spec)}; use another --out folder, "
+                            "or delete the cell folder to run it again")
         return "done"
     return "partial" if cell_dir.exists() else "todo"
 
