@@ -256,6 +256,31 @@ def test_a_finished_cell_of_another_grid_is_not_reused(tmp_path, monkeypatch):
         ex.run_grid(changed, out, report=False)
 
 
+def test_a_grid_resumes_in_another_checkout(tmp_path, monkeypatch):
+    """Cells record paths relative to the grid file: a grid and its results moved together (another
+    clone, another machine) are still finished, while another DeepSpeed file is a change."""
+    import shutil
+
+    from iga_ds.config.deepspeed import default_ds_config
+
+    text = GRID.replace("seeds: [0, 7]", "seeds: [0]").replace("train:\n", "train:\n  deepspeed: ds/zero2.json\n", 1)
+    for checkout in ("a", "b"):
+        (tmp_path / checkout / "ds").mkdir(parents=True)
+        shutil.copy(default_ds_config(), tmp_path / checkout / "ds" / "zero2.json")
+        write_grid(tmp_path / checkout, text)
+    monkeypatch.setattr(ex, "run_cell", _fake_run_cell([]))
+    monkeypatch.setattr(ex, "prepare_data", lambda grid, out, log=print: None)
+    first = ex.load_grid(tmp_path / "a" / "grid.yaml")
+    ex.run_grid(first, tmp_path / "a" / "out", report=False)
+    assert str(tmp_path) not in (tmp_path / "a" / "out" / "erm-s0" / "cell_spec.json").read_text()
+    shutil.move(tmp_path / "a" / "out", tmp_path / "b" / "out")
+    moved = ex.load_grid(tmp_path / "b" / "grid.yaml")
+    assert all(ex.cell_status(moved, c, tmp_path / "b" / "out") == "done" for c in moved.cells())
+    other = ex.load_grid(write_grid(tmp_path / "b", text.replace("ds/zero2.json", str(default_ds_config()))))
+    with pytest.raises(UserError, match=r"\(run\.deepspeed: was 'ds/zero2.json', now '.*/ds_configs/[a-z0-9_]+\.json'\)"):
+        ex.cell_status(other, other.cells()[0], tmp_path / "b" / "out")
+
+
 def test_dry_run_lists_cells_with_their_state(tmp_path, capsys):
     from iga_ds.cli import main
 

@@ -12,6 +12,7 @@ written in the grid (``train_config``, ``train``, ``data``, ``benchmarks``, a va
 from __future__ import annotations
 
 import copy
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,9 +140,22 @@ class Grid:
         return [Cell(v, s) for s in self.seeds for v in self.variants]
 
     def cell_spec(self, cell: Cell) -> dict[str, Any]:
-        """Everything that decides a cell's result; its hash guards against reusing a folder."""
-        return {"run": self.run, "data": self.data, "benchmarks": self.benchmarks,
+        """Everything that decides a cell's result; its hash guards against reusing a folder.
+        Paths are relative to the grid file, so a grid resumes in another checkout of it."""
+        spec = {"run": self.run, "data": self.data, "benchmarks": self.benchmarks,
                 "eval": self.eval.__dict__, "variant": cell.variant.spec(), "seed": cell.seed}
+        return _relative_paths(spec, self.path.resolve().parent)
+
+
+def _relative_paths(value: Any, base: Path) -> Any:
+    """``value`` with every absolute path in it made relative to ``base``."""
+    if isinstance(value, dict):
+        return {k: _relative_paths(v, base) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_relative_paths(v, base) for v in value]
+    if isinstance(value, str) and os.path.isabs(value):
+        return os.path.relpath(value, base)
+    return value
 
 
 # -- reading the grid file -----------------------------------------------------------------------
