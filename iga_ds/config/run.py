@@ -168,6 +168,13 @@ class DataConfig(Section):
         "model); `plain` writes `Problem: ...`, the instruction, `Solution:` and the target (a base model); `auto`: "
         "chat when the tokenizer has a chat template, else plain. The adapter records it, and `iga-ds eval` prompts "
         "the same way")
+    padding_free: bool = setting(False, "each micro-batch's sequences back to back in one row instead of padded rows "
+                                 "(as Hugging Face's `DataCollatorWithFlattening`): position ids restart at 0 with "
+                                 "each sequence, so attention and the loss stay within it, and IGA's capture "
+                                 "attributes each token to its sequence's domain; the same gradients as padding. Off "
+                                 "by default until a GPU benchmark shows it faster. Needs an attention implementation "
+                                 "that separates packed sequences (`eager`, `sdpa`, `flex_attention`, "
+                                 "`flash_attention_2`/`_3`/`_4`)")
     tokenize_processes: int = setting(1, "processes of the one tokenization of the training set (`Dataset.map`'s "
                                       "`num_proc`, on each node's local rank 0; the other ranks load its result from "
                                       "the cache under `HF_DATASETS_CACHE`); the result does not depend on it",

@@ -135,16 +135,19 @@ class EngineHook:
 
     # -- per micro-batch -------------------------------------------------------------------
     @contextlib.contextmanager
-    def micro_batch(self, domain_ids: torch.Tensor) -> Iterator["EngineHook"]:
-        """Run one micro-batch's forward and backward inside this context."""
+    def micro_batch(self, domain_ids: torch.Tensor, sequence_lengths=None) -> Iterator["EngineHook"]:
+        """Run one micro-batch's forward and backward inside this context. ``sequence_lengths``
+        (host): a padding-free micro-batch, its sequences back to back in one row with these
+        token counts, attributed token by token to their domains."""
         if self.capture is None:
             yield self
             return
         batch = int(torch.as_tensor(domain_ids).numel())
-        # the loss is a mean over the micro-batch and DeepSpeed divides it by the accumulation steps
+        # the loss is a mean over the micro-batch's sequences (packed or not) and DeepSpeed
+        # divides it by the accumulation steps
         scale = 1.0 / (batch * self.engine.gradient_accumulation_steps())
         start = time.perf_counter()
-        with self.capture.micro_batch(domain_ids, scale):
+        with self.capture.micro_batch(domain_ids, scale, sequence_lengths):
             yield self
         self._micro_batch_seconds += time.perf_counter() - start
 

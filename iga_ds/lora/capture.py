@@ -26,6 +26,10 @@ each sequence's product is rounded to bf16 like autograd's own weight gradient, 
 Inputs are kept with ``save_for_backward``, so non-reentrant activation checkpointing
 recomputes them like any other saved tensor, and dropout is accounted for (lora_A sees the
 dropped-out input).
+
+A padding-free micro-batch (its sequences back to back in one row, ``sequence_lengths`` given
+to ``micro_batch``) is attributed token by token: each run of consecutive same-domain
+sequences is one span of the row, and each span's dy^T x is one GEMM into its domain's sums.
 """
 from __future__ import annotations
 
@@ -51,6 +55,10 @@ class _MicroBatch:
     one_per_domain: bool = False
     # called once, at the micro-batch's first captured backward (owning capture only)
     on_backward: Callable[[], None] | None = None
+    # padding-free: the one row's (domain, first token, end token) runs of same-domain
+    # sequences, and its token count; None when each sequence has its own row
+    domain_spans: list[tuple[int, int, int]] | None = None
+    num_tokens: int = 0
 
     def backward_started(self) -> None:
         if self.on_backward is not None:
@@ -114,6 +122,9 @@ class _CapturedLoRA(torch.autograd.Function):
 
 def _add_per_domain(buf: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor, micro: "_MicroBatch") -> None:
     """buf[n] += factor * sum over domain n's sequences of dy^T x."""
+    if micro.domain_spans is not None:
+        _add_per_domain_span(buf, grad_out, x, micro)
+        return
     b = micro.batch_size
     if grad_out.shape[0] != b:
         raise RuntimeError(
@@ -128,6 +139,21 @@ def _add_per_domain(buf: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor, 
         add_products(buf, dy_t, xs, micro.factor)
     else:
         buf.index_add_(0, micro.domain_ids, torch.bmm(dy_t, xs).float(), alpha=micro.factor)
+
+
+def _add_per_domain_span(buf: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor, micro: "_MicroBatch") -> None:
+    """buf[n] += factor * sum over domain n's tokens of dy^T x, for one padding-free row."""
+    tokens = micro.num_tokens
+    if grad_out.shape[0] != 1 or grad_out.numel() != tokens * grad_out.shape[-1]:
+        raise RuntimeError(
+            f"LoRA output of shape {tuple(grad_out.shape)}, expected one padding-free row of {tokens} tokens "
+            "(1, tokens, features): the capture slices that row by the sequence lengths"
+        )
+    dy = grad_out.reshape(tokens, grad_out.shape[-1])
+    xs = x.reshape(tokens, x.shape[-1])
+    for domain, start, end in micro.domain_spans:  # slices of the row: no activation is copied
+        add_products(buf[domain: domain + 1], dy[start:end].mT.unsqueeze(0), xs[start:end].unsqueeze(0),
+                     micro.factor)
 
 
 # cuBLAS writes fp32 products of bf16 or fp16 operands (the "dtype" overloads, torch >= 2.8, CUDA)
@@ -147,14 +173,34 @@ def add_products(buf: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: flo
         buf.add_(torch.bmm(a, b), alpha=alpha)
 
 
+def domain_spans(domain_ids: torch.Tensor, sequence_lengths: torch.Tensor | Sequence[int]
+                 ) -> tuple[list[tuple[int, int, int]], int]:
+    """The (domain, first token, end token) runs of consecutive same-domain sequences of a
+    padding-free row, and the row's token count: one GEMM per run in backward."""
+    ids = domain_ids.tolist()
+    lengths = torch.as_tensor(sequence_lengths).reshape(-1).tolist()
+    if len(lengths) != len(ids) or min(lengths) < 1:
+        raise ValueError(f"sequence_lengths: expected {len(ids)} positive token counts, one per domain id, "
+                         f"got {lengths}")
+    spans: list[tuple[int, int, int]] = []
+    start = 0
+    for domain, length in zip(ids, lengths):
+        if spans and spans[-1][0] == domain:  # extends the run: one product for both sequences
+            spans[-1] = (domain, spans[-1][1], start + length)
+        else:
+            spans.append((domain, start, start + length))
+        start += length
+    return spans, start
+
+
 class DomainGradientCapture:
     """Accumulates per-domain sums of LoRA weight gradients into given fp32 buffers.
 
     ``buffers[i]`` is (gA_sum N x r x in, gB_sum N x out x r) for ``modules[i]``. Each
-    forward must run inside ``micro_batch(domain_ids, loss_scale)``; ``loss_scale`` is what
-    the gradient of one sequence's loss is multiplied by in the loss given to backward
-    (1 / (B * gradient_accumulation_steps) for a mean over the micro-batch that DeepSpeed
-    divides by the accumulation steps), so the buffers end up holding plain sums.
+    forward must run inside ``micro_batch(domain_ids, loss_scale[, sequence_lengths])``;
+    ``loss_scale`` is what the gradient of one sequence's loss is multiplied by in the loss
+    given to backward (1 / (B * gradient_accumulation_steps) for a mean over the micro-batch
+    that DeepSpeed divides by the accumulation steps), so the buffers end up holding plain sums.
     ``storage``: one tensor that the buffers are views of, if there is one; :meth:`reset`
     then zeroes it in one kernel.
     """
@@ -221,7 +267,11 @@ class DomainGradientCapture:
         return hook
 
     @contextlib.contextmanager
-    def micro_batch(self, domain_ids: torch.Tensor, loss_scale: float) -> Iterator[None]:
+    def micro_batch(self, domain_ids: torch.Tensor, loss_scale: float,
+                    sequence_lengths: torch.Tensor | Sequence[int] | None = None) -> Iterator[None]:
+        """``sequence_lengths``: the micro-batch is padding-free, its sequences back to back in
+        one row with these token counts (in the order of ``domain_ids``); backward then
+        attributes each token to its sequence's domain."""
         domain_ids = torch.as_tensor(domain_ids).reshape(-1)
         # ids on the host cost nothing here; ids on the device are read back, which waits for
         # the device to drain its queue (pass host ids where the loop has them)
@@ -232,13 +282,14 @@ class DomainGradientCapture:
             raise ValueError(f"domain ids must be in [0, {self.num_domains}), got {ids_cpu.tolist()}")
         device = self.buffers[0][0].device
         self.counts += torch.bincount(ids_cpu, minlength=self.num_domains).double()
-        one_per_domain = ids_cpu.tolist() == list(range(self.num_domains))
-        if one_per_domain:  # backward adds in place and needs no ids on the device
+        spans, tokens = (None, 0) if sequence_lengths is None else domain_spans(ids_cpu, sequence_lengths)
+        one_per_domain = spans is None and ids_cpu.tolist() == list(range(self.num_domains))
+        if one_per_domain or spans is not None:  # backward adds in place and needs no ids on the device
             ids_dev = None
         else:  # pinned on CUDA, so the copy is queued without a stream sync
             ids_dev = host_to_device(ids_cpu, device)
         self._micro = _MicroBatch(ids_dev, 1.0 / loss_scale, int(ids_cpu.numel()), one_per_domain,
-                                  self.before_backward if self.owns_gradients else None)
+                                  self.before_backward if self.owns_gradients else None, spans, tokens)
         try:
             yield
         finally:

@@ -15,8 +15,8 @@ Tokenization runs once per training set, not per step: :func:`tokenize_groups` m
 a folder of the ``datasets`` cache named by a key of everything the token ids depend on (the
 prompt and target texts, whether special tokens are added, the tokenizer's full definition,
 ``max_length``, the encoder's code and the library versions), so that a cached result can only be the one a fresh tokenization would
-give. Each step then pads pre-tokenized rows (:meth:`TokenizedGroups.micro_batch`).
-"""
+give. Each step then pads pre-tokenized rows (:meth:`TokenizedGroups.micro_batch`), or with
+``data.padding_free`` lays them back to back in one row (:func:`pack_rows`)."""
 from __future__ import annotations
 
 import hashlib
@@ -123,6 +123,8 @@ class MicroBatch:
     num_target_tokens: int
     num_tokens: int
 
+    sequence_lengths = None  # padded: the capture reads each sequence from its own row
+
     def to(self, device) -> "MicroBatch":
         return MicroBatch(
             self.input_ids.to(device),
@@ -132,6 +134,42 @@ class MicroBatch:
             self.num_target_tokens,
             self.num_tokens,
         )
+
+    def model_inputs(self) -> dict[str, Any]:
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
+
+    def sequence_losses(self, logits):
+        return sequence_losses(logits, self.labels)
+
+
+@dataclass
+class PackedMicroBatch:
+    """A padding-free micro-batch: its sequences back to back in one row, as Hugging Face's
+    ``DataCollatorWithFlattening`` lays them out. Position ids restart at 0 with each sequence
+    and there is no attention mask, from which transformers keeps attention within each
+    sequence; each sequence's first label is ignored, so no loss crosses a boundary."""
+
+    input_ids: Any  # (1, T) long, T the micro-batch's tokens
+    position_ids: Any  # (1, T) long, 0, 1, ... within each sequence
+    labels: Any  # (1, T) long, IGNORE_INDEX on prompts and each sequence's first token
+    domain_ids: Any  # (B,) long, index into the domain list
+    sequence_lengths: Any  # (B,) long on the host: each sequence's tokens, in row order
+    token_index: Any  # (B, W) long: row positions of each sequence's tokens, T past its end
+    num_target_tokens: int
+    num_tokens: int
+
+    def to(self, device) -> "PackedMicroBatch":
+        # the lengths stay on the host: the capture slices the row by them
+        return PackedMicroBatch(self.input_ids.to(device), self.position_ids.to(device), self.labels.to(device),
+                                self.domain_ids.to(device), self.sequence_lengths, self.token_index.to(device),
+                                self.num_target_tokens, self.num_tokens)
+
+    def model_inputs(self) -> dict[str, Any]:
+        # no cache: transformers looks for packed sequences only without one (and without a mask)
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
+
+    def sequence_losses(self, logits):
+        return packed_sequence_losses(logits, self.labels, self.token_index)
 
 
 def unknown_words(tokenizer, records: Sequence[dict[str, Any]], limit: int = 2000,
@@ -188,6 +226,46 @@ def collate(tokenizer, groups: Sequence[Sequence[dict]], domains: Sequence[str],
             rows.append(encode_example(tokenizer, prompt, target, max_length, fmt.add_special_tokens))
             dom.append(index[rec["domain"]])
     return pad_rows(rows, dom, pad_id(tokenizer))
+
+
+def pack_rows(rows: Sequence[tuple[Sequence[int], Sequence[int]]], domain_ids: Sequence[int]) -> PackedMicroBatch:
+    """(token ids, labels) rows back to back in one row, without padding: a padding-free
+    micro-batch whose per-sequence losses are those of :func:`pad_rows`' batch."""
+    import torch
+
+    lengths = [len(ids) for ids, _ in rows]
+    total, width = sum(lengths), max(lengths)
+    labels = torch.tensor([lab for _, row in rows for lab in row], dtype=torch.long)
+    # counted before the first labels are masked, as the padded batch counts them
+    num_target_tokens = int((labels != IGNORE_INDEX).sum())
+    starts = torch.tensor([0, *lengths[:-1]], dtype=torch.long).cumsum(0)
+    labels[starts] = IGNORE_INDEX  # else predicted from the previous sequence's last token
+    steps = torch.arange(width)
+    token_index = torch.where(steps < torch.tensor(lengths).unsqueeze(1), starts.unsqueeze(1) + steps, total)
+    return PackedMicroBatch(
+        torch.tensor([t for ids, _ in rows for t in ids], dtype=torch.long).unsqueeze(0),
+        torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0),
+        labels.unsqueeze(0),
+        torch.tensor(domain_ids, dtype=torch.long),
+        torch.tensor(lengths, dtype=torch.long),
+        token_index,
+        num_target_tokens,
+        total,
+    )
+
+
+# the attention implementations transformers keeps within each packed sequence: eager, sdpa
+# and flex through the mask it builds from position ids, flash attention through its varlen kernel
+PACKED_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+
+
+def check_padding_free(model) -> None:
+    """A ConfigError unless ``model``'s attention keeps packed sequences apart."""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation not in PACKED_ATTENTION:
+        raise ConfigError(f"data.padding_free: attention implementation {implementation!r} would attend across "
+                          f"packed sequences; set model.attn_implementation to one of {', '.join(PACKED_ATTENTION)}, "
+                          "or data.padding_free: false")
 
 
 def pad_id(tokenizer) -> int:
@@ -307,12 +385,14 @@ class TokenizedGroups:
     def num_groups(self) -> int:
         return len(self.rows) // self.per_group
 
-    def micro_batch(self, groups: Sequence[int]) -> MicroBatch:
-        """The padded micro-batch of these groups, as :func:`collate` of their records."""
+    def micro_batch(self, groups: Sequence[int], padding_free: bool = False) -> MicroBatch | PackedMicroBatch:
+        """The padded micro-batch of these groups, as :func:`collate` of their records; with
+        ``padding_free``, the same sequences in one row (:func:`pack_rows`)."""
         index = [g * self.per_group + d for g in groups for d in range(self.per_group)]
         batch = self.rows[index]
-        return pad_rows(list(zip(batch["input_ids"], batch["labels"])),
-                        [d for _ in groups for d in range(self.per_group)], self.pad)
+        rows = list(zip(batch["input_ids"], batch["labels"]))
+        domain_ids = [d for _ in groups for d in range(self.per_group)]
+        return pack_rows(rows, domain_ids) if padding_free else pad_rows(rows, domain_ids, self.pad)
 
 
 def tokenized_cache_root() -> Path:
@@ -406,12 +486,13 @@ def _save_tokenized(mapped, folder: Path) -> None:
 
 
 def sequence_losses(logits, labels):
-    """Each sequence's mean token cross-entropy over its target tokens, shape (B,), float32.
+    """Each sequence's mean token cross-entropy over its target tokens, shape (B,), float32
+    (float64 for float64 logits).
 
     Position t predicts token t+1, so logits drop the last position and labels the first."""
     import torch.nn.functional as F
 
-    shift_logits = logits[:, :-1, :].float()
+    shift_logits = _at_least_float32(logits[:, :-1, :])
     shift_labels = labels[:, 1:]
     tok = F.cross_entropy(
         shift_logits.reshape(-1, shift_logits.size(-1)),
@@ -421,3 +502,28 @@ def sequence_losses(logits, labels):
     ).view(shift_labels.shape)
     counts = (shift_labels != IGNORE_INDEX).sum(dim=1)
     return tok.sum(dim=1) / counts.clamp(min=1).to(tok.dtype)
+
+
+def packed_sequence_losses(logits, labels, token_index):
+    """:func:`sequence_losses` of a padding-free row (:class:`PackedMicroBatch`): logits and
+    labels (1, T), ``token_index`` (B, W) each sequence's row positions (T past its end).
+
+    Position t's loss, which predicts token t + 1, counts with the sequence that holds t: a
+    sequence's last position predicts the next one's first token, whose label is ignored. The
+    losses gathered per sequence are summed in the order the padded batch sums them."""
+    import torch.nn.functional as F
+
+    targets = labels[0, 1:]
+    tok = F.cross_entropy(_at_least_float32(logits[0, :-1, :]), targets, ignore_index=IGNORE_INDEX,
+                          reduction="none")
+    # positions T - 1 (the row's last, predicting nothing) and T (past a sequence's end) add 0
+    per_sequence = F.pad(tok, (0, 2))[token_index]
+    counts = F.pad((targets != IGNORE_INDEX).to(tok.dtype), (0, 2))[token_index].sum(dim=1)
+    return per_sequence.sum(dim=1) / counts.clamp(min=1)
+
+
+def _at_least_float32(t):
+    """float32 for the cross-entropy of half-precision logits; float64 logits stay float64."""
+    import torch
+
+    return t if t.dtype == torch.float64 else t.float()

@@ -15,6 +15,9 @@ and each micro-batch of a step is::
         logits = engine(...).logits * hook.dummy_scale()   # the scale only for IRM
         engine.backward(hook.objective(sequence_losses, domain_ids, scale))
     engine.step()
+
+With ``data.padding_free`` a micro-batch is one row of its sequences back to back, and the hook
+also gets their lengths: ``hook.micro_batch(domain_ids, sequence_lengths)``.
 """
 from __future__ import annotations
 
@@ -47,8 +50,8 @@ from iga_ds.train.batching import (
     GroupSampler,
     TokenizedGroups,
     check_batch_layout,
+    check_padding_free,
     read_records,
-    sequence_losses,
     tokenize_groups,
     tokenized_cache_root,
     unknown_words,
@@ -288,6 +291,8 @@ class Trainer:
         (trainable, total) parameter counts."""
         cfg, s = self.cfg, self.cfg.schedule
         model = load_base_model(base_dir, cfg.model.dtype, cfg.model.attn_implementation)
+        if cfg.data.padding_free:
+            check_padding_free(model)
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()
@@ -353,15 +358,16 @@ class Trainer:
         lr = engine.get_lr()[0]
         s.updates.begin_step()
         for i in range(0, len(mine), per_micro):
-            mb = s.batches.micro_batch(mine[i: i + per_micro])
-            host_ids = mb.domain_ids  # the hook reads domain ids on the host
+            mb = s.batches.micro_batch(mine[i: i + per_micro], self.cfg.data.padding_free)
+            # the hook reads domain ids (and a packed row's sequence lengths) on the host
+            host_ids, host_lengths = mb.domain_ids, mb.sequence_lengths
             mb = mb.to(engine.device)
-            with hook.micro_batch(host_ids):
+            with hook.micro_batch(host_ids, host_lengths):
                 scale = hook.dummy_scale()
-                logits = engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+                logits = engine(**mb.model_inputs()).logits
                 if scale is not None:
                     logits = logits * scale
-                seq = sequence_losses(logits, mb.labels)
+                seq = mb.sequence_losses(logits)
                 engine.backward(hook.objective(seq, mb.domain_ids, scale))
             engine.step()
             totals.loss_sums.index_add_(0, mb.domain_ids, seq.detach().double())
