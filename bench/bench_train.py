@@ -1,6 +1,6 @@
 """Training throughput of ``iga-ds train`` beside what users would run instead, on one machine.
 
-Four variants, each in a process of its own (started by this one, one after the other), on the
+Six variants, each in a process of its own (started by this one, one after the other), on the
 same records, token ids, batches and schedule:
 
 - ``torch``: a plain PyTorch loop: PEFT LoRA, SDPA attention, bf16 autocast (float32 on the
@@ -10,7 +10,8 @@ same records, token ids, batches and schedule:
   ``zero2_fp32.json`` on the CPU), SDPA attention; needs ``accelerate`` (skipped with the
   reason where it is absent);
 - ``iga_ds_erm`` and ``iga_ds_iga``: ``python -m iga_ds train --config RUN.yaml`` with a run YAML
-  written here (method ``erm``, then ``iga`` with its defaults); their step times are the ones
+  written here (method ``erm``, then ``iga`` with its defaults), and ``iga_ds_erm_packed`` and
+  ``iga_ds_iga_packed``, the same with ``data.padding_free: true``; their step times are the ones
   the trainer logs in ``metrics.jsonl`` (``step_interval_s``: from one step's end to the next,
   the previous step's logging included, as the Trainer's callbacks see it), so process start-up,
   model loading and tokenization are not counted. The trainer does not log its memory peak: the command runs
@@ -19,7 +20,7 @@ same records, token ids, batches and schedule:
 The records are a synthetic isomer set (``iga_ds.data.synth``, as ``iga-ds data synth`` writes
 it). Every variant tokenizes with the trainer's own functions (``tokenize_groups``, its prompt
 format, its cache) and takes step ``s``'s groups from the trainer's ``GroupSampler`` in the
-trainer's micro-batches (``TokenizedGroups.micro_batch``), so all four see the same token ids
+trainer's micro-batches (``TokenizedGroups.micro_batch``), so all six see the same token ids
 in the same batches; the JSON's token counts let a reader (and the smoke test) check it. The
 model is ``--model PATH`` or ``--shape NAME``: a LLaMA of that shape with random weights (the
 step time does not depend on the values) and the built-in tiny base's word-level tokenizer
@@ -88,9 +89,11 @@ from iga_ds.train.model import add_lora, build_vocab, build_word_tokenizer, load
 from iga_ds.train.optim import lr_lambda
 from iga_ds.train.pretrain import corpus_texts, generator_words
 
-VARIANTS = ("torch", "hf_trainer", "iga_ds_erm", "iga_ds_iga")
+VARIANTS = ("torch", "hf_trainer", "iga_ds_erm", "iga_ds_iga", "iga_ds_erm_packed", "iga_ds_iga_packed")
 LABELS = {"torch": "PyTorch + PEFT loop", "hf_trainer": "HF Trainer + PEFT + DeepSpeed",
-          "iga_ds_erm": "iga-ds train, ERM", "iga_ds_iga": "iga-ds train, IGA"}
+          "iga_ds_erm": "iga-ds train, ERM", "iga_ds_iga": "iga-ds train, IGA",
+          "iga_ds_erm_packed": "iga-ds train, ERM, padding-free", "iga_ds_iga_packed": "iga-ds train, IGA, padding-free"}
+PACKED = "_packed"  # the variant's suffix: data.padding_free on
 # shapes with random weights: Hugging Face LLaMA config fields (SmolLM2-135M-Instruct's
 # config.json; LLaMA-2-7B from common); "tiny" is the smoke run's, its vocabulary the tokenizer's
 SHAPES = {
@@ -255,7 +258,7 @@ class StepClock:
 # -- variants: iga-ds train -----------------------------------------------------------------------
 
 
-def run_yaml(spec: dict, method: str, out_dir: str) -> str:
+def run_yaml(spec: dict, method: str, out_dir: str, padding_free: bool = False) -> str:
     """The run YAML of ``iga-ds train`` for this benchmark (JSON is YAML)."""
     model = {"name_or_path": spec["model_dir"], "dtype": "bfloat16" if spec["device"] == "cuda" else "float32"}
     if spec["trainer_attn"] != "default":
@@ -264,7 +267,8 @@ def run_yaml(spec: dict, method: str, out_dir: str) -> str:
         "output_dir": out_dir, "deepspeed": spec["deepspeed"], "model": model,
         "lora": {"r": spec["r"], "alpha": spec["alpha"], "target_modules": spec["targets"]},
         "data": {"train": spec["train"], "domains": spec["domains"], "groups_per_step": spec["groups_per_step"],
-                 "groups_per_micro_batch": spec["groups_per_micro_batch"], "max_length": spec["max_length"]},
+                 "groups_per_micro_batch": spec["groups_per_micro_batch"], "max_length": spec["max_length"],
+                 "padding_free": padding_free},
         "schedule": {"lr": spec["lr"], "warmup_ratio": spec["warmup_ratio"], "max_steps": spec["steps"]},
         "method": {"name": method},
         "checkpoint": {"every_steps": 0},
@@ -304,7 +308,8 @@ def worker(variant: str, spec_path: str, result_path: str) -> int:
         out_dir = Path(spec["work"]) / "runs" / variant
         config = Path(spec["work"]) / f"{variant}.yaml"
         shutil.rmtree(out_dir, ignore_errors=True)  # an earlier run's, with the same --work-dir
-        atomic_write_text(config, run_yaml(spec, variant.removeprefix("iga_ds_"), str(out_dir)))
+        method = variant.removeprefix("iga_ds_").removesuffix(PACKED)
+        atomic_write_text(config, run_yaml(spec, method, str(out_dir), variant.endswith(PACKED)))
         rc = run_iga_cli(str(config))
         result = iga_result(out_dir) if rc == 0 else {}
         result.update(rc=rc, dtype="bf16 (DeepSpeed)" if spec["device"] == "cuda" else "float32")

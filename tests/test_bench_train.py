@@ -31,7 +31,7 @@ def test_small_run_measures_every_variant_on_the_same_tokens(tmp_path):
     ran = [row for row in rows if "skipped" not in row]
     assert all(row["skipped"].strip() for row in rows if row not in ran)  # a skip says why
     # the anchors that need nothing beyond the package's own dependencies always run
-    assert {"torch", "iga_ds_erm", "iga_ds_iga"} <= {row["variant"] for row in ran}
+    assert {"torch", "iga_ds_erm", "iga_ds_iga", "iga_ds_erm_packed", "iga_ds_iga_packed"} <= {row["variant"] for row in ran}
     steps = report["settings"]["steps"]
     for row in ran:
         assert "error" not in row, row["error"]
@@ -42,6 +42,11 @@ def test_small_run_measures_every_variant_on_the_same_tokens(tmp_path):
     # the same records, token ids and batches: identical token counts, step by step
     assert len({tuple(row["step_tokens"]) for row in ran}) == 1, {row["variant"]: row["step_tokens"] for row in ran}
     assert ran[0]["tokens"] > 0
+    # padding-free is a layout, not another computation: the same losses step by step
+    by_name = {row["variant"]: row for row in ran}
+    for method in ("erm", "iga"):
+        padded, packed = by_name[f"iga_ds_{method}"]["losses"], by_name[f"iga_ds_{method}_packed"]["losses"]
+        assert packed == pytest.approx(padded, rel=1e-4), method
     assert "card: CPU" in proc.stdout and "median step s" in proc.stdout
 
 
