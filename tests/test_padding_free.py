@@ -74,6 +74,26 @@ def test_domain_spans_merge_consecutive_sequences_of_a_domain():
         domain_spans(torch.tensor([0, 1]), [3])
 
 
+def test_a_packed_micro_batch_of_several_groups_goes_domain_by_domain():
+    """Several groups: the packed row holds the padded batch's sequences, each domain's together
+    (one product per domain in the capture), groups in their order within a domain."""
+    import datasets
+
+    from iga_ds.train.batching import TokenizedGroups
+
+    rows = rows_of([4, 5, 6, 7, 8, 9, 3, 4, 5], seed=3)  # 3 groups x 3 domains, row g * 3 + d
+    table = datasets.Dataset.from_dict({"input_ids": [r[0] for r in rows], "labels": [r[1] for r in rows]})
+    groups = TokenizedGroups(table, N, 0, Path("unused"), built=True)
+    padded, packed = groups.micro_batch([2, 0]), groups.micro_batch([2, 0], padding_free=True)
+    assert padded.domain_ids.tolist() == [0, 1, 2, 0, 1, 2]
+    assert packed.domain_ids.tolist() == [0, 0, 1, 1, 2, 2]
+    order = [6, 0, 7, 1, 8, 2]  # the records, domain by domain
+    assert packed.input_ids[0].tolist() == [t for i in order for t in rows[i][0]]
+    assert packed.sequence_lengths.tolist() == [len(rows[i][0]) for i in order]
+    spans, _ = domain_spans(packed.domain_ids, packed.sequence_lengths)
+    assert [d for d, _, _ in spans] == [0, 1, 2]
+
+
 # -- losses ----------------------------------------------------------------------------------
 
 

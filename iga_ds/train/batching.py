@@ -388,11 +388,14 @@ class TokenizedGroups:
 
     def micro_batch(self, groups: Sequence[int], padding_free: bool = False) -> MicroBatch | PackedMicroBatch:
         """The padded micro-batch of these groups, as :func:`collate` of their records; with
-        ``padding_free``, the same sequences in one row (:func:`pack_rows`)."""
-        index = [g * self.per_group + d for g in groups for d in range(self.per_group)]
-        batch = self.rows[index]
+        ``padding_free``, the same sequences in one row (:func:`pack_rows`), domain by domain, so
+        that the capture takes each domain's tokens in one product."""
+        pairs = [(g, d) for g in groups for d in range(self.per_group)]
+        if padding_free:
+            pairs.sort(key=lambda gd: gd[1])  # stable: groups keep their order within a domain
+        batch = self.rows[[g * self.per_group + d for g, d in pairs]]
         rows = list(zip(batch["input_ids"], batch["labels"]))
-        domain_ids = [d for _ in groups for d in range(self.per_group)]
+        domain_ids = [d for _, d in pairs]
         return pack_rows(rows, domain_ids) if padding_free else pad_rows(rows, domain_ids, self.pad)
 
 
