@@ -419,17 +419,17 @@ def summarize(result: dict, warmup: int, flops: list[float], peak: float | None)
 
 
 def table(rows: list[dict], card: str) -> str:
-    lines = [f"{'variant':<12} {'median step s':>13}  {'[p10-p90]':<17} {'tokens/s':>10} {'peak GB':>8} {'MFU %':>6}"]
+    lines = [f"{'variant':<18} {'median step s':>13}  {'[p10-p90]':<17} {'tokens/s':>10} {'peak GB':>8} {'MFU %':>6}"]
     lines.append("-" * len(lines[0]))
     for row in rows:
         if "median_step_s" not in row:
             why = row.get("skipped") or (row.get("error") or "").splitlines()[0]
-            lines.append(f"{row['variant']:<12} {'skipped' if row.get('skipped') else 'FAILED'}: {why}")
+            lines.append(f"{row['variant']:<18} {'skipped' if row.get('skipped') else 'FAILED'}: {why}")
             continue
         spread_text = f"[{row['p10_step_s']:.3f}-{row['p90_step_s']:.3f}]"
         peak = f"{row['peak_memory_gb']:.2f}" if row.get("peak_memory_gb") is not None else "n/a"
         mfu = f"{100 * row['mfu']:.1f}" if row.get("mfu") is not None else "n/a"
-        lines.append(f"{row['variant']:<12} {row['median_step_s']:>13.3f}  {spread_text:<17} "
+        lines.append(f"{row['variant']:<18} {row['median_step_s']:>13.3f}  {spread_text:<17} "
                      f"{row['tokens_per_s']:>10,.0f} {peak:>8} {mfu:>6}")
     lines.append(f"card: {card}")
     return "\n".join(lines)

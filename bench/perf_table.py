@@ -4,9 +4,10 @@
     python bench/perf_table.py --write    # put it between the markers in docs/PERFORMANCE.md
     python bench/perf_table.py --check    # exit 1 when the doc's table differs from the archive
 
-It reads the JSON that ``bench_step.py`` and ``bench_method.py`` write, archived in the
+It reads the JSON that ``bench_step.py``, ``bench_method.py`` and ``bench_train.py`` write, archived in the
 campaign folders that results/README.md lists (oldest first, each with the commit that archived
-it). For each card and benchmark (the step on N GPUs, the method alone, the precision rule) the
+it). For each card and benchmark (the step on N GPUs, the method alone, the precision rule,
+training throughput per model shape beside its anchors) the
 latest campaign that ran it gives the rows, one per archived run. ``tests/test_perf_table.py``
 runs the check, so a figure in the doc is always one in an archived JSON.
 """
@@ -33,6 +34,8 @@ PREFIX = r"(?:machine-[A-Z]{1,2}-|[A-Z]_)?"
 STEP = re.compile(PREFIX + r"bench_step_(?P<gpus>\d+)gpu(?:_targets)?\.json$")  # gpu_runs.sh: targetsN
 METHOD = re.compile(PREFIX + r"bench_method\.json$")
 RULE = re.compile(PREFIX + r"bench_method_rule\.json$")
+TRAIN = re.compile(PREFIX + r"bench_train(?:_[A-Za-z0-9-]+)?\.json$")  # e.g. bench_train_smollm2.json
+TRAIN_ANCHORS = (("hf_trainer", "HF Trainer"), ("torch", "plain loop"))
 # bench_method.py's fused variants, float32 then bf16
 METHOD_VARIANTS = ("batched_triton", "batched_triton_bf16", "batched_triton_bf16_q1p16")
 
@@ -43,8 +46,11 @@ def campaigns(results: Path = RESULTS) -> dict[str, tuple[int, str, str]]:
     return {m["folder"]: (i, m["date"], m["commit"]) for i, m in enumerate(INDEX_ROW.finditer(text))}
 
 
-def benchmark(path: Path) -> tuple[int, str] | None:
+def benchmark(path: Path, run: dict) -> tuple[int, str] | None:
     """(sort order, name) of the benchmark an archived file holds; None for other files."""
+    if TRAIN.fullmatch(path.name):
+        settings = run["settings"]
+        return 200, f"training, {settings.get('shape') or Path(settings['model_dir']).name}"
     if m := STEP.fullmatch(path.name):
         gpus = int(m["gpus"])
         return gpus, f"step, {gpus} GPU" + ("s" if gpus > 1 else "")
@@ -89,7 +95,26 @@ def _rule_figure(run: dict) -> str:
             f"{worst['rank_r_over_optimal']:.4f} of the optimal; offered variants that broke the rule: {failed}")
 
 
+def _train_figure(run: dict) -> str:
+    ran = {r["variant"]: r for r in run["variants"] if "tokens_per_s" in r}
+    parts = []
+    for name, row in ran.items():
+        text = f"`{name}` {row['tokens_per_s']:,.0f} tokens/s"
+        if name.startswith("iga_ds"):  # the trainer against what users would run instead
+            text += "".join(f", {row['tokens_per_s'] / ran[a]['tokens_per_s']:.2f}x {label}"
+                            for a, label in TRAIN_ANCHORS if a in ran)
+        if row.get("mfu") is not None:
+            text += f", MFU {100 * row['mfu']:.1f}%"
+        parts.append(text)
+    missed = [r["variant"] for r in run["variants"] if r["variant"] not in ran]
+    settings = run["settings"]
+    tail = f"{settings['steps']} steps, {settings['warmup_steps']} left out"
+    return "; ".join(parts) + (f"; not run: {', '.join(missed)}" if missed else "") + f" ({tail})"
+
+
 def figure(kind: str, run: dict) -> str:
+    if kind.startswith("training"):
+        return _train_figure(run)
     if kind.startswith("step"):
         return _step_figure(run)
     return _method_figure(run) if kind == "method alone" else _rule_figure(run)
@@ -100,13 +125,16 @@ def latest_runs(results: Path = RESULTS) -> list[tuple[str, int, str, str, Path]
     index = campaigns(results)
     found: dict[tuple[str, int, str], list[tuple[str, Path]]] = {}
     for path in sorted(results.rglob("*.json")):
-        kind = benchmark(path)
+        if not any(pattern.fullmatch(path.name) for pattern in (STEP, METHOD, RULE, TRAIN)):
+            continue
+        run = json.loads(path.read_text(encoding="utf-8"))
+        kind = benchmark(path, run)
         if kind is None:
             continue
         folder = path.relative_to(results).parts[0]
         if folder not in index:
             raise SystemExit(f"{path}: its campaign {folder!r} is missing from {results / 'README.md'}")
-        card = json.loads(path.read_text(encoding="utf-8"))["env"].get("card", "unknown")
+        card = run.get("card") or run.get("env", {}).get("card", "unknown")  # bench_train: at the top
         found.setdefault((card, *kind), []).append((folder, path))
     rows = []
     for (card, order, kind), runs in sorted(found.items()):

@@ -58,3 +58,21 @@ def test_a_run_outside_the_index_is_refused(tmp_path):
     _archive(results, [], {"unlisted/bench_step_1gpu.json": _step_run("Card X", 1.0)})
     with pytest.raises(SystemExit, match="unlisted"):
         perf_table.table(results)
+
+
+def _train_run(card: str) -> dict:
+    row = lambda name, tps, mfu: {"variant": name, "tokens_per_s": tps, "median_step_s": 1.0, "mfu": mfu}
+    return {"benchmark": "bench_train", "card": card, "settings": {"shape": "smollm2-135m", "steps": 120,
+                                                                    "warmup_steps": 10, "model_dir": "/x/model"},
+            "variants": [row("torch", 10000.0, 0.01), row("hf_trainer", 8000.0, None),
+                         row("iga_ds_iga", 12000.0, 0.012), {"variant": "iga_ds_erm", "error": "boom"}]}
+
+
+def test_training_throughput_rows_compare_the_trainer_with_its_anchors(tmp_path):
+    results = tmp_path / "results"
+    _archive(results, ["| [t](t/) | 2026-01-03 10:00 | ccccccc | x | y |"],
+             {"t/machine-A-bench_train_smollm2.json": _train_run("Card Z")})
+    lines = perf_table.table(results).splitlines()
+    assert lines[2] == ("| Card Z | training, smollm2-135m | `torch` 10,000 tokens/s, MFU 1.0%; `hf_trainer` 8,000 tokens/s; "
+                        "`iga_ds_iga` 12,000 tokens/s, 1.50x HF Trainer, 1.20x plain loop, MFU 1.2%; not run: iga_ds_erm "
+                        "(120 steps, 10 left out) | [t](../results/t/) | 2026-01-03 10:00, ccccccc |")
