@@ -469,16 +469,13 @@ def shape_folder(name: str, folder: Path, train: str, device: torch.device) -> s
     return str(folder)
 
 
-def prepare(args, work: Path, device: torch.device) -> dict:
-    """The data, the model folder, the tokens (cached for every variant) and the spec file's content."""
+def plan_spec(args, work: Path, device: torch.device) -> dict:
+    """The spec file's content, before anything is built (the model folder where ``--model`` names one)."""
     micro = args.groups_per_micro_batch or args.groups_per_step
     check_batch_layout(args.groups_per_step, micro, 1)  # the trainer's rule, before anything runs
-    data = work / "data"
-    synthesize(data, args.groups, args.seed, DEFAULT_DOMAINS, max_depth=4)
-    train = str(data / "train.jsonl")
-    model_dir = args.model or shape_folder(args.shape, work / "model", train, device)
     ds = shipped_file("ds_configs/zero2.json") if device.type == "cuda" else default_ds_config()
-    return {"work": str(work), "device": device.type, "model_dir": model_dir, "train": train,
+    return {"work": str(work), "device": device.type, "model_dir": args.model or str(work / "model"),
+            "train": str(work / "data" / "train.jsonl"),
             "domains": list(DEFAULT_DOMAINS), "groups_per_step": args.groups_per_step,
             "groups_per_micro_batch": micro,
             "max_length": args.max_length, "steps": args.steps, "lr": args.lr, "warmup_ratio": args.lr_warmup_ratio,
@@ -486,11 +483,40 @@ def prepare(args, work: Path, device: torch.device) -> dict:
             "deepspeed": ds, "trainer_attn": args.trainer_attn}
 
 
-def report(args, spec: dict, rows: list[dict], counts: dict, env: dict, card: str, peak) -> dict:
+def prepare(args, spec: dict, device: torch.device) -> dict:
+    """The data, the model folder and the tokens (cached for every variant): the spec, completed."""
+    synthesize(Path(spec["train"]).parent, args.groups, args.seed, DEFAULT_DOMAINS, max_depth=4)
+    model_dir = args.model or shape_folder(args.shape, Path(spec["model_dir"]), spec["train"], device)
+    return {**spec, "model_dir": model_dir}
+
+
+def run_settings(args, spec: dict) -> dict:
     settings = {k: spec[k] for k in ("model_dir", "groups_per_step", "groups_per_micro_batch", "max_length", "steps",
                                      "lr", "warmup_ratio", "seed", "r", "alpha", "targets", "deepspeed",
                                      "trainer_attn")}
     settings.update(shape=None if args.model else args.shape, warmup_steps=args.warmup_steps, groups=args.groups)
+    return settings
+
+
+def earlier_rows(path: str, settings: dict, card: str) -> dict[str, dict]:
+    """``--resume``: the variants that ``path`` already measured with these settings on this card."""
+    if not Path(path).is_file():
+        return {}
+    earlier = read_json(path, objects=True, error=UserError)
+
+    def comparable(s: dict | None) -> dict:  # a named shape is rebuilt in each work folder: its path differs
+        return {k: v for k, v in (s or {}).items() if not (k == "model_dir" and (s or {}).get("shape"))}
+
+    if earlier.get("card") != card or comparable(earlier.get("settings")) != comparable(settings):
+        changed = sorted(k for k in set(comparable(settings)) | set(comparable(earlier.get("settings")))
+                         if comparable(settings).get(k) != comparable(earlier.get("settings")).get(k))
+        what = f"card {earlier.get('card')!r}" if earlier.get("card") != card else f"other {', '.join(changed)}"
+        raise UserError(f"--resume: {path} was measured with {what}; give another --out, or leave out --resume")
+    return {row["variant"]: row for row in earlier.get("variants", []) if "median_step_s" in row}
+
+
+def report(args, spec: dict, rows: list[dict], counts: dict, env: dict, card: str, peak) -> dict:
+    settings = run_settings(args, spec)
     return {"benchmark": "bench_train", "card": card, "peak_flops": peak, "environment": env, "settings": settings,
             "parameters": counts, "flops_formula": "4*N_base*T + 6*N_lora*T + 12*L*d_attn*sum(n_i^2)",
             "variants": rows}
@@ -505,7 +531,9 @@ def drive(args) -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_train."))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        spec = prepare(args, work.resolve(), device)
+        spec = plan_spec(args, work.resolve(), device)
+        kept = earlier_rows(args.out, run_settings(args, spec), card) if args.resume else {}
+        spec = prepare(args, spec, device)
         spec_path = work / "spec.json"
         atomic_write_json(spec_path, spec)
         batches, plan = load_plan(spec)  # tokenized once here: the variants read the cache
@@ -517,7 +545,11 @@ def drive(args) -> int:
               flush=True)
         rows = []
         for variant in args.variants:
-            rows.append(measure(variant, spec, spec_path, args, flops, peak))
+            if variant in kept:
+                print(f"{variant}: measured earlier, kept from {args.out}", flush=True)
+                rows.append(kept[variant])
+            else:
+                rows.append(measure(variant, spec, spec_path, args, flops, peak))
             atomic_write_json(args.out, report(args, spec, rows, counts, env, card, peak))
     finally:
         if not args.work_dir:
@@ -582,6 +614,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work-dir", help="keep the data, model, runs and logs here (default: a temporary folder, removed)")
     p.add_argument("--small", action="store_true", help="CPU smoke run: a tiny shape, a few steps, seconds")
     p.add_argument("--out", default="bench_train.json")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the variants that --out already measured with the same settings (a run cut short "
+                        "goes on where it stopped); other settings there are an error")
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)

@@ -48,6 +48,24 @@ def test_small_run_measures_every_variant_on_the_same_tokens(tmp_path):
         padded, packed = by_name[f"iga_ds_{method}"]["losses"], by_name[f"iga_ds_{method}_packed"]["losses"]
         assert packed == pytest.approx(padded, rel=1e-4), method
     assert "card: CPU" in proc.stdout and "median step s" in proc.stdout
+    # --resume: a run cut short goes on where it stopped; the variants measured are kept as they were
+    report["variants"] = [row for row in rows if row["variant"] != "iga_ds_erm"]
+    out.write_text(json.dumps(report))
+    again = subprocess.run([sys.executable, str(REPO / "bench" / "bench_train.py"), "--small", "--out", str(out),
+                            "--resume"], cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                           env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
+    resumed = json.loads(out.read_text())["variants"]
+    assert [row["variant"] for row in resumed] == list(bench_train.VARIANTS)
+    assert [row for row in resumed if row["variant"] != "iga_ds_erm"] == report["variants"]
+    assert again.stdout.count("measured earlier, kept") == len(ran) - 1 and "iga_ds_erm: running" in again.stdout
+    # other settings in --out: one line, nothing measured or written
+    before = out.read_text()
+    other = subprocess.run([sys.executable, str(REPO / "bench" / "bench_train.py"), "--small", "--steps", "4",
+                            "--out", str(out), "--resume"], cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                           env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert other.returncode == 2 and "--resume" in other.stderr and "other steps" in other.stderr
+    assert len(other.stderr.strip().splitlines()) == 1 and out.read_text() == before
 
 
 def test_a_missing_accelerate_skips_the_hf_trainer_with_the_reason(monkeypatch):
