@@ -504,12 +504,12 @@ def earlier_rows(path: str, settings: dict, card: str) -> dict[str, dict]:
         return {}
     earlier = read_json(path, objects=True, error=UserError)
 
-    def comparable(s: dict | None) -> dict:  # a named shape is rebuilt in each work folder: its path differs
-        return {k: v for k, v in (s or {}).items() if not (k == "model_dir" and (s or {}).get("shape"))}
+    def comparable(s: dict) -> dict:  # a named shape is rebuilt in each work folder: its path differs
+        return {k: v for k, v in s.items() if not (k == "model_dir" and s.get("shape"))}
 
-    if earlier.get("card") != card or comparable(earlier.get("settings")) != comparable(settings):
-        changed = sorted(k for k in set(comparable(settings)) | set(comparable(earlier.get("settings")))
-                         if comparable(settings).get(k) != comparable(earlier.get("settings")).get(k))
+    before, now = comparable(earlier.get("settings") or {}), comparable(settings)
+    if earlier.get("card") != card or before != now:
+        changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
         what = f"card {earlier.get('card')!r}" if earlier.get("card") != card else f"other {', '.join(changed)}"
         raise UserError(f"--resume: {path} was measured with {what}; give another --out, or leave out --resume")
     return {row["variant"]: row for row in earlier.get("variants", []) if "median_step_s" in row}

@@ -46,8 +46,11 @@ def campaigns(results: Path = RESULTS) -> dict[str, tuple[int, str, str]]:
     return {m["folder"]: (i, m["date"], m["commit"]) for i, m in enumerate(INDEX_ROW.finditer(text))}
 
 
-def benchmark(path: Path, run: dict) -> tuple[int, str] | None:
-    """(sort order, name) of the benchmark an archived file holds; None for other files."""
+BENCHMARK_FILES = (STEP, METHOD, RULE, TRAIN)
+
+
+def benchmark(path: Path, run: dict) -> tuple[int, str]:
+    """(sort order, name) of the benchmark an archived file holds (a name of ``BENCHMARK_FILES``)."""
     if TRAIN.fullmatch(path.name):
         settings = run["settings"]
         return 200, f"training, {settings.get('shape') or Path(settings['model_dir']).name}"
@@ -56,9 +59,7 @@ def benchmark(path: Path, run: dict) -> tuple[int, str] | None:
         return gpus, f"step, {gpus} GPU" + ("s" if gpus > 1 else "")
     if METHOD.fullmatch(path.name):
         return 100, "method alone"
-    if RULE.fullmatch(path.name):
-        return 101, "precision rule"
-    return None
+    return 101, "precision rule"
 
 
 def _step_figure(run: dict) -> str:
@@ -120,34 +121,31 @@ def figure(kind: str, run: dict) -> str:
     return _method_figure(run) if kind == "method alone" else _rule_figure(run)
 
 
-def latest_runs(results: Path = RESULTS) -> list[tuple[str, int, str, str, Path]]:
-    """(card, order, benchmark, campaign, file) of the latest campaign's runs per card and benchmark."""
+def latest_runs(results: Path = RESULTS) -> list[tuple[str, int, str, str, dict]]:
+    """(card, order, benchmark, campaign, run) of the latest campaign's runs per card and benchmark."""
     index = campaigns(results)
-    found: dict[tuple[str, int, str], list[tuple[str, Path]]] = {}
+    found: dict[tuple[str, int, str], list[tuple[str, dict]]] = {}
     for path in sorted(results.rglob("*.json")):
-        if not any(pattern.fullmatch(path.name) for pattern in (STEP, METHOD, RULE, TRAIN)):
+        if not any(pattern.fullmatch(path.name) for pattern in BENCHMARK_FILES):
             continue
         run = json.loads(path.read_text(encoding="utf-8"))
         kind = benchmark(path, run)
-        if kind is None:
-            continue
         folder = path.relative_to(results).parts[0]
         if folder not in index:
             raise SystemExit(f"{path}: its campaign {folder!r} is missing from {results / 'README.md'}")
         card = run.get("card") or run.get("env", {}).get("card", "unknown")  # bench_train: at the top
-        found.setdefault((card, *kind), []).append((folder, path))
+        found.setdefault((card, *kind), []).append((folder, run))
     rows = []
     for (card, order, kind), runs in sorted(found.items()):
         last = max(index[folder][0] for folder, _ in runs)
-        rows += [(card, order, kind, folder, path) for folder, path in runs if index[folder][0] == last]
+        rows += [(card, order, kind, folder, run) for folder, run in runs if index[folder][0] == last]
     return rows
 
 
 def table(results: Path = RESULTS) -> str:
     index = campaigns(results)
     lines = [HEADER, "|---|---|---|---|---|"]
-    for card, _, kind, folder, path in latest_runs(results):
-        run = json.loads(path.read_text(encoding="utf-8"))
+    for card, _, kind, folder, run in latest_runs(results):
         _, date, commit = index[folder]
         lines.append(f"| {card} | {kind} | {figure(kind, run)} | [{folder}](../results/{folder}/) | {date}, {commit} |")
     return "\n".join(lines)

@@ -10,10 +10,10 @@
 # pretrained on a GPU when there is one); then the cells run JOBS at a time, one CPU thread
 # each, round-robin over the visible GPUs (CPU only when there are none), the longest expected
 # first (`--dry-run` shows the estimates). In a grid with a selection stage the candidates go
-# first, and a row's cells start as soon as its own choice is made. Logs: OUT/logs/CELL.log. Rerun the same line to resume after a kill: finished cells are
-# skipped, killed ones rerun. PATTERNs after JOBS keep the cells whose names match one (and their
-# rows' selection candidates), as `--only` does; two runs on one OUT with disjoint patterns
-# share the machine. LAUNCH_FOR=SECONDS starts no cell after that many seconds, so that
+# first, and a row's cells start as soon as its own choice is made. Logs: OUT/logs/CELL.log.
+# Rerun the same line to resume after a kill: finished cells are skipped, killed ones rerun.
+# PATTERNs after JOBS keep the cells whose names match one (and their rows' selection
+# candidates), as `--only` does; two runs on one OUT with disjoint patterns share the machine. LAUNCH_FOR=SECONDS starts no cell after that many seconds, so that
 # a job with a time limit ends with its cells finished rather than killed. NO_REPORT=1 skips the
 # report; IGA_DS_CLI overrides the command (default: iga-ds).
 set -euo pipefail

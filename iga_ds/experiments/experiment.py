@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 import yaml
 
-from iga_ds.config.run import BUILTIN_TINY, RUN_CONFIG, TinyBaseConfig, config_from_dict
+from iga_ds.config.run import ADAPTER_CONFIG, BUILTIN_TINY, RUN_CONFIG, TinyBaseConfig, config_from_dict
 from iga_ds.data.benchmarks import load_benchmark, resolve_options
 from iga_ds.data.groups import complete_groups
 from iga_ds.data.splits import random_pairing, split_by_instance, synthetic_eval_splits
@@ -274,7 +274,7 @@ def _train_with_launcher(launcher: str, run: dict[str, Any], cell_dir: Path) -> 
     metrics = read_jsonl(cell_dir / "metrics.jsonl") if (cell_dir / "metrics.jsonl").is_file() else []
     adapter = cell_dir / "adapter"
     step = int(metrics[-1]["step"]) if metrics else 0
-    return TrainOutcome((adapter / "adapter_config.json").is_file(), step, wall, adapter)
+    return TrainOutcome((adapter / ADAPTER_CONFIG).is_file(), step, wall, adapter)
 
 
 def run_cell(grid: Grid, cell: Cell, out: Path, prepared: PreparedData, progress: bool = True,
@@ -391,10 +391,10 @@ def _first_change(recorded: Path, spec: dict[str, Any]) -> str:
     """' (KEY: was A, now B)' for the first setting that differs from the cell's recorded spec,
     '' when it cannot be told (no readable record)."""
     try:
-        before = json.loads(json.dumps(json.loads(recorded.read_text(encoding="utf-8")), sort_keys=True))
+        before = json.loads(recorded.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return ""
-    now = json.loads(json.dumps(spec, sort_keys=True, default=str))  # as the hash sees it
+    now = json.loads(json.dumps(spec, default=str))  # as the hash sees it
 
     def walk(a: Any, b: Any, path: str) -> str | None:
         if isinstance(a, dict) and isinstance(b, dict):

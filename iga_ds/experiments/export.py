@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from iga_ds.config.run import RUN_CONFIG, locate_adapter
+from iga_ds.config.run import ADAPTER_CONFIG, RUN_CONFIG, locate_adapter
 from iga_ds.data.prompts import PROMPT_FORMAT_FILE, saved_prompt_format
 from iga_ds.errors import UserError
 from iga_ds.files import make_dir, read_json, read_yaml_file
 from iga_ds.models import TOKENIZER_FILES, check_model_source, load_auto_tokenizer, load_causal_lm
-from iga_ds.train.model_card import (ADAPTER_CONFIG, CARD_FILE, TINY_FILE, CardFacts, adapter_base,
+from iga_ds.train.model_card import (CARD_FILE, TINY_FILE, CardFacts, adapter_base,
                                      base_location, name_base, read_tiny, run_facts, set_base,
                                      write_card)
 
