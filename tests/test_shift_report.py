@@ -1,5 +1,6 @@
-"""results/shift-smollm2/report.md is what the command in results/README.md makes of the
-archived grid, to the byte; ``--against`` pairs every row against another row as against ERM-SFT."""
+"""results/shift-smollm2/report.md and results/control-smollm2/report.md are what the commands in
+results/README.md make of the archived grids, to the byte; ``--against`` pairs every row against
+another row as against ERM-SFT; the README's first screen quotes both."""
 from __future__ import annotations
 
 import json
@@ -16,34 +17,42 @@ from iga_ds.errors import UserError
 from iga_ds.experiments.report import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
-ARCHIVE = ROOT / "results" / "shift-smollm2" / "shift-smollm2.tar.xz"
-REPORT = ROOT / "results" / "shift-smollm2" / "report.md"
+GRIDS = ("shift-smollm2", "control-smollm2")
 
 
-def _documented_command() -> list[str]:
-    """The `iga-ds report runs/shift-smollm2` line of results/README.md, as arguments."""
+def _report(name: str) -> Path:
+    return ROOT / "results" / name / "report.md"
+
+
+def _documented_command(name: str) -> list[str]:
+    """The `iga-ds report runs/NAME` line of results/README.md, as arguments."""
     text = (ROOT / "results" / "README.md").read_text(encoding="utf-8").replace("\\\n", " ")
-    line = next(line.strip() for line in text.splitlines() if line.strip().startswith("iga-ds report runs/shift-smollm2"))
+    line = next(line.strip() for line in text.splitlines() if line.strip().startswith(f"iga-ds report runs/{name} "))
     return shlex.split(line)[1:]
 
 
-@pytest.fixture(scope="module")
-def grid(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("shift")
-    with tarfile.open(ARCHIVE) as tar:
+def _extract(root: Path, name: str) -> Path:
+    with tarfile.open(ROOT / "results" / name / f"{name}.tar.xz") as tar:
         tar.extractall(root / "runs", filter="data")
     return root
 
 
-def test_the_archived_report_regenerates_from_the_archive(grid):
-    args = _documented_command()
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory) -> Path:
+    return _extract(tmp_path_factory.mktemp("shift"), "shift-smollm2")
+
+
+@pytest.mark.parametrize("name", GRIDS)
+def test_the_archived_report_regenerates_from_the_archive(name, grid, tmp_path):
+    root = grid if name == "shift-smollm2" else _extract(tmp_path, name)
+    args = _documented_command(name)
     out = args[args.index("--out") + 1]
-    (grid / out).parent.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([sys.executable, "-m", "iga_ds", *args], cwd=grid, capture_output=True, text=True)
+    (root / out).parent.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run([sys.executable, "-m", "iga_ds", *args], cwd=root, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert (grid / out).read_text(encoding="utf-8") == REPORT.read_text(encoding="utf-8")
-    assert sorted(p.name for p in (grid / out).parent.glob("figures/*.png")) == \
-        sorted(p.name for p in REPORT.parent.glob("figures/*.png"))
+    assert (root / out).read_text(encoding="utf-8") == _report(name).read_text(encoding="utf-8")
+    assert sorted(p.name for p in (root / out).parent.glob("figures/*.png")) == \
+        sorted(p.name for p in _report(name).parent.glob("figures/*.png"))
 
 
 def _ood(cell: Path) -> float:
@@ -69,18 +78,21 @@ def test_against_an_unknown_row_writes_nothing(grid, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_readme_states_the_shipped_rows_figures_from_the_archived_report():
-    """The README's first screen quotes the paired comparison of the IGA row at the shipped
-    defaults (the row the claims table compares) as the archived report prints it."""
-    report = REPORT.read_text(encoding="utf-8")
+@pytest.mark.parametrize("name", GRIDS)
+def test_the_readme_states_the_shipped_rows_figures_from_the_archived_report(name):
+    """The README's first screen and REPLICATION.md quote, for each benchmark, the paired comparison
+    of the IGA row at the shipped defaults (the row the claims table compares) as the archived
+    report prints it."""
+    report = _report(name).read_text(encoding="utf-8")
     shipped = report.split("## The paper's claims")[1].split("\n| ", 1)[1].split(" against ERM-SFT |")[0]
     paired = report.split("## Rows by the paper's definitions")[1].split("Every row against")[0]
     cells = {line.split(" | ")[0][2:]: line.split(" | ") for line in paired.splitlines() if line.startswith("| ")}
     iga, erm = cells[shipped], cells["ERM-SFT"]
     ood, delta = iga[2].split(" [")[0], iga[3].replace(" [", " points [")
-    cue = iga[5].replace("-", "", 1).replace(" [", " [", 1)
-    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
-    assert f"the shipped IGA scores {ood}% against ERM-SFT's {erm[2].split(' [')[0]}%: {delta}" in readme
-    assert f"Its cue effect is lower by {cue}" in readme
+    cue = iga[5].replace(" [", " points [")
     flips = (round(float(iga[6].split(" [")[0])), round(float(erm[6].split(" [")[0])))
-    assert f"flips with the cue on {flips[0]}% of items (ERM-SFT: {flips[1]}%)" in readme
+    for doc in ("README.md", "docs/REPLICATION.md"):
+        text = " ".join((ROOT / doc).read_text(encoding="utf-8").split())
+        assert f"the shipped IGA scores {ood}% against ERM-SFT's {erm[2].split(' [')[0]}%: {delta}" in text, doc
+        assert f"its cue effect changes by {cue}" in text, doc
+        assert f"flips with the cue on {flips[0]}% of items (ERM-SFT: {flips[1]}%)" in text, doc
