@@ -11,7 +11,9 @@ same records, token ids, batches and schedule:
   reason where it is absent);
 - ``iga_ds_erm`` and ``iga_ds_iga``: ``python -m iga_ds train --config RUN.yaml`` with a run YAML
   written here (method ``erm``, then ``iga`` with its defaults), and ``iga_ds_erm_packed`` and
-  ``iga_ds_iga_packed``, the same with ``data.padding_free: true``; their step times are the ones
+  ``iga_ds_iga_packed``, the same with ``data.padding_free: true``, and ``iga_ds_erm_captured``,
+  method ``erm_captured``: ERM's update through the engine hook's capture and boundary instead of
+  DeepSpeed's per-micro-batch reduction (IGA's path without the method); their step times are the ones
   the trainer logs in ``metrics.jsonl`` (``step_interval_s``: from one step's end to the next,
   the previous step's logging included, as the Trainer's callbacks see it), so process start-up,
   model loading and tokenization are not counted. The trainer does not log its memory peak: the command runs
@@ -48,6 +50,12 @@ token and layer forward (``d_attn``: heads x head size), twice that backward (bo
 gradients): 12, counted over the full ``n x n`` as PaLM's appendix does (a causal kernel skips
 about half). MFU = FLOPs of the timed steps / their time / the card's dense bf16 peak (``PEAK_BF16``;
 ``--peak-tflops`` overrides); n/a on the CPU.
+
+``--profile``: the 3 steps after the warm-up ones run under ``torch.profiler`` in ``torch`` and the
+``iga_ds_*`` variants (``logging.profile_steps`` and ``profile_after`` in their run YAML; the plain
+loop through the trainer's own ``iga_ds.train.profiling.StepProfiler``) and are left out of the
+figures; each variant's ``profile.json`` and ``profile.txt`` are copied beside ``--out`` as
+``<out stem>_profile_<variant>.json`` and ``.txt``, their paths in its entry of the JSON.
 
 One GPU (SmolLM2-135M's shape, then LLaMA-2-7B's), a model folder, and the CPU smoke run::
 
@@ -88,11 +96,14 @@ from iga_ds.train.batching import (GroupSampler, check_batch_layout, read_record
 from iga_ds.train.model import add_lora, build_vocab, build_word_tokenizer, load_base_model, load_tokenizer
 from iga_ds.train.optim import lr_lambda
 from iga_ds.train.pretrain import corpus_texts, generator_words
+from iga_ds.train.profiling import PROFILE_JSON, PROFILE_TXT, StepProfiler
 
-VARIANTS = ("torch", "hf_trainer", "iga_ds_erm", "iga_ds_iga", "iga_ds_erm_packed", "iga_ds_iga_packed")
+VARIANTS = ("torch", "hf_trainer", "iga_ds_erm", "iga_ds_iga", "iga_ds_erm_packed", "iga_ds_iga_packed",
+            "iga_ds_erm_captured")
 LABELS = {"torch": "PyTorch + PEFT loop", "hf_trainer": "HF Trainer + PEFT + DeepSpeed",
           "iga_ds_erm": "iga-ds train, ERM", "iga_ds_iga": "iga-ds train, IGA",
-          "iga_ds_erm_packed": "iga-ds train, ERM, padding-free", "iga_ds_iga_packed": "iga-ds train, IGA, padding-free"}
+          "iga_ds_erm_packed": "iga-ds train, ERM, padding-free", "iga_ds_iga_packed": "iga-ds train, IGA, padding-free",
+          "iga_ds_erm_captured": "iga-ds train, ERM through the hook"}
 PACKED = "_packed"  # the variant's suffix: data.padding_free on
 # shapes with random weights: Hugging Face LLaMA config fields (SmolLM2-135M-Instruct's
 # config.json; LLaMA-2-7B from common); "tiny" is the smoke run's, its vocabulary the tokenizer's
@@ -108,6 +119,7 @@ SHAPES = {
 # dense bf16 tensor-core peak (no sparsity), FLOP/s, by a part of the card's name (first match)
 PEAK_BF16 = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12))
 SMALL = dict(shape="tiny", steps=5, warmup_steps=1, groups=20, max_length=96)
+PROFILE_STEPS = 3  # --profile: the steps after the warm-up ones profiled (and left out of the figures)
 DEFAULTS = dict(shape="smollm2-135m", steps=120, warmup_steps=10, groups=700, max_length=224)
 
 
@@ -154,29 +166,34 @@ def run_torch(spec: dict) -> dict:
     opt = torch.optim.AdamW(trainable, lr=spec["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                             fused=cuda or None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec["steps"], spec["warmup_ratio"], 0.0))
+    # --profile: the window iga-ds train profiles (logging.profile_steps after profile_after), by its helper
+    profiler = StepProfiler(Path(spec["work"]) / "runs" / "torch", spec["profile_steps"], spec["warmup_steps"],
+                            device, total_steps=len(plan))
     times, tokens, losses = [], [], []
-    for step in plan:
-        synchronize(device)
-        t0 = time.perf_counter()
-        loss_sum, count = torch.zeros((), device=device), 0
-        for groups in step:
-            mb = batches.micro_batch(groups).to(device)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-                logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-            loss = sequence_losses(logits, mb.labels).mean()
-            (loss / len(step)).backward()
-            loss_sum += loss.detach()
-            count += mb.num_tokens
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss_sum) / len(step))  # the host waits for the step here
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-        tokens.append(count)
+    for index, step in enumerate(plan):
+        with profiler.step(index):
+            synchronize(device)
+            t0 = time.perf_counter()
+            loss_sum, count = torch.zeros((), device=device), 0
+            for groups in step:
+                mb = batches.micro_batch(groups).to(device)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+                loss = sequence_losses(logits, mb.labels).mean()
+                (loss / len(step)).backward()
+                loss_sum += loss.detach()
+                count += mb.num_tokens
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss_sum) / len(step))  # the host waits for the step here
+            synchronize(device)
+            times.append(time.perf_counter() - t0)
+            tokens.append(count)
+    paths = profiler.finish()
     return {"step_times_s": times, "step_tokens": tokens, "losses": losses, "attn_implementation": "sdpa",
-            "dtype": "bf16 autocast" if cuda else "float32"}
+            "dtype": "bf16 autocast" if cuda else "float32", "profile": [str(p) for p in paths] if paths else None}
 
 
 # -- variant: the Hugging Face Trainer ------------------------------------------------------------
@@ -272,7 +289,8 @@ def run_yaml(spec: dict, method: str, out_dir: str, padding_free: bool = False) 
         "schedule": {"lr": spec["lr"], "warmup_ratio": spec["warmup_ratio"], "max_steps": spec["steps"]},
         "method": {"name": method},
         "checkpoint": {"every_steps": 0},
-        "logging": {"every_steps": 1, "tensorboard": False, "progress": False},
+        "logging": {"every_steps": 1, "tensorboard": False, "progress": False,
+                    "profile_steps": spec["profile_steps"], "profile_after": spec["warmup_steps"]},
         "seed": spec["seed"], "resume": "never",
     }
     return "# written by bench/bench_train.py\n" + json.dumps(config, indent=2) + "\n"
@@ -294,9 +312,11 @@ def iga_result(out_dir: Path) -> dict:
     resolved = (out_dir / "config.resolved.yaml").read_text(encoding="utf-8")
     attn = next((line.split(":", 1)[1].strip() for line in resolved.splitlines()
                  if line.strip().startswith("attn_implementation:")), None)
+    profile = [out_dir / PROFILE_JSON, out_dir / PROFILE_TXT]
     return {"step_times_s": [r["step_interval_s"] for r in rows],
             "step_tokens": [round(r["tokens_per_s"] * r["step_time_s"]) for r in rows],
-            "losses": [r["loss"] for r in rows], "attn_implementation": attn}
+            "losses": [r["loss"] for r in rows], "attn_implementation": attn,
+            "profile": [str(p) for p in profile] if all(p.is_file() for p in profile) else None}
 
 
 # -- one variant's process ------------------------------------------------------------------------
@@ -400,19 +420,22 @@ def peak_flops(card: str, override_tflops: float | None) -> float | None:
     return next((peak for name, peak in PEAK_BF16 if name in card), None)
 
 
-def summarize(result: dict, warmup: int, flops: list[float], peak: float | None) -> dict:
-    """Median step and spread, tokens/s and MFU over the steps after ``warmup``."""
+def summarize(result: dict, warmup: int, flops: list[float], peak: float | None, profiled: int = 0) -> dict:
+    """Median step and spread, tokens/s and MFU over the steps after ``warmup`` and the
+    ``profiled`` ones that follow it (``--profile``: the profiler's cost is in their time)."""
     times, tokens = result["step_times_s"], result["step_tokens"]
-    timed, timed_tokens = times[warmup:], tokens[warmup:]
+    first = warmup + profiled
+    timed, timed_tokens = times[first:], tokens[first:]
     row = {"steps": len(times), "timed_steps": len(timed), "tokens": sum(tokens), "step_tokens": tokens,
-           "step_times_s": times}
+           "step_times_s": times, **({"profiled_steps": profiled} if profiled else {})}
     if not timed:
-        return {**row, "error": f"no steps after the {warmup} warm-up steps"}
+        return {**row, "error": f"no steps after the {warmup} warm-up" + (f" and {profiled} profiled" if profiled
+                                                                          else "") + " steps"}
     stats = spread(timed)
     seconds = sum(timed)
     row.update(median_step_s=stats["median"], p10_step_s=stats["p10"], p90_step_s=stats["p90"],
                tokens_per_s=sum(timed_tokens) / seconds,
-               mfu=(sum(flops[warmup:len(times)]) / seconds / peak) if peak else None)
+               mfu=(sum(flops[first:len(times)]) / seconds / peak) if peak else None)
     if result.get("peak_memory_bytes") is not None:
         row["peak_memory_gb"] = result["peak_memory_bytes"] / 1e9
     return row
@@ -480,7 +503,8 @@ def plan_spec(args, work: Path, device: torch.device) -> dict:
             "groups_per_micro_batch": micro,
             "max_length": args.max_length, "steps": args.steps, "lr": args.lr, "warmup_ratio": args.lr_warmup_ratio,
             "seed": args.seed, "r": args.rank, "alpha": args.alpha, "targets": list(LORA_TARGETS),
-            "deepspeed": ds, "trainer_attn": args.trainer_attn}
+            "deepspeed": ds, "trainer_attn": args.trainer_attn, "warmup_steps": args.warmup_steps,
+            "profile_steps": PROFILE_STEPS if args.profile else 0}
 
 
 def prepare(args, spec: dict, device: torch.device) -> dict:
@@ -495,6 +519,8 @@ def run_settings(args, spec: dict) -> dict:
                                      "lr", "warmup_ratio", "seed", "r", "alpha", "targets", "deepspeed",
                                      "trainer_attn")}
     settings.update(shape=None if args.model else args.shape, warmup_steps=args.warmup_steps, groups=args.groups)
+    if spec["profile_steps"]:  # its steps are left out of the figures: --resume keeps like with like
+        settings["profile_steps"] = spec["profile_steps"]
     return settings
 
 
@@ -570,13 +596,26 @@ def measure(variant: str, spec: dict, spec_path: Path, args, flops, peak) -> dic
     if "error" in result:
         print(f"{variant}: FAILED: {result['error']}", flush=True)
         return {"variant": variant, "label": LABELS[variant], **result}
-    row = {"variant": variant, "label": LABELS[variant], **summarize(result, args.warmup_steps, flops, peak),
+    row = {"variant": variant, "label": LABELS[variant],
+           **summarize(result, args.warmup_steps, flops, peak, spec["profile_steps"]),
            **{k: result.get(k) for k in ("attn_implementation", "dtype", "losses", "wall_s")}}
     if args.work_dir:  # a temporary work folder is gone at the end, its logs with it
         row["log"] = result.get("log")
+    if result.get("profile"):
+        row["profile_json"], row["profile_txt"] = keep_profile(result["profile"], args.out, variant)
     if "median_step_s" in row:
         print(f"{variant}: median step {row['median_step_s']:.3f} s, {row['tokens_per_s']:,.0f} tokens/s", flush=True)
     return row
+
+
+def keep_profile(paths: list[str], out: str, variant: str) -> list[str]:
+    """The variant's profile.json and profile.txt copied beside ``--out``: ``<stem>_profile_<variant>.*``."""
+    kept = []
+    for path in paths:
+        target = Path(out).with_name(f"{Path(out).stem}_profile_{variant}{Path(path).suffix}")
+        atomic_write_text(target, Path(path).read_text(encoding="utf-8"))
+        kept.append(str(target))
+    return kept
 
 
 def variant_list(text: str) -> list[str]:
@@ -613,6 +652,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=1800, help="limit per variant")
     p.add_argument("--work-dir", help="keep the data, model, runs and logs here (default: a temporary folder, removed)")
     p.add_argument("--small", action="store_true", help="CPU smoke run: a tiny shape, a few steps, seconds")
+    p.add_argument("--profile", action="store_true",
+                   help=f"torch.profiler over the {PROFILE_STEPS} steps after the warm-up ones (left out of the "
+                        "figures) of the torch and iga-ds variants; their profile.json/.txt beside --out as "
+                        "<out stem>_profile_<variant>.json/.txt")
     p.add_argument("--out", default="bench_train.json")
     p.add_argument("--resume", action="store_true",
                    help="keep the variants that --out already measured with the same settings (a run cut short "

@@ -249,6 +249,14 @@ def train_config_negative_steps(d):
 
 
 @case
+def train_config_negative_profile_steps(d):
+    _isomers(d)
+    _run_yaml(d, logging={"profile_steps": -1})
+    return Case(["train", "--config", "run.yaml"], ("run.yaml", "logging.profile_steps", "an integer >= 0"),
+                in_process=True)
+
+
+@case
 def train_deepspeed_json_missing(d):
     _isomers(d)
     _run_yaml(d)

@@ -1,5 +1,6 @@
 """bench/bench_train.py: the CPU smoke run end to end (every variant in its own process, the
-same tokens for all), and its arithmetic (FLOPs, MFU, the summary) and skip rule in-process."""
+same tokens for all, ``--profile``'s files), and its arithmetic (FLOPs, MFU, the summary) and
+skip rule in-process."""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_small_run_measures_every_variant_on_the_same_tokens(tmp_path):
     out = tmp_path / "bench_train.json"
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "bench_train.py"), "--small", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "bench_train.py"), "--small", "--profile",
+                           "--out", str(out)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -31,14 +33,28 @@ def test_small_run_measures_every_variant_on_the_same_tokens(tmp_path):
     ran = [row for row in rows if "skipped" not in row]
     assert all(row["skipped"].strip() for row in rows if row not in ran)  # a skip says why
     # the anchors that need nothing beyond the package's own dependencies always run
-    assert {"torch", "iga_ds_erm", "iga_ds_iga", "iga_ds_erm_packed", "iga_ds_iga_packed"} <= {row["variant"] for row in ran}
-    steps = report["settings"]["steps"]
+    assert set(bench_train.VARIANTS) - {"hf_trainer"} <= {row["variant"] for row in ran}
+    steps, warmup = report["settings"]["steps"], report["settings"]["warmup_steps"]
+    profiled = report["settings"]["profile_steps"]
+    assert profiled == bench_train.PROFILE_STEPS
     for row in ran:
         assert "error" not in row, row["error"]
         assert len(row["step_times_s"]) == steps and all(t > 0 for t in row["step_times_s"]), row["variant"]
         assert row["median_step_s"] > 0 and row["tokens_per_s"] > 0, row["variant"]
-        assert row["timed_steps"] == steps - report["settings"]["warmup_steps"]
+        assert row["timed_steps"] == steps - warmup - profiled  # --profile: its steps are left out
         assert row["mfu"] is None  # no bf16 peak for a CPU
+    # --profile: the plain loop and iga-ds train profile the same steps, their files beside --out
+    for row in ran:
+        if row["variant"] == "hf_trainer":
+            assert "profile_json" not in row
+            continue
+        variant = row["variant"]
+        assert (row["profile_json"], row["profile_txt"]) == (str(tmp_path / f"bench_train_profile_{variant}.json"),
+                                                             str(tmp_path / f"bench_train_profile_{variant}.txt"))
+        profile = json.loads(Path(row["profile_json"]).read_text())
+        assert (profile["steps"], profile["first_step"]) == (profiled, warmup + 1), variant  # 1-based steps
+        assert any(op["name"] in ("aten::mm", "aten::addmm") for op in profile["ops"]), variant
+        assert Path(row["profile_txt"]).read_text().startswith(f"# {profiled} optimizer steps profiled"), variant
     # the same records, token ids and batches: identical token counts, step by step
     assert len({tuple(row["step_tokens"]) for row in ran}) == 1, {row["variant"]: row["step_tokens"] for row in ran}
     assert ran[0]["tokens"] > 0
@@ -47,12 +63,14 @@ def test_small_run_measures_every_variant_on_the_same_tokens(tmp_path):
     for method in ("erm", "iga"):
         padded, packed = by_name[f"iga_ds_{method}"]["losses"], by_name[f"iga_ds_{method}_packed"]["losses"]
         assert packed == pytest.approx(padded, rel=1e-4), method
+    # ERM through the hook is ERM's update on another schedule of reductions: the same losses
+    assert by_name["iga_ds_erm_captured"]["losses"] == pytest.approx(by_name["iga_ds_erm"]["losses"], rel=1e-4)
     assert "card: CPU" in proc.stdout and "median step s" in proc.stdout
     # --resume: a run cut short goes on where it stopped; the variants measured are kept as they were
     report["variants"] = [row for row in rows if row["variant"] != "iga_ds_erm"]
     out.write_text(json.dumps(report))
-    again = subprocess.run([sys.executable, str(REPO / "bench" / "bench_train.py"), "--small", "--out", str(out),
-                            "--resume"], cwd=tmp_path, capture_output=True, text=True, timeout=900,
+    again = subprocess.run([sys.executable, str(REPO / "bench" / "bench_train.py"), "--small", "--profile", "--out",
+                            str(out), "--resume"], cwd=tmp_path, capture_output=True, text=True, timeout=900,
                            env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
     resumed = json.loads(out.read_text())["variants"]
@@ -61,9 +79,9 @@ def test_small_run_measures_every_variant_on_the_same_tokens(tmp_path):
     assert again.stdout.count("measured earlier, kept") == len(ran) - 1 and "iga_ds_erm: running" in again.stdout
     # other settings in --out: one line, nothing measured or written
     before = out.read_text()
-    other = subprocess.run([sys.executable, str(REPO / "bench" / "bench_train.py"), "--small", "--steps", "4",
-                            "--out", str(out), "--resume"], cwd=tmp_path, capture_output=True, text=True, timeout=900,
-                           env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    other = subprocess.run([sys.executable, str(REPO / "bench" / "bench_train.py"), "--small", "--profile", "--steps",
+                            "4", "--out", str(out), "--resume"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=900, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert other.returncode == 2 and "--resume" in other.stderr and "other steps" in other.stderr
     assert len(other.stderr.strip().splitlines()) == 1 and out.read_text() == before
 
@@ -100,3 +118,8 @@ def test_summary_leaves_out_the_warm_up_steps():
     assert row["mfu"] == pytest.approx(60 / 6 / 10)
     assert row["peak_memory_gb"] == pytest.approx(2.0)
     assert "error" in bench_train.summarize(result, 4, [0.0] * 4, None)
+    # --profile: the profiled steps after the warm-up ones are left out too
+    profiled = bench_train.summarize(result, 1, [50.0, 10.0, 20.0, 30.0], 10.0, profiled=2)
+    assert profiled["median_step_s"] == 3.0 and profiled["timed_steps"] == 1 and profiled["profiled_steps"] == 2
+    assert profiled["mfu"] == pytest.approx(30 / 3 / 10)
+    assert "3 profiled" in bench_train.summarize(result, 1, [0.0] * 4, None, profiled=3)["error"]

@@ -253,6 +253,12 @@ class LoggingConfig(Section):
                                       "else the name of output_dir")
     mlflow_tracking_uri: Optional[str] = setting(None, "where MLflow records runs; null: `MLFLOW_TRACKING_URI`, else a "
                                                  "file store in output_dir/mlruns")
+    profile_steps: int = setting(0, "optimizer steps profiled with torch.profiler after the first `profile_after` "
+                                 "steps; 0: none. Writes profile.json and profile.txt to the run's output folder (rank "
+                                 "0's steps; a resumed run profiles the part of the window it runs)",
+                                 expected="an integer >= 0", ge=0)
+    profile_after: int = setting(5, "steps run before the profiled ones (warm-up: allocator, kernels' first calls)",
+                                 expected="an integer >= 0", ge=0)
 
     @field_validator("report_to", mode="before")
     @classmethod

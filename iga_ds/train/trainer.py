@@ -65,6 +65,7 @@ from iga_ds.train.model import add_lora, load_base_model, load_tokenizer
 from iga_ds.train.model_card import make_portable
 from iga_ds.train.optim import GroupStepAdamW, lr_lambda
 from iga_ds.train.pretrain import default_tiny_base
+from iga_ds.train.profiling import StepProfiler
 from iga_ds.train.update_norms import UpdateNorms
 
 log = logging.getLogger("iga_ds.train")
@@ -143,12 +144,15 @@ class Trainer:
                        active=s.dist.rank == 0, quiet=self.quiet)
         history: list[dict[str, Any]] = []
         status, step = "completed", s.start_step
+        profiler = StepProfiler(s.out, self.cfg.logging.profile_steps, self.cfg.logging.profile_after, s.engine.device,
+                                active=s.dist.rank == 0, log=self._print, start_step=step, total_steps=s.total_steps)
         s.stop.install()
         try:
             s.engine.train()
             last_end = time.perf_counter()
             while step < s.total_steps:
-                record = self.train_step(s, step)
+                with profiler.step(step):  # logging.profile_steps: torch.profiler over a window of steps
+                    record = self.train_step(s, step)
                 # end to end, as a trainer's callbacks see a step: the last step's logging and
                 # checkpoint check included (step_time_s is the step's own work)
                 end = time.perf_counter()
@@ -161,10 +165,12 @@ class Trainer:
                 if self.checkpoint_if_due(s, step) and step < s.total_steps:
                     status = "stopped"
                     break
+            profiler.finish()  # the run ended inside the window: the steps it profiled
         except Exception as exc:
             self.peers.raise_if_lost(exc)  # a collective failed: name the rank that is gone, if one is
             raise
         finally:
+            profiler.close()
             s.stop.uninstall()
             book.close()
             s.hook.detach()
