@@ -278,8 +278,10 @@ class StepClock:
 def run_yaml(spec: dict, method: str, out_dir: str, padding_free: bool = False) -> str:
     """The run YAML of ``iga-ds train`` for this benchmark (JSON is YAML)."""
     model = {"name_or_path": spec["model_dir"], "dtype": "bfloat16" if spec["device"] == "cuda" else "float32"}
-    if spec["trainer_attn"] != "default":
-        model["attn_implementation"] = spec["trainer_attn"]
+    attn = spec.get("packed_attn", "default") if padding_free else "default"
+    attn = spec["trainer_attn"] if attn == "default" else attn
+    if attn != "default":
+        model["attn_implementation"] = attn
     config = {
         "output_dir": out_dir, "deepspeed": spec["deepspeed"], "model": model,
         "lora": {"r": spec["r"], "alpha": spec["alpha"], "target_modules": spec["targets"]},
@@ -442,17 +444,17 @@ def summarize(result: dict, warmup: int, flops: list[float], peak: float | None,
 
 
 def table(rows: list[dict], card: str) -> str:
-    lines = [f"{'variant':<18} {'median step s':>13}  {'[p10-p90]':<17} {'tokens/s':>10} {'peak GB':>8} {'MFU %':>6}"]
+    lines = [f"{'variant':<19} {'median step s':>13}  {'[p10-p90]':<17} {'tokens/s':>10} {'peak GB':>8} {'MFU %':>6}"]
     lines.append("-" * len(lines[0]))
     for row in rows:
         if "median_step_s" not in row:
             why = row.get("skipped") or (row.get("error") or "").splitlines()[0]
-            lines.append(f"{row['variant']:<18} {'skipped' if row.get('skipped') else 'FAILED'}: {why}")
+            lines.append(f"{row['variant']:<19} {'skipped' if row.get('skipped') else 'FAILED'}: {why}")
             continue
         spread_text = f"[{row['p10_step_s']:.3f}-{row['p90_step_s']:.3f}]"
         peak = f"{row['peak_memory_gb']:.2f}" if row.get("peak_memory_gb") is not None else "n/a"
         mfu = f"{100 * row['mfu']:.1f}" if row.get("mfu") is not None else "n/a"
-        lines.append(f"{row['variant']:<18} {row['median_step_s']:>13.3f}  {spread_text:<17} "
+        lines.append(f"{row['variant']:<19} {row['median_step_s']:>13.3f}  {spread_text:<17} "
                      f"{row['tokens_per_s']:>10,.0f} {peak:>8} {mfu:>6}")
     lines.append(f"card: {card}")
     return "\n".join(lines)
@@ -503,7 +505,7 @@ def plan_spec(args, work: Path, device: torch.device) -> dict:
             "groups_per_micro_batch": micro,
             "max_length": args.max_length, "steps": args.steps, "lr": args.lr, "warmup_ratio": args.lr_warmup_ratio,
             "seed": args.seed, "r": args.rank, "alpha": args.alpha, "targets": list(LORA_TARGETS),
-            "deepspeed": ds, "trainer_attn": args.trainer_attn, "warmup_steps": args.warmup_steps,
+            "deepspeed": ds, "trainer_attn": args.trainer_attn, "packed_attn": args.packed_attn, "warmup_steps": args.warmup_steps,
             "profile_steps": PROFILE_STEPS if args.profile else 0}
 
 
@@ -519,6 +521,8 @@ def run_settings(args, spec: dict) -> dict:
                                      "lr", "warmup_ratio", "seed", "r", "alpha", "targets", "deepspeed",
                                      "trainer_attn")}
     settings.update(shape=None if args.model else args.shape, warmup_steps=args.warmup_steps, groups=args.groups)
+    if spec["packed_attn"] != "default":  # recorded only when set: older reports still resume
+        settings["packed_attn"] = spec["packed_attn"]
     if spec["profile_steps"]:  # its steps are left out of the figures: --resume keeps like with like
         settings["profile_steps"] = spec["profile_steps"]
     return settings
@@ -647,6 +651,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha: twice it)")
     p.add_argument("--trainer-attn", choices=("default", "eager", "sdpa"), default="default",
                    help="iga-ds train's attention (default: the trainer's own default); the anchors use SDPA")
+    p.add_argument("--packed-attn", choices=("default", "eager", "sdpa", "flex_attention", "flash_attention_2"),
+                   default="default", help="the padding-free variants' attention (default: --trainer-attn's); "
+                   "eager and sdpa score the whole packed row, flex_attention and flash_attention_2 skip "
+                   "across-sequence blocks (flash_attention_2 needs the flash-attn package)")
     p.add_argument("--peak-tflops", type=float, help="the card's dense bf16 peak in TFLOP/s (default: from its name)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=1800, help="limit per variant")

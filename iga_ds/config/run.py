@@ -172,7 +172,9 @@ class DataConfig(Section):
                                  "(as Hugging Face's `DataCollatorWithFlattening`): position ids restart at 0 with "
                                  "each sequence, so attention and the loss stay within it, and IGA's capture "
                                  "attributes each token to its sequence's domain; the same gradients as padding. Off "
-                                 "by default: slower than padded rows in the training benchmark (docs/PERFORMANCE.md). Needs an attention implementation "
+                                 "by default: with eager or sdpa attention the packed row's whole score matrix is "
+                                 "computed and masked, slower than padded rows in the training benchmark "
+                                 "(docs/PERFORMANCE.md); flash_attention_2 and flex_attention skip it. Needs an attention implementation "
                                  "that separates packed sequences (`eager`, `sdpa`, `flex_attention`, "
                                  "`flash_attention_2`/`_3`/`_4`)")
     tokenize_processes: int = setting(1, "processes of the one tokenization of the training set (`Dataset.map`'s "

@@ -260,13 +260,23 @@ def pack_rows(rows: Sequence[tuple[Sequence[int], Sequence[int]]], domain_ids: S
 PACKED_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 
 
-def check_padding_free(model) -> None:
-    """A ConfigError unless ``model``'s attention keeps packed sequences apart."""
+# these mask a packed row's full T x T scores: with B sequences about B times a padded batch's attention work
+DENSE_PACKED_ATTENTION = ("eager", "sdpa")
+
+
+def check_padding_free(model) -> str | None:
+    """A ConfigError unless ``model``'s attention keeps packed sequences apart; a note for the
+    user when it does so by masking the whole row (correct, but attention costs more than padding)."""
     implementation = getattr(model.config, "_attn_implementation", None)
     if implementation not in PACKED_ATTENTION:
         raise ConfigError(f"data.padding_free: attention implementation {implementation!r} would attend across "
                           f"packed sequences; set model.attn_implementation to one of {', '.join(PACKED_ATTENTION)}, "
                           "or data.padding_free: false")
+    if implementation in DENSE_PACKED_ATTENTION:
+        return (f"note: data.padding_free with {implementation} attention scores the whole packed row and masks "
+                "across sequences, more attention work than padded rows; flash_attention_2 (varlen) or "
+                "flex_attention skip it")
+    return None
 
 
 def pad_id(tokenizer) -> int:

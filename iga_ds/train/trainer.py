@@ -297,8 +297,8 @@ class Trainer:
         (trainable, total) parameter counts."""
         cfg, s = self.cfg, self.cfg.schedule
         model = load_base_model(base_dir, cfg.model.dtype, cfg.model.attn_implementation)
-        if cfg.data.padding_free:
-            check_padding_free(model)
+        if cfg.data.padding_free and (note := check_padding_free(model)):
+            self._print(note)
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()
