@@ -81,7 +81,7 @@ from pathlib import Path
 
 import torch
 
-from common import LLAMA2_7B, LORA_TARGETS, environment, environment_line, spread, synchronize
+from common import LLAMA2_7B, LORA_TARGETS, environment, environment_line, paired_ratio, spread, synchronize
 from iga_ds.config.deepspeed import default_ds_config
 from iga_ds.config.run import shipped_file
 from iga_ds.data.domains import DEFAULT_DOMAINS
@@ -545,11 +545,32 @@ def earlier_rows(path: str, settings: dict, card: str) -> dict[str, dict]:
     return {row["variant"]: row for row in earlier.get("variants", []) if "median_step_s" in row}
 
 
+# (variant, baseline) step-time ratios paired by step: the method's cost, each layout's, the anchors
+PAIRS = (("iga_ds_iga", "iga_ds_erm"), ("iga_ds_iga_packed", "iga_ds_erm_packed"), ("iga_ds_erm_packed", "iga_ds_erm"),
+         ("iga_ds_erm_captured", "iga_ds_erm"), ("iga_ds_erm", "torch"), ("iga_ds_iga", "torch"),
+         ("iga_ds_erm", "hf_trainer"), ("iga_ds_iga", "hf_trainer"))
+
+
+def paired_ratios(rows: list[dict]) -> list[dict]:
+    """PAIRS' step-time ratios over the timed steps both measured, with 90% bootstrap intervals
+    over steps (every variant runs the same steps: the same tokens at the same index)."""
+    by_name = {row["variant"]: row for row in rows if "median_step_s" in row}
+    out = []
+    for name, base in PAIRS:
+        a, b = by_name.get(name), by_name.get(base)
+        if a is None or b is None or a["step_tokens"] != b["step_tokens"]:
+            continue
+        first = len(a["step_times_s"]) - a["timed_steps"]
+        ratio, lo, hi = paired_ratio(a["step_times_s"][first:], b["step_times_s"][first:])
+        out.append({"variant": name, "baseline": base, "step_ratio": ratio, "interval90": [lo, hi]})
+    return out
+
+
 def report(args, spec: dict, rows: list[dict], counts: dict, env: dict, card: str, peak) -> dict:
     settings = run_settings(args, spec)
     return {"benchmark": "bench_train", "card": card, "peak_flops": peak, "environment": env, "settings": settings,
             "parameters": counts, "flops_formula": "4*N_base*T + 6*N_lora*T + 12*L*d_attn*sum(n_i^2)",
-            "variants": rows}
+            "variants": rows, "paired": paired_ratios(rows)}
 
 
 def drive(args) -> int:
@@ -585,6 +606,10 @@ def drive(args) -> int:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
     print("\n" + table(rows, card))
+    for pair in paired_ratios(rows):
+        lo, hi = pair["interval90"]
+        print(f"{pair['variant']} / {pair['baseline']}: step time {pair['step_ratio']:.3f}, paired by step "
+              f"(90% bootstrap interval {lo:.3f}-{hi:.3f})")
     print(environment_line(env))
     print(f"wrote {args.out}")
     return 1 if any("error" in row for row in rows) else 0

@@ -204,6 +204,27 @@ def spread(times: list[float]) -> dict[str, float]:
             "p90": ordered[min(n - 1, (9 * n) // 10)], "min": ordered[0], "max": ordered[-1]}
 
 
+def paired_ratio(times: list[float], baseline: list[float], level: float = 0.9, resamples: int = 2000,
+                 seed: int = 0) -> tuple[float, float, float]:
+    """sum(times) / sum(baseline) over the same steps, with a bootstrap interval that resamples
+    steps, both lists at the same indices. Paired: the steps hold the same tokens in both, so
+    the spread that comes from the data (short and long batches) cancels. Deterministic."""
+    import random
+
+    if len(times) != len(baseline) or not times:
+        raise ValueError(f"paired_ratio: {len(times)} steps against {len(baseline)}")
+    rng = random.Random(seed)
+    n = len(times)
+    ratios = []
+    for _ in range(resamples):
+        picks = rng.choices(range(n), k=n)
+        ratios.append(sum(times[i] for i in picks) / sum(baseline[i] for i in picks))
+    ratios.sort()
+    tail = (1.0 - level) / 2
+    return (sum(times) / sum(baseline), ratios[int(tail * resamples)],
+            ratios[min(resamples - 1, int((1.0 - tail) * resamples))])
+
+
 def do_bench_ms(fn, warmup: int = 25, rep: int = 200) -> float:
     """Median ms of ``fn`` by ``triton.testing.do_bench`` (CUDA events, L2 cache flushed before
     each call; ``warmup`` and ``rep`` are time budgets in ms, as do_bench takes them)."""

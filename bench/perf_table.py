@@ -107,6 +107,9 @@ def _train_figure(run: dict) -> str:
         if row.get("mfu") is not None:
             text += f", MFU {100 * row['mfu']:.1f}%"
         parts.append(text)
+    # the method's cost, paired by step (bench_train.py's "paired"; runs before it have none)
+    parts += [f"IGA / ERM step {p['step_ratio']:.3f} ({p['interval90'][0]:.3f}-{p['interval90'][1]:.3f}) paired"
+              for p in run.get("paired", ()) if (p["variant"], p["baseline"]) == ("iga_ds_iga", "iga_ds_erm")]
     missed = [r["variant"] for r in run["variants"] if r["variant"] not in ran]
     settings = run["settings"]
     tail = f"{settings['steps']} steps, {settings['warmup_steps']} left out"

@@ -66,6 +66,10 @@ def test_small_run_measures_every_variant_on_the_same_tokens(tmp_path):
     # ERM through the hook is ERM's update on another schedule of reductions: the same losses
     assert by_name["iga_ds_erm_captured"]["losses"] == pytest.approx(by_name["iga_ds_erm"]["losses"], rel=1e-4)
     assert "card: CPU" in proc.stdout and "median step s" in proc.stdout
+    # the paired step ratios of every pair that ran, each printed under the table
+    pairs = {(p["variant"], p["baseline"]) for p in report["paired"]}
+    assert {pair for pair in bench_train.PAIRS if "hf_trainer" not in pair} <= pairs
+    assert "iga_ds_iga / iga_ds_erm: step time " in proc.stdout
     # --resume: a run cut short goes on where it stopped; the variants measured are kept as they were
     report["variants"] = [row for row in rows if row["variant"] != "iga_ds_erm"]
     out.write_text(json.dumps(report))
@@ -123,3 +127,24 @@ def test_summary_leaves_out_the_warm_up_steps():
     assert profiled["median_step_s"] == 3.0 and profiled["timed_steps"] == 1 and profiled["profiled_steps"] == 2
     assert profiled["mfu"] == pytest.approx(30 / 3 / 10)
     assert "3 profiled" in bench_train.summarize(result, 1, [0.0] * 4, None, profiled=3)["error"]
+
+
+def test_paired_ratios_compare_the_same_timed_steps():
+    tokens = [10, 20, 30, 40, 50]
+    erm = {"variant": "iga_ds_erm", "step_times_s": [9.0, 1.0, 2.0, 3.0, 4.0], "step_tokens": tokens, "timed_steps": 4,
+           "median_step_s": 2.5}
+    # IGA's step is ERM's plus a tenth on every timed step, whatever the data make each step cost
+    iga = {**erm, "variant": "iga_ds_iga", "step_times_s": [0.5] + [1.1 * t for t in erm["step_times_s"][1:]]}
+    loop = {**erm, "variant": "torch", "step_times_s": [5.0, 2.0, 2.0, 2.0, 2.0]}
+    other_tokens = {**erm, "variant": "hf_trainer", "step_tokens": [1] * 5}  # not the same steps: no pair
+    failed = {"variant": "iga_ds_erm_packed", "error": "x"}
+    pairs = {(p["variant"], p["baseline"]): p for p in bench_train.paired_ratios([erm, iga, loop, other_tokens, failed])}
+    assert set(pairs) == {("iga_ds_iga", "iga_ds_erm"), ("iga_ds_erm", "torch"), ("iga_ds_iga", "torch")}
+    exact = pairs[("iga_ds_iga", "iga_ds_erm")]
+    assert exact["step_ratio"] == pytest.approx(1.1) and exact["interval90"] == pytest.approx([1.1, 1.1])
+    spread = pairs[("iga_ds_erm", "torch")]  # the warm-up step (9.0 against 5.0) is left out
+    assert spread["step_ratio"] == pytest.approx(10 / 8)
+    lo, hi = spread["interval90"]
+    assert lo < spread["step_ratio"] < hi and 0.5 <= lo and hi <= 2.0
+    with pytest.raises(ValueError, match="3 steps against 2"):
+        bench_train.paired_ratio([1.0, 2.0, 3.0], [1.0, 2.0])

@@ -76,3 +76,14 @@ def test_training_throughput_rows_compare_the_trainer_with_its_anchors(tmp_path)
     assert lines[2] == ("| Card Z | training, smollm2-135m | `torch` 10,000 tokens/s, MFU 1.0%; `hf_trainer` 8,000 tokens/s; "
                         "`iga_ds_iga` 12,000 tokens/s, 1.50x HF Trainer, 1.20x plain loop, MFU 1.2%; not run: iga_ds_erm "
                         "(120 steps, 10 left out) | [t](../results/t/) | 2026-01-03 10:00, ccccccc |")
+
+
+def test_a_training_row_gives_the_paired_iga_over_erm_step_when_the_run_has_it(tmp_path):
+    results = tmp_path / "results"
+    run = _train_run("Card Z")
+    run["paired"] = [{"variant": "iga_ds_iga", "baseline": "torch", "step_ratio": 0.8, "interval90": [0.7, 0.9]},
+                     {"variant": "iga_ds_iga", "baseline": "iga_ds_erm", "step_ratio": 1.0254, "interval90": [0.99, 1.061]}]
+    _archive(results, ["| [t](t/) | 2026-01-03 10:00 | ccccccc | x | y |"], {"t/bench_train_smollm2.json": run})
+    row = perf_table.table(results).splitlines()[2]
+    assert "MFU 1.2%; IGA / ERM step 1.025 (0.990-1.061) paired; not run: iga_ds_erm" in row
+    assert "0.800" not in row  # only IGA against ERM: the anchors are in tokens/s already
