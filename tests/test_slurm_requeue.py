@@ -110,7 +110,9 @@ def test_no_requeue_without_signal_and_max_requeues_respected(local_slurm, tmp_p
     out = tmp_path / "out"
     job = submit(local_slurm, tmp_path, "schedule.max_steps=40", IGA_TEST_STEP_SECONDS="0.5",
                  IGA_TRAIN_SCRIPT=str(trainer), IGA_MAX_REQUEUES="0")
-    wait_for(lambda: len(lines(out / "steps-rank0.log")) >= 2, 120, "training progress", local_slurm)
+    # both ranks stepping, so both have their SIGUSR1 handler (a rank still starting would die of it)
+    wait_for(lambda: all(len(lines(out / f"steps-rank{rank}.log")) >= 2 for rank in (0, 1)), 240,
+             "training progress on both ranks", local_slurm)
     local_slurm.run("scancel", "--signal=USR1", "--batch", job)
     state, _ = local_slurm.wait_done(job, 120)
     batch_log = (tmp_path / f"iga-cpu-{job}.out").read_text()
