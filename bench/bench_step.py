@@ -66,6 +66,7 @@ from iga_ds.engine.hook import PhaseClock
 from iga_ds.engine.internals import disable_cpu_shm_comm_op
 from iga_ds.files import atomic_write_json
 from iga_ds.train.batching import sequence_losses
+from iga_ds.train.profiling import ranked_ops
 
 METHODS = ("erm", "erm_captured", "iga", "iga_fused", "iga_bf16", "iga_svd_bf16_q1p16")
 # the fused variants that fix their precision (iga_fused takes --precision) and projection
@@ -360,11 +361,8 @@ def profile_summary(averages, wall_s: float, cuda: bool, top: int = 25) -> dict:
     def ms(us: float) -> float:
         return round(us / 1e3, 3)
 
-    # device-side copies of the record_function ranges repeat their kernels' time: not ops
-    ops = [e for e in averages if not (e.device_type != DeviceType.CPU and getattr(e, "is_user_annotation", False))]
+    ranked = ops = ranked_ops(averages, cuda)  # the trainer's profiler ranks them the same way
     kernels = [e for e in ops if e.device_type != DeviceType.CPU]
-    ranked = sorted(ops, key=(lambda e: (self_cuda_us(e), e.self_cpu_time_total)) if cuda
-                    else (lambda e: e.self_cpu_time_total), reverse=True)
     # inclusive times: a range whose CPU time is well above its CUDA time is host-bound
     ranges = {e.key: {"calls": e.count, "cpu_ms": ms(e.cpu_time_total),
                       "cuda_ms": ms(total_cuda_us(e)) if cuda else 0.0}

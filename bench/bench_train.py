@@ -278,8 +278,7 @@ class StepClock:
 def run_yaml(spec: dict, method: str, out_dir: str, padding_free: bool = False) -> str:
     """The run YAML of ``iga-ds train`` for this benchmark (JSON is YAML)."""
     model = {"name_or_path": spec["model_dir"], "dtype": "bfloat16" if spec["device"] == "cuda" else "float32"}
-    attn = spec.get("packed_attn", "default") if padding_free else "default"
-    attn = spec["trainer_attn"] if attn == "default" else attn
+    attn = spec["packed_attn"] if padding_free and spec["packed_attn"] != "default" else spec["trainer_attn"]
     if attn != "default":
         model["attn_implementation"] = attn
     config = {
@@ -594,19 +593,20 @@ def drive(args) -> int:
         print(f"{len(plan)} steps of {sum(tokens) / len(plan):.0f} tokens on average, "
               f"{counts['base_linear']:,} base linear weights, {counts['lora']:,} LoRA weights; work folder {work}",
               flush=True)
-        rows = []
+        rows, written = [], {"paired": []}
         for variant in args.variants:
             if variant in kept:
                 print(f"{variant}: measured earlier, kept from {args.out}", flush=True)
                 rows.append(kept[variant])
             else:
                 rows.append(measure(variant, spec, spec_path, args, flops, peak))
-            atomic_write_json(args.out, report(args, spec, rows, counts, env, card, peak))
+            written = report(args, spec, rows, counts, env, card, peak)
+            atomic_write_json(args.out, written)
     finally:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
     print("\n" + table(rows, card))
-    for pair in paired_ratios(rows):
+    for pair in written["paired"]:  # as the JSON has them
         lo, hi = pair["interval90"]
         print(f"{pair['variant']} / {pair['baseline']}: step time {pair['step_ratio']:.3f}, paired by step "
               f"(90% bootstrap interval {lo:.3f}-{hi:.3f})")

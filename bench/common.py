@@ -25,6 +25,7 @@ import importlib.metadata
 import json
 import math
 import platform
+import random
 import statistics
 import time
 
@@ -209,8 +210,6 @@ def paired_ratio(times: list[float], baseline: list[float], level: float = 0.9, 
     """sum(times) / sum(baseline) over the same steps, with a bootstrap interval that resamples
     steps, both lists at the same indices. Paired: the steps hold the same tokens in both, so
     the spread that comes from the data (short and long batches) cancels. Deterministic."""
-    import random
-
     if len(times) != len(baseline) or not times:
         raise ValueError(f"paired_ratio: {len(times)} steps against {len(baseline)}")
     rng = random.Random(seed)

@@ -116,20 +116,18 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _ops(averages) -> list:
-    # device-side copies of user ranges (record_function) repeat their kernels' time: not ops
-    return [e for e in averages if not (e.device_type != DeviceType.CPU and e.is_user_annotation)]
-
-
-def _rank_key(cuda: bool) -> Callable[[Any], Any]:
-    if cuda:
-        return lambda e: (e.self_device_time_total, e.self_cpu_time_total)
-    return lambda e: e.self_cpu_time_total
+def ranked_ops(averages, cuda: bool) -> list:
+    """``key_averages()``'s operators, slowest first: by self device time on a GPU (then self CPU
+    time), else by self CPU time. Device-side copies of user ranges (record_function) repeat their
+    kernels' time and are left out."""
+    ops = [e for e in averages if not (e.device_type != DeviceType.CPU and e.is_user_annotation)]
+    key = (lambda e: (e.self_device_time_total, e.self_cpu_time_total)) if cuda else (lambda e: e.self_cpu_time_total)
+    return sorted(ops, key=key, reverse=True)
 
 
 def profile_summary(averages, wall_s: float, steps: int, cuda: bool) -> dict[str, Any]:
     """profile.json's content: the window's totals and every operator, slowest first."""
-    ops = sorted(_ops(averages), key=_rank_key(cuda), reverse=True)
+    ops = ranked_ops(averages, cuda)
     # kernels carry the device's time (the operators launching them repeat it), as in torch's own footer
     busy_us = sum(e.self_device_time_total for e in ops if e.device_type != DeviceType.CPU) if cuda else 0.0
     return {
