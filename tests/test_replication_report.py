@@ -14,6 +14,10 @@ STUDENTS = [
     (ROOT / "results" / "replication-2026-11-26" / "runs.tar.xz", "replication", "tiny LLaMA, 4 layers"),
     (ROOT / "results" / "replication-smollm2-2026-11-27" / "runs.tar.xz", "replication-smollm2",
      "SmolLM2-135M-Instruct"),
+    (ROOT / "results" / "shift-smollm2" / "shift-smollm2.tar.xz", "shift-smollm2",
+     "SmolLM2-135M-Instruct, diverse environments"),
+    (ROOT / "results" / "control-smollm2" / "control-smollm2.tar.xz", "control-smollm2",
+     "SmolLM2-135M-Instruct, negative control"),
 ]
 
 
@@ -27,7 +31,7 @@ def _documented_report_command() -> list[str]:
 
 def test_replication_report_regenerates_from_the_archived_runs(tmp_path):
     """The documented command (docs/replication_discussion.md), run as written by the real
-    program on the two unpacked archives, gives docs/REPLICATION.md and its figures."""
+    program on the four unpacked archives, gives docs/REPLICATION.md and its figures."""
     for archive, _, _ in STUDENTS:
         with tarfile.open(archive) as tar:
             tar.extractall(tmp_path / "runs", filter="data")
@@ -39,7 +43,9 @@ def test_replication_report_regenerates_from_the_archived_runs(tmp_path):
     out = tmp_path / "docs" / "REPLICATION.md"
     assert out.read_text(encoding="utf-8") == (ROOT / "docs" / "REPLICATION.md").read_text(encoding="utf-8")
     figures = sorted(str(p.relative_to(out.parent / "figures")) for p in (out.parent / "figures").rglob("*.png"))
-    assert figures == sorted(f"{student}/{name}" for student in ("tiny-llama-4-layers", "smollm2-135m-instruct")
+    assert figures == sorted(f"{student}/{name}" for student in ("tiny-llama-4-layers", "smollm2-135m-instruct",
+                                                             "smollm2-135m-instruct-diverse-environments",
+                                                             "smollm2-135m-instruct-negative-control")
                              for name in ("lcs_layers.png", "mask_stats.png", "ood_accuracy.png", "ood_vs_time.png"))
     documented = (ROOT / "docs" / "replication_discussion.md").read_text(encoding="utf-8")
     for _, folder, name in STUDENTS:  # the command shown names these folders and students
