@@ -1,10 +1,11 @@
 """Training throughput of ``iga-ds train`` beside what users would run instead, on one machine.
 
-Six variants, each in a process of its own (started by this one, one after the other), on the
+The variants, each in a process of its own (started by this one, one after the other), on the
 same records, token ids, batches and schedule:
 
 - ``torch``: a plain PyTorch loop: PEFT LoRA, SDPA attention, bf16 autocast (float32 on the
-  CPU), fused AdamW on CUDA, clipping at 1.0, no DeepSpeed;
+  CPU), fused AdamW on CUDA, clipping at 1.0, no DeepSpeed; ``torch_no_cudnn``: the same loop
+  with SDPA's cuDNN kernel off, as ``iga-ds train`` runs by default (``model.cudnn_attention``);
 - ``hf_trainer``: the Hugging Face ``Trainer`` with PEFT and the DeepSpeed JSON iga-ds uses
   (the shipped ``ds_configs/zero2.json`` on a GPU, the package's default fp32
   ``zero2_fp32.json`` on the CPU), SDPA attention; needs ``accelerate`` (skipped with the
@@ -22,7 +23,7 @@ same records, token ids, batches and schedule:
 The records are a synthetic isomer set (``iga_ds.data.synth``, as ``iga-ds data synth`` writes
 it). Every variant tokenizes with the trainer's own functions (``tokenize_groups``, its prompt
 format, its cache) and takes step ``s``'s groups from the trainer's ``GroupSampler`` in the
-trainer's micro-batches (``TokenizedGroups.micro_batch``), so all six see the same token ids
+trainer's micro-batches (``TokenizedGroups.micro_batch``), so all of them see the same token ids
 in the same batches; the JSON's token counts let a reader (and the smoke test) check it. The
 model is ``--model PATH`` or ``--shape NAME``: a LLaMA of that shape with random weights (the
 step time does not depend on the values) and the built-in tiny base's word-level tokenizer
@@ -93,16 +94,18 @@ from iga_ds.errors import UserError
 from iga_ds.files import atomic_write_json, atomic_write_text, read_json, read_jsonl
 from iga_ds.train.batching import (GroupSampler, check_batch_layout, read_records, sequence_losses, tokenize_groups,
                                    tokenized_cache_root)
-from iga_ds.train.model import add_lora, build_vocab, build_word_tokenizer, load_base_model, load_tokenizer
+from iga_ds.train.model import add_lora, allow_cudnn_attention, build_vocab, build_word_tokenizer, load_base_model, load_tokenizer
 from iga_ds.train.optim import lr_lambda
 from iga_ds.train.pretrain import corpus_texts, generator_words
 from iga_ds.train.profiling import PROFILE_JSON, PROFILE_TXT, StepProfiler
 
-VARIANTS = ("torch", "hf_trainer", "iga_ds_erm", "iga_ds_iga", "iga_ds_erm_packed", "iga_ds_iga_packed",
-            "iga_ds_erm_captured")
-LABELS = {"torch": "PyTorch + PEFT loop", "hf_trainer": "HF Trainer + PEFT + DeepSpeed",
+VARIANTS = ("torch", "torch_no_cudnn", "hf_trainer", "iga_ds_erm", "iga_ds_iga", "iga_ds_erm_packed",
+            "iga_ds_iga_packed", "iga_ds_erm_captured")
+LABELS = {"torch": "PyTorch + PEFT loop", "torch_no_cudnn": "PyTorch + PEFT loop, cuDNN attention off",
+          "hf_trainer": "HF Trainer + PEFT + DeepSpeed",
           "iga_ds_erm": "iga-ds train, ERM", "iga_ds_iga": "iga-ds train, IGA",
-          "iga_ds_erm_packed": "iga-ds train, ERM, padding-free", "iga_ds_iga_packed": "iga-ds train, IGA, padding-free",
+          "iga_ds_erm_packed": "iga-ds train, ERM, padding-free",
+          "iga_ds_iga_packed": "iga-ds train, IGA, padding-free",
           "iga_ds_erm_captured": "iga-ds train, ERM through the hook"}
 PACKED = "_packed"  # the variant's suffix: data.padding_free on
 # shapes with random weights: Hugging Face LLaMA config fields (SmolLM2-135M-Instruct's
@@ -155,8 +158,9 @@ def step_sizes(batches, plan) -> tuple[list[int], list[int]]:
 # -- variant: a plain PyTorch loop ----------------------------------------------------------------
 
 
-def run_torch(spec: dict) -> dict:
+def run_torch(spec: dict, cudnn: bool = True) -> dict:
     batches, plan = load_plan(spec)
+    allow_cudnn_attention(cudnn)  # True: PyTorch's default; False: what iga-ds train does by default
     device = torch.device(spec["device"])
     cuda = device.type == "cuda"
     base = load_base_model(spec["model_dir"], "bfloat16" if cuda else "float32", "sdpa")
@@ -167,7 +171,8 @@ def run_torch(spec: dict) -> dict:
                             fused=cuda or None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec["steps"], spec["warmup_ratio"], 0.0))
     # --profile: the window iga-ds train profiles (logging.profile_steps after profile_after), by its helper
-    profiler = StepProfiler(Path(spec["work"]) / "runs" / "torch", spec["profile_steps"], spec["warmup_steps"],
+    runs = Path(spec["work"]) / "runs" / ("torch" if cudnn else "torch_no_cudnn")
+    profiler = StepProfiler(runs, spec["profile_steps"], spec["warmup_steps"],
                             device, total_steps=len(plan))
     times, tokens, losses = [], [], []
     for index, step in enumerate(plan):
@@ -335,7 +340,8 @@ def worker(variant: str, spec_path: str, result_path: str) -> int:
         result = iga_result(out_dir) if rc == 0 else {}
         result.update(rc=rc, dtype="bf16 (DeepSpeed)" if spec["device"] == "cuda" else "float32")
     else:
-        result = {"torch": run_torch, "hf_trainer": run_hf_trainer}[variant](spec)
+        result = {"torch": run_torch, "torch_no_cudnn": lambda s: run_torch(s, cudnn=False),
+                  "hf_trainer": run_hf_trainer}[variant](spec)
         result["rc"] = 0
     cuda = spec["device"] == "cuda"
     result["peak_memory_bytes"] = torch.cuda.max_memory_allocated() if cuda else None
@@ -547,7 +553,8 @@ def earlier_rows(path: str, settings: dict, card: str) -> dict[str, dict]:
 # (variant, baseline) step-time ratios paired by step: the method's cost, each layout's, the anchors
 PAIRS = (("iga_ds_iga", "iga_ds_erm"), ("iga_ds_iga_packed", "iga_ds_erm_packed"), ("iga_ds_erm_packed", "iga_ds_erm"),
          ("iga_ds_erm_captured", "iga_ds_erm"), ("iga_ds_erm", "torch"), ("iga_ds_iga", "torch"),
-         ("iga_ds_erm", "hf_trainer"), ("iga_ds_iga", "hf_trainer"))
+         ("iga_ds_erm", "hf_trainer"), ("iga_ds_iga", "hf_trainer"), ("torch_no_cudnn", "torch"),
+         ("iga_ds_erm", "torch_no_cudnn"), ("iga_ds_iga", "torch_no_cudnn"))
 
 
 def paired_ratios(rows: list[dict]) -> list[dict]:

@@ -120,6 +120,10 @@ class ModelConfig(Section):
     gradient_checkpointing: bool = setting(False, "activation checkpointing (non-reentrant), for large models")
     attn_implementation: Optional[str] = setting("sdpa", "Hugging Face attention implementation, e.g. `eager`; "
                                                  "null: the library's default")
+    cudnn_attention: bool = setting(False, "let PyTorch's scaled-dot-product attention (`sdpa`) choose cuDNN's "
+                                    "kernel on CUDA (`torch.backends.cuda.enable_cudnn_sdp`). Off: it takes flash or "
+                                    "memory-efficient attention. With padded batches whose width changes from batch to "
+                                    "batch, cuDNN's costs host time, up to seconds in one step (docs/PERFORMANCE.md)")
     tiny: dict[str, Any] = setting(dict, "with `builtin:tiny` only: the base's shape and pretraining, fields of "
                                    "`TinyBaseConfig` below, e.g. `{hidden_size: 256, num_layers: 4, steps: 1500}`; "
                                    "each setting is a base of its own in the cache")
@@ -173,8 +177,9 @@ class DataConfig(Section):
                                  "each sequence, so attention and the loss stay within it, and IGA's capture "
                                  "attributes each token to its sequence's domain; the same gradients as padding. Off "
                                  "by default: with eager or sdpa attention the packed row's whole score matrix is "
-                                 "computed and masked, slower than padded rows in the training benchmark "
-                                 "(docs/PERFORMANCE.md); flash_attention_2 and flex_attention skip it. Needs an attention implementation "
+                                 "computed and masked (flash_attention_2 and flex_attention skip it), and in the "
+                                 "training benchmark sdpa and flex_attention both ran slower than padded rows "
+                                 "(docs/PERFORMANCE.md). Needs an attention implementation "
                                  "that separates packed sequences (`eager`, `sdpa`, `flex_attention`, "
                                  "`flash_attention_2`/`_3`/`_4`)")
     tokenize_processes: int = setting(1, "processes of the one tokenization of the training set (`Dataset.map`'s "

@@ -345,6 +345,16 @@ def load_base_model(path: str, dtype: str = "float32", attn_implementation: str 
                           error=ConfigError, expected=f"{EXPECTED}, or builtin:tiny")
 
 
+def allow_cudnn_attention(allowed: bool) -> None:
+    """Whether SDPA may pick cuDNN's attention kernel, for this process (a no-op without CUDA).
+
+    With padded batches whose width changes from batch to batch, cuDNN's attention costs host
+    time, up to seconds in one step, while the device waits (docs/PERFORMANCE.md)."""
+    import torch
+
+    torch.backends.cuda.enable_cudnn_sdp(allowed)
+
+
 def load_tokenizer(path: str):
     """The tokenizer at ``path`` (a local folder, a hub id or a .gguf file), with a pad token."""
     tok = load_auto_tokenizer(path, "tokenizer", error=ConfigError)

@@ -61,7 +61,7 @@ from iga_ds.train.checkpoint import (STOP_FILE, StopSignal, adopt_schedule, chec
 from iga_ds.train.distributed import init_distributed, resolve_dist
 from iga_ds.train.logbook import METRICS_FILE, Logbook, truncate_metrics
 from iga_ds.train.trackers import require_trackers
-from iga_ds.train.model import add_lora, load_base_model, load_tokenizer
+from iga_ds.train.model import add_lora, allow_cudnn_attention, load_base_model, load_tokenizer
 from iga_ds.train.model_card import make_portable
 from iga_ds.train.optim import GroupStepAdamW, lr_lambda
 from iga_ds.train.pretrain import default_tiny_base
@@ -296,6 +296,7 @@ class Trainer:
         """The LoRA model in a DeepSpeed engine, with the run YAML's AdamW and schedule; also
         (trainable, total) parameter counts."""
         cfg, s = self.cfg, self.cfg.schedule
+        allow_cudnn_attention(cfg.model.cudnn_attention)
         model = load_base_model(base_dir, cfg.model.dtype, cfg.model.attn_implementation)
         if cfg.data.padding_free and (note := check_padding_free(model)):
             self._print(note)
