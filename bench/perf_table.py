@@ -35,7 +35,7 @@ STEP = re.compile(PREFIX + r"bench_step_(?P<gpus>\d+)gpu(?:_targets)?\.json$")  
 METHOD = re.compile(PREFIX + r"bench_method\.json$")
 RULE = re.compile(PREFIX + r"bench_method_rule\.json$")
 TRAIN = re.compile(PREFIX + r"bench_train(?:_[A-Za-z0-9-]+)?\.json$")  # e.g. bench_train_smollm2.json
-TRAIN_ANCHORS = (("hf_trainer", "HF Trainer"), ("torch", "plain loop"), ("torch_no_cudnn", "plain loop, cuDNN off"))
+TRAIN_ANCHORS = (("hf_trainer", "HF Trainer"), ("torch", "plain loop"), ("torch_no_cudnn", "cuDNN-off loop"))
 # bench_method.py's fused variants, float32 then bf16
 METHOD_VARIANTS = ("batched_triton", "batched_triton_bf16", "batched_triton_bf16_q1p16")
 
