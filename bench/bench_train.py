@@ -58,6 +58,10 @@ loop through the trainer's own ``iga_ds.train.profiling.StepProfiler``) and are 
 figures; each variant's ``profile.json`` and ``profile.txt`` are copied beside ``--out`` as
 ``<out stem>_profile_<variant>.json`` and ``.txt``, their paths in its entry of the JSON.
 
+``--rounds R`` runs every variant R times, in alternating order (as listed, then reversed), each
+round with its own warm-up steps, and pools the rounds' timed steps: drift of the machine over
+minutes then favours no variant. ``--profile`` profiles the first round only.
+
 One GPU (SmolLM2-135M's shape, then LLaMA-2-7B's), a model folder, and the CPU smoke run::
 
     python bench/bench_train.py --shape smollm2-135m --out bench_train.json
@@ -427,14 +431,26 @@ def peak_flops(card: str, override_tflops: float | None) -> float | None:
     return next((peak for name, peak in PEAK_BF16 if name in card), None)
 
 
-def summarize(result: dict, warmup: int, flops: list[float], peak: float | None, profiled: int = 0) -> dict:
+def timed_ranges(total: int, steps: int, warmup: int, profiled: int = 0) -> list[list[int]]:
+    """[start, end) of the timed steps of each round in ``total`` steps of rounds of ``steps``:
+    each round's first ``warmup``, and the first round's ``profiled`` after them, left out."""
+    return [[start + warmup + (profiled if start == 0 else 0), start + steps] for start in range(0, total, steps)]
+
+
+def summarize(result: dict, warmup: int, flops: list[float], peak: float | None, profiled: int = 0,
+              steps: int | None = None) -> dict:
     """Median step and spread, tokens/s and MFU over the steps after ``warmup`` and the
-    ``profiled`` ones that follow it (``--profile``: the profiler's cost is in their time)."""
+    ``profiled`` ones that follow it (``--profile``: the profiler's cost is in their time); with
+    ``--rounds``, ``result`` holds the rounds back to back, ``steps`` each, each with its warm-up."""
     times, tokens = result["step_times_s"], result["step_tokens"]
-    first = warmup + profiled
-    timed, timed_tokens = times[first:], tokens[first:]
+    steps = steps or len(times)
+    ranges = timed_ranges(len(times), steps, warmup, profiled)
+    index = [i for start, end in ranges for i in range(start, end)]
+    timed, timed_tokens = [times[i] for i in index], [tokens[i] for i in index]
     row = {"steps": len(times), "timed_steps": len(timed), "tokens": sum(tokens), "step_tokens": tokens,
            "step_times_s": times, **({"profiled_steps": profiled} if profiled else {})}
+    if len(ranges) > 1:
+        row.update(rounds=len(ranges), timed_ranges=ranges)
     if not timed:
         return {**row, "error": f"no steps after the {warmup} warm-up" + (f" and {profiled} profiled" if profiled
                                                                           else "") + " steps"}
@@ -442,7 +458,7 @@ def summarize(result: dict, warmup: int, flops: list[float], peak: float | None,
     seconds = sum(timed)
     row.update(median_step_s=stats["median"], p10_step_s=stats["p10"], p90_step_s=stats["p90"],
                tokens_per_s=sum(timed_tokens) / seconds,
-               mfu=(sum(flops[first:len(times)]) / seconds / peak) if peak else None)
+               mfu=(sum(flops[i % len(flops)] for i in index) / seconds / peak) if peak else None)
     if result.get("peak_memory_bytes") is not None:
         row["peak_memory_gb"] = result["peak_memory_bytes"] / 1e9
     return row
@@ -566,8 +582,9 @@ def paired_ratios(rows: list[dict]) -> list[dict]:
         a, b = by_name.get(name), by_name.get(base)
         if a is None or b is None or a["step_tokens"] != b["step_tokens"]:
             continue
-        first = len(a["step_times_s"]) - a["timed_steps"]
-        ratio, lo, hi = paired_ratio(a["step_times_s"][first:], b["step_times_s"][first:])
+        ranges = a.get("timed_ranges") or [[len(a["step_times_s"]) - a["timed_steps"], len(a["step_times_s"])]]
+        index = [i for start, end in ranges for i in range(start, end)]
+        ratio, lo, hi = paired_ratio([a["step_times_s"][i] for i in index], [b["step_times_s"][i] for i in index])
         out.append({"variant": name, "baseline": base, "step_ratio": ratio, "interval90": [lo, hi]})
     return out
 
@@ -600,15 +617,26 @@ def drive(args) -> int:
         print(f"{len(plan)} steps of {sum(tokens) / len(plan):.0f} tokens on average, "
               f"{counts['base_linear']:,} base linear weights, {counts['lora']:,} LoRA weights; work folder {work}",
               flush=True)
-        rows, written = [], {"paired": []}
-        for variant in args.variants:
-            if variant in kept:
-                print(f"{variant}: measured earlier, kept from {args.out}", flush=True)
-                rows.append(kept[variant])
-            else:
-                rows.append(measure(variant, spec, spec_path, args, flops, peak))
-            written = report(args, spec, rows, counts, env, card, peak)
-            atomic_write_json(args.out, written)
+        # later rounds profile nothing: the profiled steps stay the first round's
+        later_spec = work / "spec_later_rounds.json"
+        atomic_write_json(later_spec, {**spec, "profile_steps": 0})
+        done = {v: row for v, row in kept.items() if v in args.variants}
+        for v, row in done.items():
+            print(f"{v}: {row.get('rounds', 1)} of {args.rounds} rounds measured earlier, kept from {args.out}",
+                  flush=True)
+        written = {"paired": []}
+        for r in range(args.rounds):
+            order = args.variants if r % 2 == 0 else args.variants[::-1]  # drift over minutes favours none
+            for variant in order:
+                earlier = done.get(variant)
+                if earlier is not None and ("median_step_s" not in earlier or earlier.get("rounds", 1) > r):
+                    continue  # failed or skipped (no more rounds), or this round measured already
+                done[variant] = measure(variant, spec, spec_path if r == 0 else later_spec, args, flops, peak,
+                                        earlier, r)
+                rows = [done[v] for v in args.variants if v in done]
+                written = report(args, spec, rows, counts, env, card, peak)
+                atomic_write_json(args.out, written)
+        rows = [done[v] for v in args.variants if v in done]
     finally:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
@@ -622,22 +650,33 @@ def drive(args) -> int:
     return 1 if any("error" in row for row in rows) else 0
 
 
-def measure(variant: str, spec: dict, spec_path: Path, args, flops, peak) -> dict:
+def measure(variant: str, spec: dict, spec_path: Path, args, flops, peak, earlier: dict | None = None,
+            round_index: int = 0) -> dict:
+    """Round ``round_index`` of ``variant``: its row, the earlier rounds' steps (``earlier``) and its own."""
     why = skip_reason(variant)
     if why:
         print(f"{variant}: skipped: {why}", flush=True)
         return {"variant": variant, "label": LABELS[variant], "skipped": why}
-    print(f"{variant}: running ({LABELS[variant]})", flush=True)
+    of = f", round {round_index + 1} of {args.rounds}" if args.rounds > 1 else ""
+    print(f"{variant}: running ({LABELS[variant]}{of})", flush=True)
     result = run_variant(variant, spec, spec_path, args.timeout_s)
     if "error" in result:
         print(f"{variant}: FAILED: {result['error']}", flush=True)
         return {"variant": variant, "label": LABELS[variant], **result}
+    if earlier is not None:  # the rounds back to back; the first round's losses, the highest peak
+        peaks = [result.get("peak_memory_bytes"), earlier.get("peak_memory_gb") and earlier["peak_memory_gb"] * 1e9]
+        result = {**result, "step_times_s": earlier["step_times_s"] + result["step_times_s"],
+                  "step_tokens": earlier["step_tokens"] + result["step_tokens"], "losses": earlier["losses"],
+                  "wall_s": earlier["wall_s"] + result["wall_s"],
+                  "peak_memory_bytes": max((p for p in peaks if p is not None), default=None)}
     row = {"variant": variant, "label": LABELS[variant],
-           **summarize(result, args.warmup_steps, flops, peak, spec["profile_steps"]),
+           **summarize(result, args.warmup_steps, flops, peak, spec["profile_steps"], args.steps),
            **{k: result.get(k) for k in ("attn_implementation", "dtype", "losses", "wall_s")}}
     if args.work_dir:  # a temporary work folder is gone at the end, its logs with it
         row["log"] = result.get("log")
-    if result.get("profile"):
+    if earlier is not None and earlier.get("profile_json"):
+        row["profile_json"], row["profile_txt"] = earlier["profile_json"], earlier["profile_txt"]
+    elif result.get("profile"):
         row["profile_json"], row["profile_txt"] = keep_profile(result["profile"], args.out, variant)
     if "median_step_s" in row:
         print(f"{variant}: median step {row['median_step_s']:.3f} s, {row['tokens_per_s']:,.0f} tokens/s", flush=True)
@@ -660,6 +699,12 @@ def variant_list(text: str) -> list[str]:
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(VARIANTS)}, got {text!r}")
     return names
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -689,7 +734,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "across-sequence blocks (flash_attention_2 needs the flash-attn package)")
     p.add_argument("--peak-tflops", type=float, help="the card's dense bf16 peak in TFLOP/s (default: from its name)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout-s", type=float, default=1800, help="limit per variant")
+    p.add_argument("--rounds", type=positive_int, default=1,
+                   help="run every variant this many times, in alternating order (as listed, then reversed), "
+                        "each round with its own warm-up; the figures pool the rounds' timed steps")
+    p.add_argument("--timeout-s", type=float, default=1800, help="limit per variant and round")
     p.add_argument("--work-dir", help="keep the data, model, runs and logs here (default: a temporary folder, removed)")
     p.add_argument("--small", action="store_true", help="CPU smoke run: a tiny shape, a few steps, seconds")
     p.add_argument("--profile", action="store_true",

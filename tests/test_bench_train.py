@@ -129,6 +129,51 @@ def test_summary_leaves_out_the_warm_up_steps():
     assert "3 profiled" in bench_train.summarize(result, 1, [0.0] * 4, None, profiled=3)["error"]
 
 
+def test_rounds_pool_each_rounds_timed_steps():
+    assert bench_train.timed_ranges(8, 4, 1) == [[1, 4], [5, 8]]
+    assert bench_train.timed_ranges(8, 4, 1, profiled=2) == [[3, 4], [5, 8]]  # the first round's profiled steps
+    # two rounds of 4 steps, 1 warm-up each: the rounds' second to fourth steps
+    result = {"step_times_s": [9.0, 1.0, 2.0, 3.0, 8.0, 4.0, 5.0, 6.0], "step_tokens": [100, 10, 20, 30] * 2}
+    row = bench_train.summarize(result, 1, [5.0, 1.0, 2.0, 3.0], 1.0, steps=4)
+    assert (row["rounds"], row["timed_ranges"], row["timed_steps"]) == (2, [[1, 4], [5, 8]], 6)
+    assert row["median_step_s"] == 3.5 and row["tokens_per_s"] == pytest.approx(120 / 21)
+    assert row["mfu"] == pytest.approx(12 / 21)  # each step's FLOPs by its place in the round
+    # the pairs read the same ranges: a ratio of 2 everywhere but at the rounds' warm-up steps
+    slow = {**row, "variant": "iga_ds_iga", "step_times_s": [1.0, 2.0, 4.0, 6.0, 1.0, 8.0, 10.0, 12.0]}
+    pairs = bench_train.paired_ratios([{**row, "variant": "iga_ds_erm"}, slow])
+    assert [(p["variant"], p["step_ratio"]) for p in pairs] == [("iga_ds_iga", pytest.approx(2.0))]
+
+
+@pytest.mark.slow
+def test_rounds_alternate_the_order_and_resume_round_by_round(tmp_path):
+    out = tmp_path / "rounds.json"
+    command = [sys.executable, str(REPO / "bench" / "bench_train.py"), "--small", "--variants", "torch,iga_ds_erm",
+               "--steps", "3", "--out", str(out)]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run(command + ["--rounds", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    ran = [line.split(":")[0] for line in proc.stdout.splitlines() if ": running (" in line]
+    assert ran == ["torch", "iga_ds_erm", "iga_ds_erm", "torch"]  # the second round in reverse
+    rows = json.loads(out.read_text())["variants"]
+    assert [(r["rounds"], r["steps"], r["timed_steps"]) for r in rows] == [(2, 6, 4)] * 2
+    assert rows[0]["step_tokens"] == rows[1]["step_tokens"] and rows[0]["step_tokens"][:3] == rows[0]["step_tokens"][3:]
+    # a run cut after round 1 of iga_ds_erm: --resume runs its second round only, and a third for both
+    report = json.loads(out.read_text())
+    erm = report["variants"][1]
+    erm = {k: v for k, v in erm.items() if k not in ("rounds", "timed_ranges")}
+    report["variants"][1] = {**erm, **bench_train.summarize(
+        {"step_times_s": erm["step_times_s"][:3], "step_tokens": erm["step_tokens"][:3]}, 1, [0.0] * 3, None, steps=3)}
+    out.write_text(json.dumps(report))
+    again = subprocess.run(command + ["--rounds", "3", "--resume"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=600, env=env)
+    assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
+    ran = [line.split(":")[0] + line.split("round")[-1][:2] for line in again.stdout.splitlines() if ": running (" in line]
+    assert ran == ["iga_ds_erm 2", "torch 3", "iga_ds_erm 3"], again.stdout
+    rows = json.loads(out.read_text())["variants"]
+    assert [(r["rounds"], r["steps"]) for r in rows] == [(3, 9)] * 2
+    assert rows[0]["step_times_s"][:6] == report["variants"][0]["step_times_s"]  # kept, not measured again
+
+
 def test_paired_ratios_compare_the_same_timed_steps():
     tokens = [10, 20, 30, 40, 50]
     erm = {"variant": "iga_ds_erm", "step_times_s": [9.0, 1.0, 2.0, 3.0, 4.0], "step_tokens": tokens, "timed_steps": 4,
