@@ -168,6 +168,7 @@ def run_torch(spec: dict, cudnn: bool = True) -> dict:
     device = torch.device(spec["device"])
     cuda = device.type == "cuda"
     base = load_base_model(spec["model_dir"], "bfloat16" if cuda else "float32", "sdpa")
+    torch.manual_seed(spec["seed"])  # the adapters' initial values: one loop's run is the other's
     model = add_lora(base, spec["r"], spec["alpha"], 0.0, spec["targets"]).to(device)
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
