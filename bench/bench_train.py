@@ -590,8 +590,33 @@ def paired_ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
+REPO = Path(__file__).resolve().parents[1]
+PATH_FIELDS = ("model_dir", "deepspeed", "log")  # settings' and rows' paths in the work folder or the repository
+BESIDE_OUT = ("profile_json", "profile_txt")  # rows' files copied beside --out
+
+
+def portable(record: dict, work: str, out: str) -> dict:
+    """``record`` with its paths as another machine reads them: under the work folder as
+    ``WORK_DIR/...``, in the repository relative to it, the files beside ``--out`` by their
+    names; any other path (a model folder elsewhere) as given."""
+    def relative(value, roots):
+        if not isinstance(value, str) or not os.path.isabs(value):
+            return value
+        path = Path(value).resolve()
+        for root, prefix in roots:
+            if path.is_relative_to(root):
+                return prefix + path.relative_to(root).as_posix()
+        return value
+
+    inside = ((Path(work).resolve(), "WORK_DIR/"), (REPO, ""))
+    beside = ((Path(out).resolve().parent, ""),)
+    return {k: relative(v, inside) if k in PATH_FIELDS else relative(v, beside) if k in BESIDE_OUT else v
+            for k, v in record.items()}
+
+
 def report(args, spec: dict, rows: list[dict], counts: dict, env: dict, card: str, peak) -> dict:
-    settings = run_settings(args, spec)
+    settings = portable(run_settings(args, spec), spec["work"], args.out)
+    rows = [portable(row, spec["work"], args.out) for row in rows]
     return {"benchmark": "bench_train", "card": card, "peak_flops": peak, "environment": env, "settings": settings,
             "parameters": counts, "flops_formula": "4*N_base*T + 6*N_lora*T + 12*L*d_attn*sum(n_i^2)",
             "variants": rows, "paired": paired_ratios(rows)}
@@ -607,7 +632,8 @@ def drive(args) -> int:
     work.mkdir(parents=True, exist_ok=True)
     try:
         spec = plan_spec(args, work.resolve(), device)
-        kept = earlier_rows(args.out, run_settings(args, spec), card) if args.resume else {}
+        settings = portable(run_settings(args, spec), spec["work"], args.out)  # as the JSON records them
+        kept = earlier_rows(args.out, settings, card) if args.resume else {}
         spec = prepare(args, spec, device)
         spec_path = work / "spec.json"
         atomic_write_json(spec_path, spec)

@@ -34,6 +34,7 @@ def test_small_run_measures_every_variant_on_the_same_tokens(tmp_path):
     assert all(row["skipped"].strip() for row in rows if row not in ran)  # a skip says why
     # the anchors that need nothing beyond the package's own dependencies always run
     assert set(bench_train.VARIANTS) - {"hf_trainer"} <= {row["variant"] for row in ran}
+    assert report["settings"]["model_dir"] == "WORK_DIR/model"  # no path of this machine in the JSON
     steps, warmup = report["settings"]["steps"], report["settings"]["warmup_steps"]
     profiled = report["settings"]["profile_steps"]
     assert profiled == bench_train.PROFILE_STEPS
@@ -49,12 +50,13 @@ def test_small_run_measures_every_variant_on_the_same_tokens(tmp_path):
             assert "profile_json" not in row
             continue
         variant = row["variant"]
-        assert (row["profile_json"], row["profile_txt"]) == (str(tmp_path / f"bench_train_profile_{variant}.json"),
-                                                             str(tmp_path / f"bench_train_profile_{variant}.txt"))
-        profile = json.loads(Path(row["profile_json"]).read_text())
+        # recorded by their names: they lie beside --out
+        assert (row["profile_json"], row["profile_txt"]) == (f"bench_train_profile_{variant}.json",
+                                                             f"bench_train_profile_{variant}.txt")
+        profile = json.loads((tmp_path / row["profile_json"]).read_text())
         assert (profile["steps"], profile["first_step"]) == (profiled, warmup + 1), variant  # 1-based steps
         assert any(op["name"] in ("aten::mm", "aten::addmm") for op in profile["ops"]), variant
-        assert Path(row["profile_txt"]).read_text().startswith(f"# {profiled} optimizer steps profiled"), variant
+        assert (tmp_path / row["profile_txt"]).read_text().startswith(f"# {profiled} optimizer steps profiled"), variant
     # the same records, token ids and batches: identical token counts, step by step
     assert len({tuple(row["step_tokens"]) for row in ran}) == 1, {row["variant"]: row["step_tokens"] for row in ran}
     assert ran[0]["tokens"] > 0
@@ -174,6 +176,20 @@ def test_rounds_alternate_the_order_and_resume_round_by_round(tmp_path):
     rows = json.loads(out.read_text())["variants"]
     assert [(r["rounds"], r["steps"]) for r in rows] == [(3, 9)] * 2
     assert rows[0]["step_times_s"][:6] == report["variants"][0]["step_times_s"]  # kept, not measured again
+
+
+def test_recorded_paths_are_portable(tmp_path):
+    work, out = tmp_path / "work", tmp_path / "results" / "bench_train.json"
+    elsewhere = str(tmp_path / "models" / "m")
+    row = {"model_dir": str(work / "model"), "deepspeed": str(REPO / "ds_configs" / "zero2.json"),
+           "log": str(work / "logs" / "torch.log"), "profile_json": str(out.parent / "bench_train_profile_torch.json"),
+           "profile_txt": "bench_train_profile_torch.txt", "other": str(work / "x"), "steps": 3}
+    got = bench_train.portable({**row, "model_dir": elsewhere}, str(work), str(out))
+    assert got["model_dir"] == elsewhere  # outside the work folder and the repository: as given
+    got = bench_train.portable(row, str(work), str(out))
+    assert got == {**row, "model_dir": "WORK_DIR/model", "deepspeed": "ds_configs/zero2.json",
+                   "log": "WORK_DIR/logs/torch.log", "profile_json": "bench_train_profile_torch.json"}
+    assert bench_train.portable(got, str(work), str(out)) == got  # written again, unchanged
 
 
 def test_paired_ratios_compare_the_same_timed_steps():
