@@ -122,8 +122,9 @@ class ModelConfig(Section):
                                                  "null: the library's default")
     cudnn_attention: bool = setting(False, "let PyTorch's scaled-dot-product attention (`sdpa`) choose cuDNN's "
                                     "kernel on CUDA (`torch.backends.cuda.enable_cudnn_sdp`). Off: it takes flash or "
-                                    "memory-efficient attention. With padded batches whose width changes from batch to "
-                                    "batch, cuDNN's costs host time, up to seconds in one step (docs/PERFORMANCE.md)")
+                                    "memory-efficient attention. cuDNN's costs host time at each call, most when the batch "
+                                    "width changes from batch to batch, as padded isomer batches' does "
+                                    "(docs/PERFORMANCE.md)")
     tiny: dict[str, Any] = setting(dict, "with `builtin:tiny` only: the base's shape and pretraining, fields of "
                                    "`TinyBaseConfig` below, e.g. `{hidden_size: 256, num_layers: 4, steps: 1500}`; "
                                    "each setting is a base of its own in the cache")
@@ -177,9 +178,9 @@ class DataConfig(Section):
                                  "each sequence, so attention and the loss stay within it, and IGA's capture "
                                  "attributes each token to its sequence's domain; the same gradients as padding. Off "
                                  "by default: with eager or sdpa attention the packed row's whole score matrix is "
-                                 "computed and masked (flash_attention_2 and flex_attention skip it), and in the "
-                                 "training benchmark sdpa and flex_attention both ran slower than padded rows "
-                                 "(docs/PERFORMANCE.md). Needs an attention implementation "
+                                 "computed and masked (flash_attention_2 and flex_attention skip it), and padded rows "
+                                 "are the faster layout with sdpa and with flex_attention (docs/PERFORMANCE.md). "
+                                 "Needs an attention implementation "
                                  "that separates packed sequences (`eager`, `sdpa`, `flex_attention`, "
                                  "`flash_attention_2`/`_3`/`_4`)")
     tokenize_processes: int = setting(1, "processes of the one tokenization of the training set (`Dataset.map`'s "

@@ -348,8 +348,8 @@ def load_base_model(path: str, dtype: str = "float32", attn_implementation: str 
 def allow_cudnn_attention(allowed: bool) -> None:
     """Whether SDPA may pick cuDNN's attention kernel, for this process (a no-op without CUDA).
 
-    With padded batches whose width changes from batch to batch, cuDNN's attention costs host
-    time, up to seconds in one step, while the device waits (docs/PERFORMANCE.md)."""
+    cuDNN's attention costs host time at each call, most when the batch width changes from batch
+    to batch, as padded isomer batches' does; small steps then wait on the host (docs/PERFORMANCE.md)."""
     import torch
 
     torch.backends.cuda.enable_cudnn_sdp(allowed)
