@@ -614,9 +614,10 @@ def portable(record: dict, work: str, out: str) -> dict:
             for k, v in record.items()}
 
 
-def report(args, spec: dict, rows: list[dict], counts: dict, env: dict, card: str, peak) -> dict:
-    settings = portable(run_settings(args, spec), spec["work"], args.out)
-    rows = [portable(row, spec["work"], args.out) for row in rows]
+def report(settings: dict, spec: dict, out: str, rows: list[dict], counts: dict, env: dict, card: str,
+           peak) -> dict:
+    """The JSON: ``settings`` as recorded (portable), the rows' paths made portable, the paired ratios."""
+    rows = [portable(row, spec["work"], out) for row in rows]
     return {"benchmark": "bench_train", "card": card, "peak_flops": peak, "environment": env, "settings": settings,
             "parameters": counts, "flops_formula": "4*N_base*T + 6*N_lora*T + 12*L*d_attn*sum(n_i^2)",
             "variants": rows, "paired": paired_ratios(rows)}
@@ -661,7 +662,7 @@ def drive(args) -> int:
                 done[variant] = measure(variant, spec, spec_path if r == 0 else later_spec, args, flops, peak,
                                         earlier, r)
                 rows = [done[v] for v in args.variants if v in done]
-                written = report(args, spec, rows, counts, env, card, peak)
+                written = report(settings, spec, args.out, rows, counts, env, card, peak)
                 atomic_write_json(args.out, written)
         rows = [done[v] for v in args.variants if v in done]
     finally:
