@@ -14,7 +14,8 @@ same records, token ids, batches and schedule:
   written here (method ``erm``, then ``iga`` with its defaults), and ``iga_ds_erm_packed`` and
   ``iga_ds_iga_packed``, the same with ``data.padding_free: true``, and ``iga_ds_erm_captured``,
   method ``erm_captured``: ERM's update through the engine hook's capture and boundary instead of
-  DeepSpeed's per-micro-batch reduction (IGA's path without the method); their step times are the ones
+  DeepSpeed's per-micro-batch reduction (IGA's path without the method), and ``iga_ds_erm_liger`` and
+  ``iga_ds_iga_liger``, with ``model.liger_kernel: true`` (CUDA only); their step times are the ones
   the trainer logs in ``metrics.jsonl`` (``step_interval_s``: from one step's end to the next,
   the previous step's logging included, as the Trainer's callbacks see it), so process start-up,
   model loading and tokenization are not counted. The trainer does not log its memory peak: the command runs
@@ -104,14 +105,15 @@ from iga_ds.train.pretrain import corpus_texts, generator_words
 from iga_ds.train.profiling import PROFILE_JSON, PROFILE_TXT, StepProfiler
 
 VARIANTS = ("torch", "torch_no_cudnn", "hf_trainer", "iga_ds_erm", "iga_ds_iga", "iga_ds_erm_packed",
-            "iga_ds_iga_packed", "iga_ds_erm_captured")
+            "iga_ds_iga_packed", "iga_ds_erm_captured", "iga_ds_erm_liger", "iga_ds_iga_liger")
 LABELS = {"torch": "PyTorch + PEFT loop", "torch_no_cudnn": "PyTorch + PEFT loop, cuDNN attention off",
           "hf_trainer": "HF Trainer + PEFT + DeepSpeed",
           "iga_ds_erm": "iga-ds train, ERM", "iga_ds_iga": "iga-ds train, IGA",
           "iga_ds_erm_packed": "iga-ds train, ERM, padding-free",
           "iga_ds_iga_packed": "iga-ds train, IGA, padding-free",
-          "iga_ds_erm_captured": "iga-ds train, ERM through the hook"}
-PACKED = "_packed"  # the variant's suffix: data.padding_free on
+          "iga_ds_erm_captured": "iga-ds train, ERM through the hook",
+          "iga_ds_erm_liger": "iga-ds train, ERM, liger-kernel", "iga_ds_iga_liger": "iga-ds train, IGA, liger-kernel"}
+PACKED, LIGER = "_packed", "_liger"  # the variants' suffixes: data.padding_free on, model.liger_kernel on
 # shapes with random weights: Hugging Face LLaMA config fields (SmolLM2-135M-Instruct's
 # config.json; LLaMA-2-7B from common); "tiny" is the smoke run's, its vocabulary the tokenizer's
 SHAPES = {
@@ -285,9 +287,11 @@ class StepClock:
 # -- variants: iga-ds train -----------------------------------------------------------------------
 
 
-def run_yaml(spec: dict, method: str, out_dir: str, padding_free: bool = False) -> str:
+def run_yaml(spec: dict, method: str, out_dir: str, padding_free: bool = False, liger: bool = False) -> str:
     """The run YAML of ``iga-ds train`` for this benchmark (JSON is YAML)."""
     model = {"name_or_path": spec["model_dir"], "dtype": "bfloat16" if spec["device"] == "cuda" else "float32"}
+    if liger:
+        model["liger_kernel"] = True
     attn = spec["packed_attn"] if padding_free and spec["packed_attn"] != "default" else spec["trainer_attn"]
     if attn != "default":
         model["attn_implementation"] = attn
@@ -339,8 +343,9 @@ def worker(variant: str, spec_path: str, result_path: str) -> int:
         out_dir = Path(spec["work"]) / "runs" / variant
         config = Path(spec["work"]) / f"{variant}.yaml"
         shutil.rmtree(out_dir, ignore_errors=True)  # an earlier run's, with the same --work-dir
-        method = variant.removeprefix("iga_ds_").removesuffix(PACKED)
-        atomic_write_text(config, run_yaml(spec, method, str(out_dir), variant.endswith(PACKED)))
+        method = variant.removeprefix("iga_ds_").removesuffix(LIGER).removesuffix(PACKED)
+        atomic_write_text(config, run_yaml(spec, method, str(out_dir), variant.endswith(PACKED),
+                                           variant.endswith(LIGER)))
         rc = run_iga_cli(str(config))
         result = iga_result(out_dir) if rc == 0 else {}
         result.update(rc=rc, dtype="bf16 (DeepSpeed)" if spec["device"] == "cuda" else "float32")
@@ -358,6 +363,8 @@ def skip_reason(variant: str) -> str | None:
     """Why ``variant`` cannot run here, or None."""
     if variant == "hf_trainer" and importlib.util.find_spec("accelerate") is None:
         return "accelerate is not installed (the Hugging Face Trainer needs it: pip install accelerate)"
+    if variant.endswith(LIGER) and not (torch.cuda.is_available() and importlib.util.find_spec("liger_kernel")):
+        return "liger-kernel needs a CUDA device and its package (pip install 'iga-ds[liger]')"
     return None
 
 
@@ -571,7 +578,8 @@ def earlier_rows(path: str, settings: dict, card: str) -> dict[str, dict]:
 PAIRS = (("iga_ds_iga", "iga_ds_erm"), ("iga_ds_iga_packed", "iga_ds_erm_packed"), ("iga_ds_erm_packed", "iga_ds_erm"),
          ("iga_ds_erm_captured", "iga_ds_erm"), ("iga_ds_erm", "torch"), ("iga_ds_iga", "torch"),
          ("iga_ds_erm", "hf_trainer"), ("iga_ds_iga", "hf_trainer"), ("torch_no_cudnn", "torch"),
-         ("iga_ds_erm", "torch_no_cudnn"), ("iga_ds_iga", "torch_no_cudnn"))
+         ("iga_ds_erm", "torch_no_cudnn"), ("iga_ds_iga", "torch_no_cudnn"), ("iga_ds_erm_liger", "iga_ds_erm"),
+         ("iga_ds_iga_liger", "iga_ds_iga"), ("iga_ds_iga_liger", "iga_ds_erm_liger"))
 
 
 def paired_ratios(rows: list[dict]) -> list[dict]:

@@ -125,6 +125,9 @@ class ModelConfig(Section):
                                     "memory-efficient attention. cuDNN's costs host time at each call, most when the batch "
                                     "width changes from batch to batch, as padded isomer batches' does "
                                     "(docs/PERFORMANCE.md)")
+    liger_kernel: bool = setting(False, "swap the base's RMSNorm, rotary embedding and SwiGLU for liger-kernel's "
+                                 "fused Triton kernels (CUDA only; `pip install 'iga-ds[liger]'`; the model types "
+                                 "liger-kernel patches). Fewer kernel launches a step; the loss is computed as without")
     tiny: dict[str, Any] = setting(dict, "with `builtin:tiny` only: the base's shape and pretraining, fields of "
                                    "`TinyBaseConfig` below, e.g. `{hidden_size: 256, num_layers: 4, steps: 1500}`; "
                                    "each setting is a base of its own in the cache")

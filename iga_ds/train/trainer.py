@@ -61,7 +61,8 @@ from iga_ds.train.checkpoint import (STOP_FILE, StopSignal, adopt_schedule, chec
 from iga_ds.train.distributed import init_distributed, resolve_dist
 from iga_ds.train.logbook import METRICS_FILE, Logbook, truncate_metrics
 from iga_ds.train.trackers import require_trackers
-from iga_ds.train.model import add_lora, allow_cudnn_attention, load_base_model, load_tokenizer
+from iga_ds.train.model import (add_lora, allow_cudnn_attention, apply_liger_kernel, load_base_model, load_tokenizer,
+                                require_liger_kernel)
 from iga_ds.train.model_card import make_portable
 from iga_ds.train.optim import GroupStepAdamW, lr_lambda
 from iga_ds.train.pretrain import default_tiny_base
@@ -188,6 +189,8 @@ class Trainer:
             logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         check_output_dir(cfg.output_dir, "output_dir")  # before anything loads
         require_trackers(cfg.logging)
+        if cfg.model.liger_kernel:
+            require_liger_kernel()
         accum = check_batch_layout(cfg.data.groups_per_step, cfg.data.groups_per_micro_batch, dist.world_size)
         ds_dict, hook_config = build_ds_config(cfg, load_ds_json(cfg.deepspeed), dist.world_size, accum,
                                                cfg.deepspeed, run_source=cfg.source, check_model=True)
@@ -298,6 +301,8 @@ class Trainer:
         cfg, s = self.cfg, self.cfg.schedule
         allow_cudnn_attention(cfg.model.cudnn_attention)
         model = load_base_model(base_dir, cfg.model.dtype, cfg.model.attn_implementation)
+        if cfg.model.liger_kernel:
+            apply_liger_kernel(model)
         if cfg.data.padding_free and (note := check_padding_free(model)):
             self._print(note)
         if cfg.model.gradient_checkpointing:
