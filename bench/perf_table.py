@@ -112,7 +112,9 @@ def _train_figure(run: dict) -> str:
               for p in run.get("paired", ()) if (p["variant"], p["baseline"]) == ("iga_ds_iga", "iga_ds_erm")]
     missed = [r["variant"] for r in run["variants"] if r["variant"] not in ran]
     settings = run["settings"]
+    rounds = max((row.get("rounds", 1) for row in ran.values()), default=1)
     tail = f"{settings['steps']} steps, {settings['warmup_steps']} left out"
+    tail = f"{rounds} rounds of {tail} of each" if rounds > 1 else tail
     return "; ".join(parts) + (f"; not run: {', '.join(missed)}" if missed else "") + f" ({tail})"
 
 
@@ -124,8 +126,18 @@ def figure(kind: str, run: dict) -> str:
     return _method_figure(run) if kind == "method alone" else _rule_figure(run)
 
 
-def latest_runs(results: Path = RESULTS) -> list[tuple[str, int, str, str, dict]]:
-    """(card, order, benchmark, campaign, run) of the latest campaign's runs per card and benchmark."""
+MACHINE = re.compile(r"machine-(?P<letter>[A-Z]{1,2})-|(?P<short>[A-Z])_")  # the prefix of PREFIX
+
+
+def machine(path: Path) -> str | None:
+    """The machine letter a campaign's file name carries (``machine-B-...``, ``B_...``), or None."""
+    m = MACHINE.match(path.name)
+    return (m["letter"] or m["short"]) if m else None
+
+
+def latest_runs(results: Path = RESULTS) -> list[tuple[str, int, str, str, dict, str | None]]:
+    """(card, order, benchmark, campaign, run, machine letter) of the latest campaign's runs per card
+    and benchmark."""
     index = campaigns(results)
     found: dict[tuple[str, int, str], list[tuple[str, dict]]] = {}
     for path in sorted(results.rglob("*.json")):
@@ -137,20 +149,21 @@ def latest_runs(results: Path = RESULTS) -> list[tuple[str, int, str, str, dict]
         if folder not in index:
             raise SystemExit(f"{path}: its campaign {folder!r} is missing from {results / 'README.md'}")
         card = run.get("card") or run.get("env", {}).get("card", "unknown")  # bench_train: at the top
-        found.setdefault((card, *kind), []).append((folder, run))
+        found.setdefault((card, *kind), []).append((folder, run, machine(path)))
     rows = []
     for (card, order, kind), runs in sorted(found.items()):
-        last = max(index[folder][0] for folder, _ in runs)
-        rows += [(card, order, kind, folder, run) for folder, run in runs if index[folder][0] == last]
+        last = max(index[folder][0] for folder, _, _ in runs)
+        rows += [(card, order, kind, folder, run, letter) for folder, run, letter in runs if index[folder][0] == last]
     return rows
 
 
 def table(results: Path = RESULTS) -> str:
     index = campaigns(results)
     lines = [HEADER, "|---|---|---|---|---|"]
-    for card, _, kind, folder, run in latest_runs(results):
+    for card, _, kind, folder, run, letter in latest_runs(results):
         _, date, commit = index[folder]
-        lines.append(f"| {card} | {kind} | {figure(kind, run)} | [{folder}](../results/{folder}/) | {date}, {commit} |")
+        where = f"[{folder}](../results/{folder}/)" + (f", machine {letter}" if letter else "")
+        lines.append(f"| {card} | {kind} | {figure(kind, run)} | {where} | {date}, {commit} |")
     return "\n".join(lines)
 
 

@@ -62,26 +62,35 @@ def _logits_and_grads(model, ids, mask):
     return logits.detach().float(), grads
 
 
+def _relative(got, want) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
 @GPU_AND_LIGER
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
-def test_liger_kernels_match_the_model_s_own_layers(dtype, tol, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_liger_kernels_match_the_model_s_own_layers(dtype, monkeypatch):
+    """float32: the fused kernels agree with the model's own layers to rounding. bfloat16: both are
+    rounded; the kernels' distance from the float32 result stays within twice the model's own."""
     from transformers.models.llama import modeling_llama
 
     # the rotary swap is a module-level function: put it back for the rest of the session
     monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
-    model = tiny_peft_llama(seed=1, dtype=dtype, hidden=128, layers=3, vocab=97).cuda()
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 97, (3, 21), generator=gen).cuda()
     mask = torch.ones_like(ids)
     mask[1, 15:] = 0  # a padded row
-    want_logits, want_grads = _logits_and_grads(model, ids, mask)
+    exact = _logits_and_grads(tiny_peft_llama(seed=1, hidden=128, layers=3, vocab=97).cuda(), ids, mask)
+    model = tiny_peft_llama(seed=1, dtype=dtype, hidden=128, layers=3, vocab=97).cuda()
+    own = _logits_and_grads(model, ids, mask)
     apply_liger_kernel(model.base_model.model)
     layer = model.base_model.model.model.layers[0]
     assert layer.mlp._get_name() == "LigerSwiGLUMLP" and "Liger" in layer.input_layernorm.forward.__qualname__
     assert modeling_llama.apply_rotary_pos_emb.__module__.startswith("liger_kernel")
-    got_logits, got_grads = _logits_and_grads(model, ids, mask)
-    scale = want_logits.abs().max()
-    assert (got_logits - want_logits).abs().max() <= tol * scale
-    for name, want in want_grads.items():
-        err = (got_grads[name].float() - want.float()).norm() / want.float().norm()
-        assert err <= tol, f"{name}: relative error {err:.2e}"
+    fused = _logits_and_grads(model, ids, mask)
+    pairs = [("logits", fused[0], own[0], exact[0])] + [(n, fused[1][n], own[1][n], exact[1][n]) for n in exact[1]]
+    for name, got, theirs, want in pairs:
+        if dtype == torch.float32:
+            assert _relative(got, want) <= 1e-4, f"{name}: {_relative(got, want):.2e}"
+        else:
+            assert _relative(got, want) <= 2 * _relative(theirs, want) + 1e-3, \
+                f"{name}: {_relative(got, want):.2e} against the model's own {_relative(theirs, want):.2e}"

@@ -43,8 +43,8 @@ def test_the_latest_campaign_per_card_and_benchmark_gives_the_rows(tmp_path):
     lines = perf_table.table(results).splitlines()
     assert lines[0] == perf_table.HEADER and len(lines) == 6
     assert lines[2] == ("| Card X | step, 1 GPU | `iga_bf16_q1p16`: step / ERM 1.015 (0.900-1.100), peak / ERM 1.011, "
-                        "method 15.0 ms, other 2.0 ms (2 x 8 steps) | [new](../results/new/) | 2026-01-02 10:00, bbbbbbb |")
-    assert "step / ERM 0.990" in lines[3]
+                        "method 15.0 ms, other 2.0 ms (2 x 8 steps) | [new](../results/new/), machine B | 2026-01-02 10:00, bbbbbbb |")
+    assert "step / ERM 0.990" in lines[3] and lines[3].endswith("| [new](../results/new/), machine C | 2026-01-02 10:00, bbbbbbb |")
     assert lines[4].startswith("| Card X | step, 2 GPUs | `iga_bf16_q1p16`: step / ERM 0.700") and "[old]" in lines[4]
     assert lines[5].startswith("| Card Y | step, 1 GPU |")
     doc = f"intro\n{perf_table.BEGIN}\nold table\n{perf_table.END}\nrest\n"
@@ -75,7 +75,7 @@ def test_training_throughput_rows_compare_the_trainer_with_its_anchors(tmp_path)
     lines = perf_table.table(results).splitlines()
     assert lines[2] == ("| Card Z | training, smollm2-135m | `torch` 10,000 tokens/s, MFU 1.0%; `hf_trainer` 8,000 tokens/s; "
                         "`iga_ds_iga` 12,000 tokens/s, 1.50x HF Trainer, 1.20x plain loop, MFU 1.2%; not run: iga_ds_erm "
-                        "(120 steps, 10 left out) | [t](../results/t/) | 2026-01-03 10:00, ccccccc |")
+                        "(120 steps, 10 left out) | [t](../results/t/), machine A | 2026-01-03 10:00, ccccccc |")
 
 
 def test_a_training_row_gives_the_paired_iga_over_erm_step_when_the_run_has_it(tmp_path):
@@ -87,3 +87,14 @@ def test_a_training_row_gives_the_paired_iga_over_erm_step_when_the_run_has_it(t
     row = perf_table.table(results).splitlines()[2]
     assert "MFU 1.2%; IGA / ERM step 1.025 (0.990-1.061) paired; not run: iga_ds_erm" in row
     assert "0.800" not in row  # only IGA against ERM: the anchors are in tokens/s already
+    assert "| [t](../results/t/) |" in row  # a file without a machine prefix names none
+
+
+def test_a_training_row_counts_the_rounds_its_steps_ran_in(tmp_path):
+    results = tmp_path / "results"
+    run = _train_run("Card Z")
+    for row in run["variants"]:
+        row["rounds"] = 2
+    _archive(results, ["| [t](t/) | 2026-01-03 10:00 | ccccccc | x | y |"], {"t/A_bench_train_smollm2.json": run})
+    row = perf_table.table(results).splitlines()[2]
+    assert "(2 rounds of 120 steps, 10 left out of each) | [t](../results/t/), machine A |" in row
