@@ -153,28 +153,28 @@ def test_rounds_pool_each_rounds_timed_steps():
 @pytest.mark.slow
 def test_rounds_alternate_the_order_and_resume_round_by_round(tmp_path):
     out = tmp_path / "rounds.json"
-    command = [sys.executable, str(REPO / "bench" / "bench_train.py"), "--small", "--variants", "torch,iga_ds_erm",
+    command = [sys.executable, str(REPO / "bench" / "bench_train.py"), "--small", "--variants", "torch,torch_no_cudnn",
                "--steps", "3", "--out", str(out)]
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     proc = subprocess.run(command + ["--rounds", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     ran = [line.split(":")[0] for line in proc.stdout.splitlines() if ": running (" in line]
-    assert ran == ["torch", "iga_ds_erm", "iga_ds_erm", "torch"]  # the second round in reverse
+    assert ran == ["torch", "torch_no_cudnn", "torch_no_cudnn", "torch"]  # the second round in reverse
     rows = json.loads(out.read_text())["variants"]
     assert [(r["rounds"], r["steps"], r["timed_steps"]) for r in rows] == [(2, 6, 4)] * 2
     assert rows[0]["step_tokens"] == rows[1]["step_tokens"] and rows[0]["step_tokens"][:3] == rows[0]["step_tokens"][3:]
-    # a run cut after round 1 of iga_ds_erm: --resume runs its second round only, and a third for both
+    # a run cut after round 1 of torch_no_cudnn: --resume runs its second round only, and a third for both
     report = json.loads(out.read_text())
-    erm = report["variants"][1]
-    erm = {k: v for k, v in erm.items() if k not in ("rounds", "timed_ranges")}
-    report["variants"][1] = {**erm, **bench_train.summarize(
-        {"step_times_s": erm["step_times_s"][:3], "step_tokens": erm["step_tokens"][:3]}, 1, [0.0] * 3, None, steps=3)}
+    cut = report["variants"][1]
+    cut = {k: v for k, v in cut.items() if k not in ("rounds", "timed_ranges")}
+    report["variants"][1] = {**cut, **bench_train.summarize(
+        {"step_times_s": cut["step_times_s"][:3], "step_tokens": cut["step_tokens"][:3]}, 1, [0.0] * 3, None, steps=3)}
     out.write_text(json.dumps(report))
     again = subprocess.run(command + ["--rounds", "3", "--resume"], cwd=tmp_path,
                            capture_output=True, text=True, timeout=600, env=env)
     assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
     ran = [line.split(":")[0] + line.split("round")[-1][:2] for line in again.stdout.splitlines() if ": running (" in line]
-    assert ran == ["iga_ds_erm 2", "torch 3", "iga_ds_erm 3"], again.stdout
+    assert ran == ["torch_no_cudnn 2", "torch 3", "torch_no_cudnn 3"], again.stdout
     rows = json.loads(out.read_text())["variants"]
     assert [(r["rounds"], r["steps"]) for r in rows] == [(3, 9)] * 2
     assert rows[0]["step_times_s"][:6] == report["variants"][0]["step_times_s"]  # kept, not measured again

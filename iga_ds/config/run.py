@@ -127,7 +127,8 @@ class ModelConfig(Section):
                                     "(docs/PERFORMANCE.md)")
     liger_kernel: bool = setting(False, "swap the base's RMSNorm, rotary embedding and SwiGLU for liger-kernel's "
                                  "fused Triton kernels (CUDA only; `pip install 'iga-ds[liger]'`; the model types "
-                                 "liger-kernel patches). Fewer kernel launches a step; the loss is computed as without")
+                                 "liger-kernel patches). Fewer kernel launches and less memory a step; the logits and the loss stay "
+                                 "the trainer's own (no fused cross-entropy)")
     tiny: dict[str, Any] = setting(dict, "with `builtin:tiny` only: the base's shape and pretraining, fields of "
                                    "`TinyBaseConfig` below, e.g. `{hidden_size: 256, num_layers: 4, steps: 1500}`; "
                                    "each setting is a base of its own in the cache")
