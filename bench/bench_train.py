@@ -95,11 +95,12 @@ from iga_ds.data.groups import complete_groups
 from iga_ds.data.prompts import prompt_format
 from iga_ds.data.synth import synthesize
 from iga_ds.engine.internals import disable_cpu_shm_comm_op
-from iga_ds.errors import UserError
+from iga_ds.errors import ConfigError, UserError
 from iga_ds.files import atomic_write_json, atomic_write_text, read_json, read_jsonl
 from iga_ds.train.batching import (GroupSampler, check_batch_layout, read_records, sequence_losses, tokenize_groups,
                                    tokenized_cache_root)
-from iga_ds.train.model import add_lora, allow_cudnn_attention, build_vocab, build_word_tokenizer, load_base_model, load_tokenizer
+from iga_ds.train.model import (add_lora, allow_cudnn_attention, build_vocab, build_word_tokenizer, load_base_model,
+                                load_tokenizer, require_liger_kernel)
 from iga_ds.train.optim import lr_lambda
 from iga_ds.train.pretrain import corpus_texts, generator_words
 from iga_ds.train.profiling import PROFILE_JSON, PROFILE_TXT, StepProfiler
@@ -363,8 +364,11 @@ def skip_reason(variant: str) -> str | None:
     """Why ``variant`` cannot run here, or None."""
     if variant == "hf_trainer" and importlib.util.find_spec("accelerate") is None:
         return "accelerate is not installed (the Hugging Face Trainer needs it: pip install accelerate)"
-    if variant.endswith(LIGER) and not (torch.cuda.is_available() and importlib.util.find_spec("liger_kernel")):
-        return "liger-kernel needs a CUDA device and its package (pip install 'iga-ds[liger]')"
+    if variant.endswith(LIGER):
+        try:
+            require_liger_kernel()  # the trainer's own check
+        except ConfigError as exc:
+            return f"liger-kernel runs on CUDA only: {exc}"
     return None
 
 
@@ -445,6 +449,11 @@ def timed_ranges(total: int, steps: int, warmup: int, profiled: int = 0) -> list
     return [[start + warmup + (profiled if start == 0 else 0), start + steps] for start in range(0, total, steps)]
 
 
+def timed_index(ranges: list[list[int]]) -> list[int]:
+    """The step indices of ``ranges`` ([start, end) pairs), in order."""
+    return [i for start, end in ranges for i in range(start, end)]
+
+
 def summarize(result: dict, warmup: int, flops: list[float], peak: float | None, profiled: int = 0,
               steps: int | None = None) -> dict:
     """Median step and spread, tokens/s and MFU over the steps after ``warmup`` and the
@@ -453,7 +462,7 @@ def summarize(result: dict, warmup: int, flops: list[float], peak: float | None,
     times, tokens = result["step_times_s"], result["step_tokens"]
     steps = steps or len(times)
     ranges = timed_ranges(len(times), steps, warmup, profiled)
-    index = [i for start, end in ranges for i in range(start, end)]
+    index = timed_index(ranges)
     timed, timed_tokens = [times[i] for i in index], [tokens[i] for i in index]
     row = {"steps": len(times), "timed_steps": len(timed), "tokens": sum(tokens), "step_tokens": tokens,
            "step_times_s": times, **({"profiled_steps": profiled} if profiled else {})}
@@ -592,7 +601,7 @@ def paired_ratios(rows: list[dict]) -> list[dict]:
         if a is None or b is None or a["step_tokens"] != b["step_tokens"]:
             continue
         ranges = a.get("timed_ranges") or [[len(a["step_times_s"]) - a["timed_steps"], len(a["step_times_s"])]]
-        index = [i for start, end in ranges for i in range(start, end)]
+        index = timed_index(ranges)
         ratio, lo, hi = paired_ratio([a["step_times_s"][i] for i in index], [b["step_times_s"][i] for i in index])
         out.append({"variant": name, "baseline": base, "step_ratio": ratio, "interval90": [lo, hi]})
     return out

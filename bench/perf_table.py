@@ -30,7 +30,8 @@ HEADER = "| card | benchmark | figure | campaign | archived |"
 INDEX_ROW = re.compile(r"^\| \[(?P<folder>[^\]]+)\]\([^)]*\) \| (?P<date>[\d-]+ [\d:]+) \| (?P<commit>[0-9a-f]{7,40}) \|",
                        re.M)
 # the names the runs were archived under: an optional machine prefix, then the script's default
-PREFIX = r"(?:machine-[A-Z]{1,2}-|[A-Z]_)?"
+MACHINE_PREFIX = r"machine-(?P<letter>[A-Z]{1,2})-|(?P<short>[A-Z])_"
+PREFIX = rf"(?:{MACHINE_PREFIX})?"
 STEP = re.compile(PREFIX + r"bench_step_(?P<gpus>\d+)gpu(?:_targets)?\.json$")  # gpu_runs.sh: targetsN
 METHOD = re.compile(PREFIX + r"bench_method\.json$")
 RULE = re.compile(PREFIX + r"bench_method_rule\.json$")
@@ -126,7 +127,7 @@ def figure(kind: str, run: dict) -> str:
     return _method_figure(run) if kind == "method alone" else _rule_figure(run)
 
 
-MACHINE = re.compile(r"machine-(?P<letter>[A-Z]{1,2})-|(?P<short>[A-Z])_")  # the prefix of PREFIX
+MACHINE = re.compile(MACHINE_PREFIX)
 
 
 def machine(path: Path) -> str | None:

@@ -12,7 +12,6 @@ then renamed), so a second call with the same inputs loads it instantly.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import math
 import os
@@ -377,16 +376,16 @@ def apply_liger_kernel(model) -> None:
     (no fused cross-entropy: the per-domain loss needs per-token values). The rotary embedding is a
     function of the model's module, so the swap holds for every model of that type in the process."""
     require_liger_kernel()
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
     model_type = getattr(model.config, "model_type", None)
-    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
-    if apply is None:
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:  # liger-kernel itself would only log it
         raise ConfigError(f"model.liger_kernel: liger-kernel has no kernels for model type {model_type!r}; "
                           f"it has {sorted(MODEL_TYPE_TO_APPLY_LIGER_FN)}")
-    wanted = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
-    accepted = inspect.signature(apply).parameters
-    apply(model=model, **{k: v for k, v in wanted.items() if k in accepted})
+    # it passes on the switches the model type's patch takes
+    _apply_liger_kernel_to_instance(model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
 
 
 def load_tokenizer(path: str):
