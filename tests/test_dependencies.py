@@ -82,3 +82,17 @@ def test_every_runtime_dependency_is_used():
     imported = {_canonical(DISTRIBUTION_OF.get(module, module)) for module in imported_modules()}
     unused = for_users - imported - {_canonical(name) for name in USED_WITHOUT_IMPORT}
     assert not unused, f"declared but never imported under iga_ds/: {sorted(unused)}"
+
+
+def test_every_documented_extra_exists():
+    """``pip install 'iga-ds[NAME]'`` where users read it (docs, README, error messages, config
+    references): each NAME is an extra of pyproject.toml (pip only warns about an unknown one)."""
+    _, extras = declared()
+    texts = [*REPO.glob("*.md"), *(REPO / "docs").rglob("*.md"), *(REPO / "iga_ds").rglob("*.py"),
+             *(REPO / "bench").glob("*.py")]
+    named = {(str(path.relative_to(REPO)), name) for path in texts
+             for group in re.findall(r"iga-ds\[([a-z0-9_,-]+)\]", path.read_text(encoding="utf-8"))
+             for name in group.split(",")}
+    assert any(name == "liger" for _, name in named)  # the pattern finds what it is for
+    unknown = sorted((where, name) for where, name in named if name not in extras)
+    assert not unknown, f"pip extras named but not declared in pyproject.toml: {unknown}"
