@@ -15,7 +15,8 @@ same records, token ids, batches and schedule:
   ``iga_ds_iga_packed``, the same with ``data.padding_free: true``, and ``iga_ds_erm_captured``,
   method ``erm_captured``: ERM's update through the engine hook's capture and boundary instead of
   DeepSpeed's per-micro-batch reduction (IGA's path without the method), and ``iga_ds_erm_liger`` and
-  ``iga_ds_iga_liger``, with ``model.liger_kernel: true`` (CUDA only); their step times are the ones
+  ``iga_ds_iga_liger``, with ``model.liger_kernel: true`` (CUDA only), and ``iga_ds_erm_packed_liger``
+  and ``iga_ds_iga_packed_liger``, with both; their step times are the ones
   the trainer logs in ``metrics.jsonl`` (``step_interval_s``: from one step's end to the next,
   the previous step's logging included, as the Trainer's callbacks see it), so process start-up,
   model loading and tokenization are not counted. The trainer does not log its memory peak: the command runs
@@ -97,6 +98,7 @@ from iga_ds.data.synth import synthesize
 from iga_ds.engine.internals import disable_cpu_shm_comm_op
 from iga_ds.errors import ConfigError, UserError
 from iga_ds.files import atomic_write_json, atomic_write_text, read_json, read_jsonl
+from iga_ds.train.attention import VARLEN_ATTENTION, varlen_unavailable
 from iga_ds.train.batching import (GroupSampler, check_batch_layout, read_records, sequence_losses, tokenize_groups,
                                    tokenized_cache_root)
 from iga_ds.train.model import (add_lora, allow_cudnn_attention, build_vocab, build_word_tokenizer, load_base_model,
@@ -106,15 +108,18 @@ from iga_ds.train.pretrain import corpus_texts, generator_words
 from iga_ds.train.profiling import PROFILE_JSON, PROFILE_TXT, StepProfiler
 
 VARIANTS = ("torch", "torch_no_cudnn", "hf_trainer", "iga_ds_erm", "iga_ds_iga", "iga_ds_erm_packed",
-            "iga_ds_iga_packed", "iga_ds_erm_captured", "iga_ds_erm_liger", "iga_ds_iga_liger")
+            "iga_ds_iga_packed", "iga_ds_erm_captured", "iga_ds_erm_liger", "iga_ds_iga_liger",
+            "iga_ds_erm_packed_liger", "iga_ds_iga_packed_liger")
 LABELS = {"torch": "PyTorch + PEFT loop", "torch_no_cudnn": "PyTorch + PEFT loop, cuDNN attention off",
           "hf_trainer": "HF Trainer + PEFT + DeepSpeed",
           "iga_ds_erm": "iga-ds train, ERM", "iga_ds_iga": "iga-ds train, IGA",
           "iga_ds_erm_packed": "iga-ds train, ERM, padding-free",
           "iga_ds_iga_packed": "iga-ds train, IGA, padding-free",
           "iga_ds_erm_captured": "iga-ds train, ERM through the hook",
-          "iga_ds_erm_liger": "iga-ds train, ERM, liger-kernel", "iga_ds_iga_liger": "iga-ds train, IGA, liger-kernel"}
-PACKED, LIGER = "_packed", "_liger"  # the variants' suffixes: data.padding_free on, model.liger_kernel on
+          "iga_ds_erm_liger": "iga-ds train, ERM, liger-kernel", "iga_ds_iga_liger": "iga-ds train, IGA, liger-kernel",
+          "iga_ds_erm_packed_liger": "iga-ds train, ERM, padding-free, liger-kernel",
+          "iga_ds_iga_packed_liger": "iga-ds train, IGA, padding-free, liger-kernel"}
+PACKED, LIGER = "_packed", "_liger"  # the variants' name parts: data.padding_free on, model.liger_kernel on
 # shapes with random weights: Hugging Face LLaMA config fields (SmolLM2-135M-Instruct's
 # config.json; LLaMA-2-7B from common); "tiny" is the smoke run's, its vocabulary the tokenizer's
 SHAPES = {
@@ -345,8 +350,7 @@ def worker(variant: str, spec_path: str, result_path: str) -> int:
         config = Path(spec["work"]) / f"{variant}.yaml"
         shutil.rmtree(out_dir, ignore_errors=True)  # an earlier run's, with the same --work-dir
         method = variant.removeprefix("iga_ds_").removesuffix(LIGER).removesuffix(PACKED)
-        atomic_write_text(config, run_yaml(spec, method, str(out_dir), variant.endswith(PACKED),
-                                           variant.endswith(LIGER)))
+        atomic_write_text(config, run_yaml(spec, method, str(out_dir), PACKED in variant, variant.endswith(LIGER)))
         rc = run_iga_cli(str(config))
         result = iga_result(out_dir) if rc == 0 else {}
         result.update(rc=rc, dtype="bf16 (DeepSpeed)" if spec["device"] == "cuda" else "float32")
@@ -360,7 +364,7 @@ def worker(variant: str, spec_path: str, result_path: str) -> int:
     return result["rc"]
 
 
-def skip_reason(variant: str) -> str | None:
+def skip_reason(variant: str, spec: dict) -> str | None:
     """Why ``variant`` cannot run here, or None."""
     if variant == "hf_trainer" and importlib.util.find_spec("accelerate") is None:
         return "accelerate is not installed (the Hugging Face Trainer needs it: pip install accelerate)"
@@ -369,6 +373,8 @@ def skip_reason(variant: str) -> str | None:
             require_liger_kernel()  # the trainer's own check
         except ConfigError as exc:
             return f"liger-kernel runs on CUDA only: {exc}"
+    if PACKED in variant and spec["packed_attn"] == VARLEN_ATTENTION and (reason := varlen_unavailable()):
+        return f"{VARLEN_ATTENTION} attention {reason}"
     return None
 
 
@@ -588,7 +594,9 @@ PAIRS = (("iga_ds_iga", "iga_ds_erm"), ("iga_ds_iga_packed", "iga_ds_erm_packed"
          ("iga_ds_erm_captured", "iga_ds_erm"), ("iga_ds_erm", "torch"), ("iga_ds_iga", "torch"),
          ("iga_ds_erm", "hf_trainer"), ("iga_ds_iga", "hf_trainer"), ("torch_no_cudnn", "torch"),
          ("iga_ds_erm", "torch_no_cudnn"), ("iga_ds_iga", "torch_no_cudnn"), ("iga_ds_erm_liger", "iga_ds_erm"),
-         ("iga_ds_iga_liger", "iga_ds_iga"), ("iga_ds_iga_liger", "iga_ds_erm_liger"))
+         ("iga_ds_iga_liger", "iga_ds_iga"), ("iga_ds_iga_liger", "iga_ds_erm_liger"),
+         ("iga_ds_iga_packed_liger", "iga_ds_erm_packed_liger"), ("iga_ds_erm_packed_liger", "iga_ds_erm_liger"),
+         ("iga_ds_iga_packed_liger", "iga_ds_iga_liger"))
 
 
 def paired_ratios(rows: list[dict]) -> list[dict]:
@@ -698,7 +706,7 @@ def drive(args) -> int:
 def measure(variant: str, spec: dict, spec_path: Path, args, flops, peak, earlier: dict | None = None,
             round_index: int = 0) -> dict:
     """Round ``round_index`` of ``variant``: its row, the earlier rounds' steps (``earlier``) and its own."""
-    why = skip_reason(variant)
+    why = skip_reason(variant, spec)
     if why:
         print(f"{variant}: skipped: {why}", flush=True)
         return {"variant": variant, "label": LABELS[variant], "skipped": why}
@@ -773,10 +781,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha: twice it)")
     p.add_argument("--trainer-attn", choices=("default", "eager", "sdpa"), default="default",
                    help="iga-ds train's attention (default: the trainer's own default); the anchors use SDPA")
-    p.add_argument("--packed-attn", choices=("default", "eager", "sdpa", "flex_attention", "flash_attention_2"),
+    p.add_argument("--packed-attn", choices=("default", "eager", "sdpa", "flex_attention", "flash_attention_2",
+                                             VARLEN_ATTENTION),
                    default="default", help="the padding-free variants' attention (default: --trainer-attn's); "
-                   "eager and sdpa score the whole packed row, flex_attention and flash_attention_2 skip "
-                   "across-sequence blocks (flash_attention_2 needs the flash-attn package)")
+                   "eager and sdpa score the whole packed row, flex_attention, flash_attention_2 and "
+                   f"{VARLEN_ATTENTION} skip across-sequence blocks (flash_attention_2 needs the flash-attn "
+                   f"package; {VARLEN_ATTENTION}, PyTorch's own varlen kernel, CUDA)")
     p.add_argument("--peak-tflops", type=float, help="the card's dense bf16 peak in TFLOP/s (default: from its name)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=positive_int, default=1,

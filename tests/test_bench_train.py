@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import bench_train
 
@@ -99,11 +100,20 @@ def test_small_run_measures_every_variant_on_the_same_tokens(tmp_path):
 def test_a_missing_accelerate_skips_the_hf_trainer_with_the_reason(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real(name, *a))
-    assert "accelerate" in bench_train.skip_reason("hf_trainer")
-    assert bench_train.skip_reason("torch") is None and bench_train.skip_reason("iga_ds_iga") is None
-    row = bench_train.measure("hf_trainer", {}, Path("unused"), argparse.Namespace(), [], None)
+    spec = {"packed_attn": "default"}
+    assert "accelerate" in bench_train.skip_reason("hf_trainer", spec)
+    assert bench_train.skip_reason("torch", spec) is None and bench_train.skip_reason("iga_ds_iga", spec) is None
+    row = bench_train.measure("hf_trainer", spec, Path("unused"), argparse.Namespace(), [], None)
     assert row["variant"] == "hf_trainer" and "accelerate" in row["skipped"]
     assert "skipped: accelerate" in bench_train.table([row], "CPU")
+
+
+def test_torch_varlen_without_its_kernel_skips_the_padding_free_variants(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    spec = {"packed_attn": "torch_varlen"}
+    for variant in ("iga_ds_erm_packed", "iga_ds_iga_packed"):
+        assert "torch_varlen attention needs a CUDA device" in bench_train.skip_reason(variant, spec)
+    assert bench_train.skip_reason("iga_ds_erm", spec) is None
 
 
 def test_flops_follow_the_documented_formula():

@@ -65,6 +65,9 @@ def test_pack_rows_lays_sequences_back_to_back():
     assert packed.token_index.tolist() == [[0, 1, 2, 9], [3, 4, 9, 9], [5, 6, 7, 8]]
     assert (packed.num_tokens, packed.num_target_tokens) == (padded.num_tokens, padded.num_target_tokens) == (9, 6)
     assert "attention_mask" not in packed.model_inputs() and packed.model_inputs()["use_cache"] is False
+    # what varlen kernels take: the cumulative lengths (int32) and the longest, a host int
+    assert packed.cu_seq_lens.tolist() == [0, 3, 5, 9] and packed.cu_seq_lens.dtype == torch.int32
+    assert packed.model_inputs()["max_length_q"] == 4 and type(packed.model_inputs()["max_length_q"]) is int
 
 
 def test_domain_spans_merge_consecutive_sequences_of_a_domain():

@@ -119,7 +119,10 @@ class ModelConfig(Section):
         "block enabled (float32 weights may train in bf16 or fp16: DeepSpeed casts them)")
     gradient_checkpointing: bool = setting(False, "activation checkpointing (non-reentrant), for large models")
     attn_implementation: Optional[str] = setting("sdpa", "Hugging Face attention implementation, e.g. `eager`; "
-                                                 "null: the library's default")
+                                                 "null: the library's default; `torch_varlen`: PyTorch's own "
+                                                 "variable-length flash-attention kernel, for padding-free "
+                                                 "micro-batches (needs `data.padding_free: true`, CUDA, bf16 or fp16; "
+                                                 "no package beyond torch)")
     cudnn_attention: bool = setting(False, "let PyTorch's scaled-dot-product attention (`sdpa`) choose cuDNN's "
                                     "kernel on CUDA (`torch.backends.cuda.enable_cudnn_sdp`). Off: it takes flash or "
                                     "memory-efficient attention. cuDNN's costs host time at each call, most when the batch "
@@ -182,10 +185,11 @@ class DataConfig(Section):
                                  "each sequence, so attention and the loss stay within it, and IGA's capture "
                                  "attributes each token to its sequence's domain; the same gradients as padding. Off "
                                  "by default: with eager or sdpa attention the packed row's whole score matrix is "
-                                 "computed and masked (flash_attention_2 and flex_attention skip it), and padded rows "
-                                 "are the faster layout with sdpa and with flex_attention (docs/PERFORMANCE.md). "
-                                 "Needs an attention implementation "
-                                 "that separates packed sequences (`eager`, `sdpa`, `flex_attention`, "
+                                 "computed and masked (torch_varlen, flash_attention_2 and flex_attention skip it), "
+                                 "and padded rows are the faster layout with sdpa and with flex_attention; with "
+                                 "`model.attn_implementation: torch_varlen` on a GPU, padding-free is the faster one "
+                                 "(docs/PERFORMANCE.md). Needs an attention implementation "
+                                 "that separates packed sequences (`eager`, `sdpa`, `flex_attention`, `torch_varlen`, "
                                  "`flash_attention_2`/`_3`/`_4`)")
     tokenize_processes: int = setting(1, "processes of the one tokenization of the training set (`Dataset.map`'s "
                                       "`num_proc`, on each node's local rank 0; the other ranks load its result from "

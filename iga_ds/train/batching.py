@@ -36,6 +36,7 @@ from iga_ds.data.prompts import PLAIN, PromptFormat, leading_ids
 from iga_ds.data.schema import read_isomer_jsonl
 from iga_ds.errors import ConfigError
 from iga_ds.files import make_dir
+from iga_ds.train.attention import VARLEN_ATTENTION
 
 IGNORE_INDEX = -100
 PLAIN_FORMAT = PromptFormat(PLAIN)  # the format of a tokenizer without a chat template
@@ -148,7 +149,8 @@ class PackedMicroBatch:
     """A padding-free micro-batch: its sequences back to back in one row, as Hugging Face's
     ``DataCollatorWithFlattening`` lays them out. Position ids restart at 0 with each sequence
     and there is no attention mask, from which transformers keeps attention within each
-    sequence; each sequence's first label is ignored, so no loss crosses a boundary."""
+    sequence; each sequence's first label is ignored, so no loss crosses a boundary. The
+    cumulative lengths go to the model too, as varlen attention kernels take them."""
 
     input_ids: Any  # (1, T) long, T the micro-batch's tokens
     position_ids: Any  # (1, T) long, 0, 1, ... within each sequence
@@ -158,16 +160,21 @@ class PackedMicroBatch:
     token_index: Any  # (B, W) long: row positions of each sequence's tokens, T past its end
     num_target_tokens: int
     num_tokens: int
+    cu_seq_lens: Any  # (B + 1,) int32: 0 and the running sum of the sequence lengths
 
     def to(self, device) -> "PackedMicroBatch":
         # the lengths stay on the host: the capture slices the row by them
         return PackedMicroBatch(self.input_ids.to(device), self.position_ids.to(device), self.labels.to(device),
                                 self.domain_ids.to(device), self.sequence_lengths, self.token_index.to(device),
-                                self.num_target_tokens, self.num_tokens)
+                                self.num_target_tokens, self.num_tokens, self.cu_seq_lens.to(device))
 
     def model_inputs(self) -> dict[str, Any]:
-        # no cache: transformers looks for packed sequences only without one (and without a mask)
-        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
+        # no cache: transformers looks for packed sequences only without one (and without a mask);
+        # the longest length is a host int, so that no layer waits on the device for it
+        longest = int(self.sequence_lengths.max())
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False,
+                "cu_seq_lens_q": self.cu_seq_lens, "cu_seq_lens_k": self.cu_seq_lens,
+                "max_length_q": longest, "max_length_k": longest}
 
     def sequence_losses(self, logits):
         return packed_sequence_losses(logits, self.labels, self.token_index)
@@ -252,12 +259,14 @@ def pack_rows(rows: Sequence[tuple[Sequence[int], Sequence[int]]], domain_ids: S
         token_index,
         num_target_tokens,
         total,
+        torch.tensor([0, *lengths]).cumsum(0).to(torch.int32),
     )
 
 
-# the attention implementations transformers keeps within each packed sequence: eager, sdpa
-# and flex through the mask it builds from position ids, flash attention through its varlen kernel
-PACKED_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+# the attention implementations that keep within each packed sequence: eager, sdpa and flex through
+# the mask transformers builds from position ids, flash attention and torch_varlen through varlen kernels
+PACKED_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4",
+                    VARLEN_ATTENTION)
 
 
 # these mask a packed row's full T x T scores: with B sequences about B times a padded batch's attention work
@@ -274,8 +283,8 @@ def check_padding_free(model) -> str | None:
                           "or data.padding_free: false")
     if implementation in DENSE_PACKED_ATTENTION:
         return (f"note: data.padding_free with {implementation} attention scores the whole packed row and masks "
-                "across sequences, more attention work than padded rows; flash_attention_2 (varlen) or "
-                "flex_attention skip it")
+                "across sequences, more attention work than padded rows; torch_varlen and flash_attention_2 (varlen "
+                "kernels) or flex_attention skip it")
     return None
 
 

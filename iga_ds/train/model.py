@@ -26,6 +26,7 @@ from iga_ds.errors import ConfigError
 from iga_ds.files import atomic_write_json, make_dir
 from iga_ds.models import EXPECTED, cache_root, load_auto_tokenizer, load_causal_lm
 from iga_ds.progress import progress as progress_of
+from iga_ds.train.attention import VARLEN_ATTENTION, register_varlen_attention
 
 # Word-level splitting with the leading space kept on the word: lossless, so decoding is a
 # plain concatenation and answer extraction sees the original text. Digits are single tokens
@@ -338,8 +339,12 @@ _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 def load_base_model(path: str, dtype: str = "float32", attn_implementation: str | None = "sdpa"):
     """The causal LM at ``path``: a local folder, a Hugging Face hub id or a .gguf file
-    (``iga_ds.models``; downloaded only for a hub id, never remote code)."""
+    (``iga_ds.models``; downloaded only for a hub id, never remote code). ``torch_varlen``
+    attention is registered with transformers first (``iga_ds.train.attention``)."""
     import torch
+
+    if attn_implementation == VARLEN_ATTENTION:
+        register_varlen_attention()
 
     return load_causal_lm(path, "model.name_or_path", getattr(torch, _DTYPES[dtype]), attn_implementation,
                           error=ConfigError, expected=f"{EXPECTED}, or builtin:tiny")

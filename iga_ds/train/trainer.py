@@ -45,6 +45,7 @@ from iga_ds.data.prompts import CHAT, PromptFormat, prompt_format, save_prompt_f
 from iga_ds.engine.hook import EngineHook, attach
 from iga_ds.errors import ConfigError, DataError
 from iga_ds.files import atomic_write_text, check_output_dir
+from iga_ds.train.attention import VARLEN_ATTENTION, require_varlen_attention
 from iga_ds.train.batching import (
     PLAIN_FORMAT,
     GroupSampler,
@@ -191,6 +192,8 @@ class Trainer:
         require_trackers(cfg.logging)
         if cfg.model.liger_kernel:
             require_liger_kernel()
+        if cfg.model.attn_implementation == VARLEN_ATTENTION:
+            require_varlen_attention(cfg.data.padding_free)
         accum = check_batch_layout(cfg.data.groups_per_step, cfg.data.groups_per_micro_batch, dist.world_size)
         ds_dict, hook_config = build_ds_config(cfg, load_ds_json(cfg.deepspeed), dist.world_size, accum,
                                                cfg.deepspeed, run_source=cfg.source, check_model=True)
