@@ -109,8 +109,11 @@ def _train_figure(run: dict) -> str:
             text += f", MFU {100 * row['mfu']:.1f}%"
         parts.append(text)
     # the method's cost, paired by step (bench_train.py's "paired"; runs before it have none)
-    parts += [f"IGA / ERM step {p['step_ratio']:.3f} ({p['interval90'][0]:.3f}-{p['interval90'][1]:.3f}) paired"
-              for p in run.get("paired", ()) if (p["variant"], p["baseline"]) == ("iga_ds_iga", "iga_ds_erm")]
+    # (each layout's IGA against its ERM: iga_ds_iga_packed_liger against iga_ds_erm_packed_liger)
+    parts += [f"IGA / ERM{p['variant'].removeprefix('iga_ds_iga').replace('_', ' ')} step {p['step_ratio']:.3f} "
+              f"({p['interval90'][0]:.3f}-{p['interval90'][1]:.3f}) paired"
+              for p in run.get("paired", ()) if p["variant"].startswith("iga_ds_iga")
+              and p["baseline"] == p["variant"].replace("iga_ds_iga", "iga_ds_erm", 1)]
     missed = [r["variant"] for r in run["variants"] if r["variant"] not in ran]
     settings = run["settings"]
     rounds = max((row.get("rounds", 1) for row in ran.values()), default=1)

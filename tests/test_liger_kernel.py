@@ -66,6 +66,7 @@ def _relative(got, want) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
+@pytest.mark.gpu
 @GPU_AND_LIGER
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_liger_kernels_match_the_model_s_own_layers(dtype, monkeypatch):

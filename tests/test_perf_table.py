@@ -82,11 +82,15 @@ def test_a_training_row_gives_the_paired_iga_over_erm_step_when_the_run_has_it(t
     results = tmp_path / "results"
     run = _train_run("Card Z")
     run["paired"] = [{"variant": "iga_ds_iga", "baseline": "torch", "step_ratio": 0.8, "interval90": [0.7, 0.9]},
-                     {"variant": "iga_ds_iga", "baseline": "iga_ds_erm", "step_ratio": 1.0254, "interval90": [0.99, 1.061]}]
+                     {"variant": "iga_ds_iga", "baseline": "iga_ds_erm", "step_ratio": 1.0254, "interval90": [0.99, 1.061]},
+                     {"variant": "iga_ds_iga_packed_liger", "baseline": "iga_ds_erm_packed_liger", "step_ratio": 1.04,
+                      "interval90": [1.01, 1.07]},
+                     {"variant": "iga_ds_iga_liger", "baseline": "iga_ds_iga", "step_ratio": 0.7, "interval90": [0.6, 0.8]}]
     _archive(results, ["| [t](t/) | 2026-01-03 10:00 | ccccccc | x | y |"], {"t/bench_train_smollm2.json": run})
     row = perf_table.table(results).splitlines()[2]
-    assert "MFU 1.2%; IGA / ERM step 1.025 (0.990-1.061) paired; not run: iga_ds_erm" in row
-    assert "0.800" not in row  # only IGA against ERM: the anchors are in tokens/s already
+    assert ("MFU 1.2%; IGA / ERM step 1.025 (0.990-1.061) paired; IGA / ERM packed liger step 1.040 (1.010-1.070) "
+            "paired; not run: iga_ds_erm") in row
+    assert "0.800" not in row and "0.700" not in row  # only IGA against its ERM: the anchors are in tokens/s already
     assert "| [t](../results/t/) |" in row  # a file without a machine prefix names none
 
 

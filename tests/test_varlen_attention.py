@@ -73,17 +73,24 @@ def _relative(got, want) -> float:
     return float((got.double() - want.double()).norm() / want.double().norm())
 
 
-@pytest.mark.parametrize("kernel", ["stand-in", "cuda"])
-def test_torch_varlen_matches_padded_rows(kernel, monkeypatch):
+def test_torch_varlen_hands_the_kernel_each_sequence(monkeypatch):
+    """On the CPU: the layout around the kernel, with the float64 stand-in in its place."""
+    import torch.nn.attention.varlen as varlen
+    monkeypatch.setattr(varlen, "varlen_attn", per_sequence_attention)
+    check_against_padded_rows("cpu")
+
+
+@pytest.mark.gpu
+def test_torch_varlen_matches_padded_rows_on_a_gpu():
+    if reason := varlen_unavailable():
+        pytest.skip(reason)
+    check_against_padded_rows("cuda")
+
+
+def check_against_padded_rows(device: str):
     """bf16, grouped-query heads: the packed row through torch_varlen against padded rows through
     sdpa, both measured from the same model in float64; torch_varlen's distance stays within
     twice (plus 1e-3) that of sdpa on padded rows in bf16."""
-    if kernel == "cuda" and (reason := varlen_unavailable()):
-        pytest.skip(reason)
-    if kernel == "stand-in":
-        import torch.nn.attention.varlen as varlen
-        monkeypatch.setattr(varlen, "varlen_attn", per_sequence_attention)
-    device = "cuda" if kernel == "cuda" else "cpu"
     rows, domains = _rows(), [0, 1, 2, 3]
     packed, padded = pack_rows(rows, domains).to(device), pad_rows(rows, domains, pad=0).to(device)
     width = padded.input_ids.shape[1]
