@@ -24,16 +24,22 @@ LENGTHS = (9, 17, 5, 12)
 VOCAB = 97
 
 
+def test_a_run_yaml_with_torch_varlen_on_padded_rows_is_refused(tmp_path):
+    data = write_isomer_jsonl(tmp_path / "train.jsonl", groups=2, seed=3)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(run_config_dict(tmp_path, data, **{"model.attn_implementation": VARLEN_ATTENTION})))
+    with pytest.raises(ConfigError, match=f"run.yaml: model.attn_implementation: {VARLEN_ATTENTION} attends "
+                                          "within packed sequences only; set data.padding_free: true") as err:
+        load_run_config(path)
+    assert "\n" not in str(err.value)
+
+
 def test_the_trainer_refuses_torch_varlen_where_it_cannot_run(tmp_path, monkeypatch):
     data = write_isomer_jsonl(tmp_path / "train.jsonl", groups=2, seed=3)
-    cases = (("padded rows", False, "set data.padding_free: true"),
-             ("no varlen module", True, "needs torch.nn.attention.varlen"),
-             ("no gpu", True, "needs a CUDA device"))
-    for case, padding_free, says in cases:
-        cfg = run_config_dict(tmp_path, data, **{"model.attn_implementation": VARLEN_ATTENTION,
-                                                 "data.padding_free": padding_free})
-        path = tmp_path / "run.yaml"
-        path.write_text(yaml.safe_dump(cfg))
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(run_config_dict(tmp_path, data, **{"model.attn_implementation": VARLEN_ATTENTION,
+                                                                       "data.padding_free": True})))
+    for case, says in (("no varlen module", "needs torch.nn.attention.varlen"), ("no gpu", "needs a CUDA device")):
         with monkeypatch.context() as m:
             if case == "no varlen module":
                 m.setitem(sys.modules, "torch.nn.attention.varlen", None)  # import fails

@@ -33,6 +33,7 @@ from iga_ds.models.packaged import PACKAGED_PREFIX
 BUILTIN_TINY = "builtin:tiny"
 # the resolved config a training run writes into its output folder: what marks a folder as a run
 RUN_CONFIG = "config.resolved.yaml"
+VARLEN_ATTENTION = "torch_varlen"  # iga_ds.train.attention registers it with transformers
 ADAPTER_CONFIG = "adapter_config.json"  # PEFT's: what makes a folder an adapter
 
 
@@ -330,6 +331,13 @@ class RunConfig(Section):
     def _shipped_deepspeed(self) -> "RunConfig":
         if self.deepspeed is None:
             self.deepspeed = shipped_file(DEFAULT_DEEPSPEED)
+        return self
+
+    @model_validator(mode="after")
+    def _varlen_needs_padding_free(self) -> "RunConfig":
+        if self.model.attn_implementation == VARLEN_ATTENTION and not self.data.padding_free:
+            raise config_problem(f"model.attn_implementation: {VARLEN_ATTENTION} attends within packed sequences "
+                                 "only; set data.padding_free: true")
         return self
 
     @model_validator(mode="after")

@@ -11,9 +11,8 @@ from __future__ import annotations
 import inspect
 from functools import cache
 
+from iga_ds.config.run import VARLEN_ATTENTION
 from iga_ds.errors import ConfigError
-
-VARLEN_ATTENTION = "torch_varlen"
 
 
 def varlen_unavailable() -> str | None:
@@ -29,11 +28,9 @@ def varlen_unavailable() -> str | None:
     return None
 
 
-def require_varlen_attention(padding_free: bool) -> None:
-    """Raise a ConfigError unless ``torch_varlen`` can run here, on padding-free micro-batches."""
-    if not padding_free:
-        raise ConfigError(f"model.attn_implementation: {VARLEN_ATTENTION} attends within packed sequences only; "
-                          "set data.padding_free: true")
+def require_varlen_attention() -> None:
+    """Raise a ConfigError unless ``torch_varlen`` can run here (the run YAML's check has made
+    sure its micro-batches are padding-free)."""
     if reason := varlen_unavailable():
         raise ConfigError(f"model.attn_implementation: {VARLEN_ATTENTION} {reason}")
 

@@ -193,7 +193,7 @@ class Trainer:
         if cfg.model.liger_kernel:
             require_liger_kernel()
         if cfg.model.attn_implementation == VARLEN_ATTENTION:
-            require_varlen_attention(cfg.data.padding_free)
+            require_varlen_attention()
         accum = check_batch_layout(cfg.data.groups_per_step, cfg.data.groups_per_micro_batch, dist.world_size)
         ds_dict, hook_config = build_ds_config(cfg, load_ds_json(cfg.deepspeed), dist.world_size, accum,
                                                cfg.deepspeed, run_source=cfg.source, check_model=True)
