@@ -5,6 +5,7 @@ a float64 per-sequence stand-in, the kernel itself on a GPU. Where it cannot run
 stops with a one-line error before it loads anything."""
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -14,7 +15,8 @@ import yaml
 
 from iga_ds.config.run import load_run_config
 from iga_ds.errors import ConfigError
-from iga_ds.train.attention import VARLEN_ATTENTION, register_varlen_attention, varlen_unavailable
+from iga_ds.train.attention import (VARLEN_ATTENTION, register_varlen_attention, varlen_attention_forward,
+                                   varlen_unavailable)
 from iga_ds.train.batching import IGNORE_INDEX, check_padding_free, pack_rows, pad_rows
 from iga_ds.train.trainer import Trainer
 from test_train_support import run_config_dict, write_isomer_jsonl
@@ -50,9 +52,10 @@ def test_the_trainer_refuses_torch_varlen_where_it_cannot_run(tmp_path, monkeypa
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
 
 
-def per_sequence_attention(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, **causal):
-    """A float64 stand-in for the kernel: each sequence's causal attention on its own."""
-    assert torch.equal(cu_q, cu_k) and causal in ({"is_causal": True}, {"window_size": (-1, 0)})
+def per_sequence_attention(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+    """A float64 stand-in for the kernel (torch 2.11's signature): each sequence's causal attention
+    on its own."""
+    assert torch.equal(cu_q, cu_k) and tuple(window_size) == (-1, 0)
     assert q.shape[0] == int(cu_q[-1]) and max_q == max(torch.diff(cu_q).tolist())
     out = []
     for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
@@ -124,6 +127,20 @@ def check_against_padded_rows(device: str):
     varlen_model.train()
     again = _logits_and_grads(varlen_model, packed.model_inputs(), torch.arange(sum(LENGTHS)))
     assert all(_relative(got, want) <= 1e-6 for got, want in zip(again, varlen))
+
+
+def test_torch_varlen_names_what_the_model_needs_and_the_kernel_lacks(monkeypatch):
+    import torch.nn.attention.varlen as varlen
+    monkeypatch.setattr(varlen, "varlen_attn", per_sequence_attention)
+    q = torch.zeros(1, 4, 10, 8, dtype=torch.bfloat16)
+    lengths = {"cu_seq_lens_q": torch.tensor([0, 6, 10], dtype=torch.int32), "max_length_q": 6}
+    for extra, says in (({"sliding_window": 4}, "has no sliding window (4 tokens; a sequence here has 6)"),
+                        ({"softcap": 50.0}, "has no logit soft-capping"), ({"s_aux": torch.zeros(4)}, "attention sinks")):
+        with pytest.raises(ConfigError, match=re.escape(says) + ".*use sdpa"):
+            varlen_attention_forward(None, q, q, q, None, **lengths, **extra)
+    # a window wider than every sequence is no window at all
+    out, _ = varlen_attention_forward(None, q, q, q, None, **lengths, sliding_window=4096)
+    assert out.shape == (1, 10, 4, 8)
 
 
 def test_torch_varlen_refuses_padded_rows_and_float32(monkeypatch):

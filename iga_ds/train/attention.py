@@ -44,11 +44,18 @@ def register_varlen_attention() -> None:
 
 
 @cache
-def _causal() -> dict:
+def _causal(kernel) -> dict:
     # varlen_attn's first release took is_causal; later ones take a window, (-1, 0) being causal
-    from torch.nn.attention.varlen import varlen_attn
+    return {"is_causal": True} if "is_causal" in inspect.signature(kernel).parameters else {"window_size": (-1, 0)}
 
-    return {"is_causal": True} if "is_causal" in inspect.signature(varlen_attn).parameters else {"window_size": (-1, 0)}
+
+def _unsupported(max_length: int, sliding_window=None, softcap=None, s_aux=None, **_) -> str | None:
+    """What of the model's attention this kernel call would leave out, or None."""
+    if sliding_window is not None and sliding_window < max_length:  # a wider window is no window
+        return f"sliding window ({sliding_window} tokens; a sequence here has {max_length})"
+    if softcap is not None:
+        return "logit soft-capping"
+    return "attention sinks" if s_aux is not None else None
 
 
 def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -64,11 +71,15 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     if dropout:
         raise ConfigError(f"model.attn_implementation: {VARLEN_ATTENTION} has no attention dropout; "
                           f"the model's is {dropout}")
+    if what := _unsupported(max_length_q, **kwargs):
+        raise ConfigError(f"model.attn_implementation: {VARLEN_ATTENTION} has no {what}; this model needs it: "
+                          "use sdpa or flash_attention_2")
     if query.dtype not in (torch.bfloat16, torch.float16):
         raise ConfigError(f"model.attn_implementation: {VARLEN_ATTENTION} runs in bfloat16 or float16, not "
                           f"{query.dtype}: set model.dtype: bfloat16, or bf16 in the DeepSpeed JSON")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, heads, head_dim)
     if k.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves a group of queries
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling, **_causal())
+    out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,
+                      **_causal(varlen_attn))
     return out.unsqueeze(0), None
