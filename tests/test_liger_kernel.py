@@ -16,7 +16,7 @@ from iga_ds.train import model as model_module
 from iga_ds.train.model import apply_liger_kernel
 from iga_ds.train.trainer import Trainer
 from test_train_support import run_config_dict, write_isomer_jsonl
-from tiny_models import tiny_peft_llama
+from tiny_models import assert_within_bf16_yardstick, relative_error, tiny_peft_llama
 
 GPU_AND_LIGER = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("liger_kernel") is None,
                                    reason="needs a CUDA device and liger-kernel (pip install 'iga-ds[liger]')")
@@ -62,10 +62,6 @@ def _logits_and_grads(model, ids, mask):
     return logits.detach().float(), grads
 
 
-def _relative(got, want) -> float:
-    return float((got.float() - want.float()).norm() / want.float().norm())
-
-
 @pytest.mark.gpu
 @GPU_AND_LIGER
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -91,7 +87,6 @@ def test_liger_kernels_match_the_model_s_own_layers(dtype, monkeypatch):
     pairs = [("logits", fused[0], own[0], exact[0])] + [(n, fused[1][n], own[1][n], exact[1][n]) for n in exact[1]]
     for name, got, theirs, want in pairs:
         if dtype == torch.float32:
-            assert _relative(got, want) <= 1e-4, f"{name}: {_relative(got, want):.2e}"
+            assert relative_error(got, want) <= 1e-4, f"{name}: {relative_error(got, want):.2e}"
         else:
-            assert _relative(got, want) <= 2 * _relative(theirs, want) + 1e-3, \
-                f"{name}: {_relative(got, want):.2e} against the model's own {_relative(theirs, want):.2e}"
+            assert_within_bf16_yardstick(name, got, theirs, want, "the model's own")

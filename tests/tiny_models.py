@@ -68,3 +68,15 @@ def shrunk_tiny_base_config():
     from iga_ds.config.run import TinyBaseConfig
 
     return TinyBaseConfig(**SHRUNK_TINY_BASE)
+
+
+def relative_error(got, want) -> float:
+    """||got - want|| / ||want||, in float64."""
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+def assert_within_bf16_yardstick(name: str, got, theirs, want, baseline: str) -> None:
+    """A bf16 fast path (``got``) stays as close to the exact result (``want``) as the bf16 path it
+    replaces (``theirs``, named ``baseline``) does: within twice its distance, plus 1e-3."""
+    err, own = relative_error(got, want), relative_error(theirs, want)
+    assert err <= 2 * own + 1e-3, f"{name}: {err:.2e} against {baseline}'s {own:.2e}"

@@ -32,11 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from iga_ds.config.run import VARLEN_ATTENTION
 from iga_ds.data.prompts import PLAIN, PromptFormat, leading_ids
 from iga_ds.data.schema import read_isomer_jsonl
 from iga_ds.errors import ConfigError
 from iga_ds.files import make_dir
-from iga_ds.train.attention import VARLEN_ATTENTION
 
 IGNORE_INDEX = -100
 PLAIN_FORMAT = PromptFormat(PLAIN)  # the format of a tokenizer without a chat template
