@@ -16,7 +16,8 @@ same records, token ids, batches and schedule:
   method ``erm_captured``: ERM's update through the engine hook's capture and boundary instead of
   DeepSpeed's per-micro-batch reduction (IGA's path without the method), and ``iga_ds_erm_liger`` and
   ``iga_ds_iga_liger``, with ``model.liger_kernel: true`` (CUDA only), and ``iga_ds_erm_packed_liger``
-  and ``iga_ds_iga_packed_liger``, with both; their step times are the ones
+  and ``iga_ds_iga_packed_liger``, with both, and the ``_unfused`` variants, with ``model.fused_lora:
+  false`` (PEFT's own LoRA forward); their step times are the ones
   the trainer logs in ``metrics.jsonl`` (``step_interval_s``: from one step's end to the next,
   the previous step's logging included, as the Trainer's callbacks see it), so process start-up,
   model loading and tokenization are not counted. The trainer does not log its memory peak: the command runs
@@ -109,7 +110,8 @@ from iga_ds.train.profiling import PROFILE_JSON, PROFILE_TXT, StepProfiler
 
 VARIANTS = ("torch", "torch_no_cudnn", "hf_trainer", "iga_ds_erm", "iga_ds_iga", "iga_ds_erm_packed",
             "iga_ds_iga_packed", "iga_ds_erm_captured", "iga_ds_erm_liger", "iga_ds_iga_liger",
-            "iga_ds_erm_packed_liger", "iga_ds_iga_packed_liger")
+            "iga_ds_erm_packed_liger", "iga_ds_iga_packed_liger", "iga_ds_erm_unfused", "iga_ds_iga_unfused",
+            "iga_ds_erm_packed_liger_unfused", "iga_ds_iga_packed_liger_unfused")
 LABELS = {"torch": "PyTorch + PEFT loop", "torch_no_cudnn": "PyTorch + PEFT loop, cuDNN attention off",
           "hf_trainer": "HF Trainer + PEFT + DeepSpeed",
           "iga_ds_erm": "iga-ds train, ERM", "iga_ds_iga": "iga-ds train, IGA",
@@ -118,8 +120,13 @@ LABELS = {"torch": "PyTorch + PEFT loop", "torch_no_cudnn": "PyTorch + PEFT loop
           "iga_ds_erm_captured": "iga-ds train, ERM through the hook",
           "iga_ds_erm_liger": "iga-ds train, ERM, liger-kernel", "iga_ds_iga_liger": "iga-ds train, IGA, liger-kernel",
           "iga_ds_erm_packed_liger": "iga-ds train, ERM, padding-free, liger-kernel",
-          "iga_ds_iga_packed_liger": "iga-ds train, IGA, padding-free, liger-kernel"}
-PACKED, LIGER = "_packed", "_liger"  # the variants' name parts: data.padding_free on, model.liger_kernel on
+          "iga_ds_iga_packed_liger": "iga-ds train, IGA, padding-free, liger-kernel",
+          "iga_ds_erm_unfused": "iga-ds train, ERM, PEFT's LoRA forward",
+          "iga_ds_iga_unfused": "iga-ds train, IGA, PEFT's LoRA forward",
+          "iga_ds_erm_packed_liger_unfused": "iga-ds train, ERM, padding-free, liger-kernel, PEFT's LoRA forward",
+          "iga_ds_iga_packed_liger_unfused": "iga-ds train, IGA, padding-free, liger-kernel, PEFT's LoRA forward"}
+# the variants' name parts: data.padding_free on, model.liger_kernel on, model.fused_lora off
+PACKED, LIGER, UNFUSED = "_packed", "_liger", "_unfused"
 # shapes with random weights: Hugging Face LLaMA config fields (SmolLM2-135M-Instruct's
 # config.json; LLaMA-2-7B from common); "tiny" is the smoke run's, its vocabulary the tokenizer's
 SHAPES = {
@@ -293,11 +300,14 @@ class StepClock:
 # -- variants: iga-ds train -----------------------------------------------------------------------
 
 
-def run_yaml(spec: dict, method: str, out_dir: str, padding_free: bool = False, liger: bool = False) -> str:
+def run_yaml(spec: dict, method: str, out_dir: str, padding_free: bool = False, liger: bool = False,
+             fused_lora: bool = True) -> str:
     """The run YAML of ``iga-ds train`` for this benchmark (JSON is YAML)."""
     model = {"name_or_path": spec["model_dir"], "dtype": "bfloat16" if spec["device"] == "cuda" else "float32"}
     if liger:
         model["liger_kernel"] = True
+    if not fused_lora:
+        model["fused_lora"] = False
     attn = spec["packed_attn"] if padding_free and spec["packed_attn"] != "default" else spec["trainer_attn"]
     if attn != "default":
         model["attn_implementation"] = attn
@@ -349,8 +359,9 @@ def worker(variant: str, spec_path: str, result_path: str) -> int:
         out_dir = Path(spec["work"]) / "runs" / variant
         config = Path(spec["work"]) / f"{variant}.yaml"
         shutil.rmtree(out_dir, ignore_errors=True)  # an earlier run's, with the same --work-dir
-        method = variant.removeprefix("iga_ds_").removesuffix(LIGER).removesuffix(PACKED)
-        atomic_write_text(config, run_yaml(spec, method, str(out_dir), PACKED in variant, variant.endswith(LIGER)))
+        method = variant.removeprefix("iga_ds_").removesuffix(UNFUSED).removesuffix(LIGER).removesuffix(PACKED)
+        atomic_write_text(config, run_yaml(spec, method, str(out_dir), PACKED in variant, LIGER in variant,
+                                           UNFUSED not in variant))
         rc = run_iga_cli(str(config))
         result = iga_result(out_dir) if rc == 0 else {}
         result.update(rc=rc, dtype="bf16 (DeepSpeed)" if spec["device"] == "cuda" else "float32")
@@ -368,7 +379,7 @@ def skip_reason(variant: str, spec: dict) -> str | None:
     """Why ``variant`` cannot run here, or None."""
     if variant == "hf_trainer" and importlib.util.find_spec("accelerate") is None:
         return "accelerate is not installed (the Hugging Face Trainer needs it: pip install accelerate)"
-    if variant.endswith(LIGER):
+    if LIGER in variant:
         try:
             require_liger_kernel()  # the trainer's own check
         except ConfigError as exc:
@@ -596,7 +607,11 @@ PAIRS = (("iga_ds_iga", "iga_ds_erm"), ("iga_ds_iga_packed", "iga_ds_erm_packed"
          ("iga_ds_erm", "torch_no_cudnn"), ("iga_ds_iga", "torch_no_cudnn"), ("iga_ds_erm_liger", "iga_ds_erm"),
          ("iga_ds_iga_liger", "iga_ds_iga"), ("iga_ds_iga_liger", "iga_ds_erm_liger"),
          ("iga_ds_iga_packed_liger", "iga_ds_erm_packed_liger"), ("iga_ds_erm_packed_liger", "iga_ds_erm_liger"),
-         ("iga_ds_iga_packed_liger", "iga_ds_iga_liger"))
+         ("iga_ds_iga_packed_liger", "iga_ds_iga_liger"), ("iga_ds_erm", "iga_ds_erm_unfused"),
+         ("iga_ds_iga", "iga_ds_iga_unfused"), ("iga_ds_iga_unfused", "iga_ds_erm_unfused"),
+         ("iga_ds_erm_packed_liger", "iga_ds_erm_packed_liger_unfused"),
+         ("iga_ds_iga_packed_liger", "iga_ds_iga_packed_liger_unfused"),
+         ("iga_ds_iga_packed_liger_unfused", "iga_ds_erm_packed_liger_unfused"))
 
 
 def paired_ratios(rows: list[dict]) -> list[dict]:

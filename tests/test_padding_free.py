@@ -13,6 +13,7 @@ import yaml
 from dist_helpers import launch
 from iga_ds.errors import ConfigError
 from iga_ds.lora.capture import DomainGradientCapture, domain_spans
+from iga_ds.lora.fused import fuse_lora_layers
 from iga_ds.lora.modules import find_lora_modules
 from iga_ds.train.batching import (IGNORE_INDEX, check_padding_free, pack_rows, packed_sequence_losses, pad_rows,
                                    sequence_losses)
@@ -150,17 +151,21 @@ def loop_reference(model, modules, rows, domains):
     return sums
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("owns", [False, True])
 @pytest.mark.parametrize("domains", [[0, 1, 2], [0, 1, 2, 0, 1, 2], [2, 2, 0, 1, 1, 0]],
                          ids=["one_group", "two_groups", "runs"])
-def test_packed_capture_equals_a_loop_of_single_sequences(domains, owns):
-    """float64: one packed forward and backward, each token attributed to its sequence's domain."""
+def test_packed_capture_equals_a_loop_of_single_sequences(domains, owns, fused):
+    """float64: one packed forward and backward, each token attributed to its sequence's domain
+    (through hooks on PEFT's layers, or the fused layers' backward)."""
     model = float64_model(seed=3)
     model.train()
     modules = find_lora_modules(model)
     rows = rows_of([6, 9, 4, 8, 5, 7][: len(domains)], seed=4)
     ref = loop_reference(model, modules, rows, domains)
     model.zero_grad()
+    if fused:
+        assert len(fuse_lora_layers(modules)) == len(modules)
     buffers = [(torch.zeros(N, *m.lora_A.weight.shape, dtype=torch.float64),
                 torch.zeros(N, *m.lora_B.weight.shape, dtype=torch.float64)) for m in modules]
     capture = DomainGradientCapture(modules, buffers, N, owns_gradients=owns)
@@ -176,6 +181,33 @@ def test_packed_capture_equals_a_loop_of_single_sequences(domains, owns):
             torch.testing.assert_close(bA[d], ref[d][2 * i], rtol=1e-10, atol=1e-12)
             torch.testing.assert_close(bB[d], ref[d][2 * i + 1], rtol=1e-10, atol=1e-12)
     assert all(buf.abs().sum() > 0 for pair in buffers for buf in pair)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fused", [False, True])
+def test_packed_capture_in_bf16_on_cuda_sums_each_domain_in_fp32(fused):
+    """bf16 on CUDA, the sums written as fp32 by the GEMMs: each domain's sums against the float64
+    loop of single sequences, within bf16's reach."""
+    model = float64_model(seed=3)
+    modules = find_lora_modules(model)
+    domains = [2, 2, 0, 1, 1, 0]
+    rows = rows_of([6, 9, 4, 8, 5, 7], seed=4)
+    ref = loop_reference(model, modules, rows, domains)
+    model = model.to("cuda", torch.bfloat16)
+    if fused:
+        assert len(fuse_lora_layers(modules)) == len(modules)
+    buffers = [(torch.zeros(N, *m.lora_A.weight.shape, device="cuda"),
+                torch.zeros(N, *m.lora_B.weight.shape, device="cuda")) for m in modules]
+    capture = DomainGradientCapture(modules, buffers, N, owns_gradients=True)
+    packed = pack_rows(rows, domains).to("cuda")
+    with capture.micro_batch(packed.domain_ids.cpu(), 1.0, packed.sequence_lengths.cpu()):
+        packed.sequence_losses(packed_forward(model, packed)).sum().backward()
+    capture.remove()
+    for d in range(N):
+        for i, buf in enumerate(b for pair in buffers for b in pair):
+            want = ref[d][i]
+            assert want.norm() > 0 and (buf[d].double().cpu() - want).norm() <= 0.03 * want.norm(), (d, i)
 
 
 def test_capture_of_a_padded_shape_in_a_packed_micro_batch_is_a_clear_error():

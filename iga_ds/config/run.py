@@ -133,6 +133,11 @@ class ModelConfig(Section):
                                  "fused Triton kernels (CUDA only; `pip install 'iga-ds[liger]'`; the model types "
                                  "liger-kernel patches). Fewer kernel launches and less memory a step; the logits and the loss stay "
                                  "the trainer's own (no fused cross-entropy)")
+    fused_lora: bool = setting(True, "each adapted linear layer as one autograd function: LoRA's product added "
+                               "into the base layer's output by a GEMM epilogue, its input gradient likewise, "
+                               "instead of PEFT's separate scale and add over the whole output (forward and "
+                               "backward). The same function up to rounding order; layers it cannot take (LoRA "
+                               "dropout, DoRA, quantized bases) keep PEFT's forward")
     tiny: dict[str, Any] = setting(dict, "with `builtin:tiny` only: the base's shape and pretraining, fields of "
                                    "`TinyBaseConfig` below, e.g. `{hidden_size: 256, num_layers: 4, steps: 1500}`; "
                                    "each setting is a base of its own in the cache")

@@ -5,7 +5,8 @@ same outer products are summed per domain instead of per sample. For a linear la
 y = x W^T, dL/dW = sum_t dy_t^T x_t, so the part owed to domain n is the sum over the tokens
 of that domain's sequences: one small batched matmul per factor and micro-batch.
 
-Two ways to take them, both through forward hooks on lora_A and lora_B:
+They are taken through forward hooks on lora_A and lora_B or, for a layer that ``lora.fused``
+has fused (it calls neither), in that layer's own backward; either way in one of two modes:
 
 - alongside autograd (default): lora_B's output is wrapped in an autograd function that is the
   identity forward and, backward, adds dy^T x per domain for both factors into fp32 buffers;
@@ -29,7 +30,8 @@ dropped-out input).
 
 A padding-free micro-batch (its sequences back to back in one row, ``sequence_lengths`` given
 to ``micro_batch``) is attributed token by token: each run of consecutive same-domain
-sequences is one span of the row, and each span's dy^T x is one GEMM into its domain's sums.
+sequences is one span of the row. One span's dy^T x is one GEMM into its domain's sums; several
+spans take one GEMM over the row, the narrow operand (the r side) laid out once per domain.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from iga_ds.lora.fused import FusedForward, fused_forward
 from iga_ds.lora.modules import LoraModule
 from iga_ds.methods.tensors import host_to_device
 
@@ -59,6 +62,18 @@ class _MicroBatch:
     # sequences, and its token count; None when each sequence has its own row
     domain_spans: list[tuple[int, int, int]] | None = None
     num_tokens: int = 0
+    num_domains: int = 0
+    _mask: torch.Tensor | None = None
+
+    def domain_mask(self, like: torch.Tensor) -> torch.Tensor:
+        """(tokens, N): 1 where a token of the padding-free row is of that domain, in ``like``'s
+        dtype and on its device; made once per micro-batch (every layer's backward takes it)."""
+        if self._mask is None or self._mask.dtype != like.dtype or self._mask.device != like.device:
+            mask = torch.zeros(self.num_tokens, self.num_domains, dtype=like.dtype)
+            for domain, start, end in self.domain_spans:
+                mask[start:end, domain] = 1
+            self._mask = host_to_device(mask, like.device)
+        return self._mask
 
     def backward_started(self) -> None:
         if self.on_backward is not None:
@@ -120,10 +135,29 @@ class _CapturedLoRA(torch.autograd.Function):
         return grad_x, None, None, None, None, None, None, None, None
 
 
-def _add_per_domain(buf: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor, micro: "_MicroBatch") -> None:
-    """buf[n] += factor * sum over domain n's sequences of dy^T x."""
+@dataclass
+class _FusedSink:
+    """A fused layer's backward (``lora.fused``) adds into the sums through this: the same
+    products as :class:`_CapturedLoRA`, with dy unscaled and the scaling folded into the add."""
+
+    owns: bool
+    anchor: torch.Tensor | None
+    bufA: torch.Tensor
+    bufB: torch.Tensor
+    micro: _MicroBatch
+
+    def add(self, grad_out, h, grad_h, x, scaling: float) -> None:
+        self.micro.backward_started()
+        _add_per_domain(self.bufB, grad_out, h, self.micro, scale=scaling)  # dL/dB = scaling dy^T h
+        _add_per_domain(self.bufA, grad_h, x, self.micro)  # dL/dA = (scaling dy B)^T x
+
+
+def _add_per_domain(buf: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor, micro: "_MicroBatch",
+                    scale: float = 1.0) -> None:
+    """buf[n] += scale * factor * sum over domain n's sequences of dy^T x."""
+    alpha = micro.factor * scale
     if micro.domain_spans is not None:
-        _add_per_domain_span(buf, grad_out, x, micro)
+        _add_per_domain_span(buf, grad_out, x, micro, alpha)
         return
     b = micro.batch_size
     if grad_out.shape[0] != b:
@@ -136,13 +170,14 @@ def _add_per_domain(buf: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor, 
     dy_t = grad_out.reshape(b, -1, grad_out.shape[-1]).mT
     xs = x.reshape(b, -1, x.shape[-1])
     if micro.one_per_domain:  # sequence n is domain n: the products add in place
-        add_products(buf, dy_t, xs, micro.factor)
+        add_products(buf, dy_t, xs, alpha)
     else:
-        buf.index_add_(0, micro.domain_ids, torch.bmm(dy_t, xs).float(), alpha=micro.factor)
+        buf.index_add_(0, micro.domain_ids, torch.bmm(dy_t, xs).float(), alpha=alpha)
 
 
-def _add_per_domain_span(buf: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor, micro: "_MicroBatch") -> None:
-    """buf[n] += factor * sum over domain n's tokens of dy^T x, for one padding-free row."""
+def _add_per_domain_span(buf: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor, micro: "_MicroBatch",
+                         alpha: float) -> None:
+    """buf[n] += alpha * sum over domain n's tokens of dy^T x, for one padding-free row."""
     tokens = micro.num_tokens
     if grad_out.shape[0] != 1 or grad_out.numel() != tokens * grad_out.shape[-1]:
         raise RuntimeError(
@@ -151,13 +186,34 @@ def _add_per_domain_span(buf: torch.Tensor, grad_out: torch.Tensor, x: torch.Ten
         )
     dy = grad_out.reshape(tokens, grad_out.shape[-1])
     xs = x.reshape(tokens, x.shape[-1])
-    for domain, start, end in micro.domain_spans:  # slices of the row: no activation is copied
-        add_products(buf[domain: domain + 1], dy[start:end].mT.unsqueeze(0), xs[start:end].unsqueeze(0),
-                     micro.factor)
+    if len(micro.domain_spans) == 1:
+        domain, start, end = micro.domain_spans[0]
+        add_products(buf[domain: domain + 1], dy[start:end].mT.unsqueeze(0), xs[start:end].unsqueeze(0), alpha)
+        return
+    # one GEMM over the whole row instead of one per span: the narrow operand (LoRA's r side)
+    # is laid out once per domain, zero outside that domain's tokens. The wide operand is read
+    # once, as by autograd's own weight gradient; per-span GEMMs each had a few output tiles
+    # to spread over the SMs (N x the FLOPs, still bound by reading the wide operand)
+    num, narrow_on_right = buf.shape[0], xs.shape[-1] <= dy.shape[-1]
+    narrow = xs if narrow_on_right else dy
+    per_domain = (narrow.unsqueeze(1) * micro.domain_mask(narrow).unsqueeze(2)).reshape(tokens, -1)
+    if narrow_on_right:  # factor B: (out, N r), added into buf (N, out, r) transposed
+        product = product_fp32(dy.mT, per_domain) if buf.dtype == torch.float32 else dy.mT @ per_domain
+        buf.add_(product.view(dy.shape[-1], num, -1).transpose(0, 1), alpha=alpha)
+    else:  # factor A: (N r, in), which is buf's own layout
+        add_products(buf.view(1, -1, xs.shape[-1]), per_domain.mT.unsqueeze(0), xs.unsqueeze(0), alpha)
 
 
 # cuBLAS writes fp32 products of bf16 or fp16 operands (the "dtype" overloads, torch >= 2.8, CUDA)
 _MIXED_GEMM = "dtype_out" in torch.ops.aten.baddbmm.overloads()
+
+
+def product_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in float32: written as fp32 by the BLAS where it can (bf16/fp16 on CUDA), never
+    rounded to the operands' dtype there; elsewhere the operands' product, cast."""
+    if _MIXED_GEMM and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
 
 
 def add_products(buf: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
@@ -219,6 +275,7 @@ class DomainGradientCapture:
         self._micro: _MicroBatch | None = None
         self.counts = torch.zeros(num_domains, dtype=torch.float64)  # sequences seen per domain
         self._handles = []
+        self._fused: list[FusedForward] = []
         if owns_gradients:
             # needs a gradient and gets none: it makes backward reach the capture's function
             # where nothing else would (the first layer's input needs no gradient when the
@@ -230,9 +287,28 @@ class DomainGradientCapture:
                 for layer in (module.lora_A, module.lora_B):
                     if layer.bias is not None:
                         raise ValueError(f"{module.name}: LoRA factor with a bias; the capture needs bias-free factors")
+            if (fused := fused_forward(module)) is not None:  # no hooks: the fused layer's backward adds the sums
+                fused.capture = self._fused_sink(module, bufA, bufB)
+                self._fused.append(fused)
+                continue
             stash: dict[str, torch.Tensor] = {}
             self._handles.append(module.lora_A.register_forward_hook(self._stash_input(stash)))
             self._handles.append(module.lora_B.register_forward_hook(self._capture(stash, module, bufA, bufB)))
+
+    def _fused_sink(self, module: LoraModule, bufA: torch.Tensor, bufB: torch.Tensor):
+        """A fused layer's source of sinks: one per training forward, bound to its micro-batch."""
+        def sink() -> _FusedSink | None:
+            if not module.lora_A.weight.requires_grad:
+                return None  # a frozen adapter: nothing to capture
+            if self._micro is None:
+                raise RuntimeError(
+                    f"{module.name}: forward with gradients outside micro_batch(domain_ids); "
+                    "wrap each training forward and backward in hook.micro_batch(...)"
+                )
+            return _FusedSink(self.owns_gradients, self._anchor if self.owns_gradients else None,
+                              bufA, bufB, self._micro)
+
+        return sink
 
     @staticmethod
     def _stash_input(stash: dict):
@@ -289,7 +365,8 @@ class DomainGradientCapture:
         else:  # pinned on CUDA, so the copy is queued without a stream sync
             ids_dev = host_to_device(ids_cpu, device)
         self._micro = _MicroBatch(ids_dev, 1.0 / loss_scale, int(ids_cpu.numel()), one_per_domain,
-                                  self.before_backward if self.owns_gradients else None, spans, tokens)
+                                  self.before_backward if self.owns_gradients else None, spans, tokens,
+                                  self.num_domains)
         try:
             yield
         finally:
@@ -306,3 +383,6 @@ class DomainGradientCapture:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for fused in self._fused:
+            fused.capture = None
+        self._fused.clear()

@@ -22,6 +22,8 @@ class LoraModule:
     lora_A: nn.Linear
     lora_B: nn.Linear
     scaling: float
+    layer: nn.Module | None = None  # the PEFT layer that holds the factors (for lora.fused)
+    adapter: str = "default"
 
     @cached_property
     def rank(self) -> int:
@@ -70,5 +72,5 @@ def find_lora_modules(model: nn.Module, adapter: str | None = None) -> list[Lora
                                   "(lora_bias=False)")
             if not lora_A.weight.requires_grad:
                 continue
-            found.append(LoraModule(f"{name}.{ad}", len(found), lora_A, lora_B, float(layer.scaling[ad])))
+            found.append(LoraModule(f"{name}.{ad}", len(found), lora_A, lora_B, float(layer.scaling[ad]), layer, ad))
     return found

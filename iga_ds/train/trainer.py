@@ -45,6 +45,8 @@ from iga_ds.data.prompts import CHAT, PromptFormat, prompt_format, save_prompt_f
 from iga_ds.engine.hook import EngineHook, attach
 from iga_ds.errors import ConfigError, DataError
 from iga_ds.files import atomic_write_text, check_output_dir
+from iga_ds.lora.fused import fuse_lora_layers
+from iga_ds.lora.modules import find_lora_modules
 from iga_ds.train.attention import VARLEN_ATTENTION, require_varlen_attention
 from iga_ds.train.batching import (
     PLAIN_FORMAT,
@@ -312,6 +314,8 @@ class Trainer:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()
         model = add_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules, cfg.lora.rslora)
+        if cfg.model.fused_lora:
+            fuse_lora_layers(find_lora_modules(model))
         trainable = [p for p in model.parameters() if p.requires_grad]
         counts = (sum(p.numel() for p in trainable), sum(p.numel() for p in model.parameters()))
         optimizer = GroupStepAdamW(trainable, lr=s.lr, betas=tuple(s.betas), eps=s.eps, weight_decay=s.weight_decay)
