@@ -12,13 +12,13 @@ import yaml
 
 from dist_helpers import launch
 from iga_ds.errors import ConfigError
-from iga_ds.lora.capture import DomainGradientCapture, domain_spans
+from iga_ds.lora.capture import DomainGradientCapture, add_span_products, domain_mask, domain_spans
 from iga_ds.lora.fused import fuse_lora_layers
 from iga_ds.lora.modules import find_lora_modules
 from iga_ds.train.batching import (IGNORE_INDEX, check_padding_free, pack_rows, packed_sequence_losses, pad_rows,
                                    sequence_losses)
 from test_train_support import run_config_dict, tiny_base, write_isomer_jsonl
-from tiny_models import tiny_peft_llama
+from tiny_models import relative_error, tiny_peft_llama
 
 REPO = Path(__file__).resolve().parents[1]
 N = 3
@@ -183,31 +183,26 @@ def test_packed_capture_equals_a_loop_of_single_sequences(domains, owns, fused):
     assert all(buf.abs().sum() > 0 for pair in buffers for buf in pair)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fused", [False, True])
-def test_packed_capture_in_bf16_on_cuda_sums_each_domain_in_fp32(fused):
-    """bf16 on CUDA, the sums written as fp32 by the GEMMs: each domain's sums against the float64
-    loop of single sequences, within bf16's reach."""
-    model = float64_model(seed=3)
-    modules = find_lora_modules(model)
-    domains = [2, 2, 0, 1, 1, 0]
-    rows = rows_of([6, 9, 4, 8, 5, 7], seed=4)
-    ref = loop_reference(model, modules, rows, domains)
-    model = model.to("cuda", torch.bfloat16)
-    if fused:
-        assert len(fuse_lora_layers(modules)) == len(modules)
-    buffers = [(torch.zeros(N, *m.lora_A.weight.shape, device="cuda"),
-                torch.zeros(N, *m.lora_B.weight.shape, device="cuda")) for m in modules]
-    capture = DomainGradientCapture(modules, buffers, N, owns_gradients=True)
-    packed = pack_rows(rows, domains).to("cuda")
-    with capture.micro_batch(packed.domain_ids.cpu(), 1.0, packed.sequence_lengths.cpu()):
-        packed.sequence_losses(packed_forward(model, packed)).sum().backward()
-    capture.remove()
-    for d in range(N):
-        for i, buf in enumerate(b for pair in buffers for b in pair):
-            want = ref[d][i]
-            assert want.norm() > 0 and (buf[d].double().cpu() - want).norm() <= 0.03 * want.norm(), (d, i)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize("narrow", ["right", "left"])
+def test_span_products_take_one_gemm_and_equal_one_product_per_span(narrow, device):
+    """Several spans' products in one GEMM (the narrow operand laid out per domain) against one
+    float64 product per span of the same values. On the CPU in float64: to rounding; on CUDA
+    with bf16 operands: the fp32 sums the GEMM writes, never rounded to bf16."""
+    g = torch.Generator().manual_seed(0)
+    spans = [(2, 0, 7), (0, 7, 12), (2, 12, 20), (1, 20, 29)]  # domain 2 twice, domain 3 of 4 absent
+    wide, thin = torch.randn(29, 40, generator=g), torch.randn(29, 5, generator=g)
+    dy, xs = (wide, thin) if narrow == "right" else (thin, wide)
+    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+    dy, xs = dy.to(device, dtype), xs.to(device, dtype)
+    buf = torch.ones(4, dy.shape[1], xs.shape[1], dtype=torch.float64 if device == "cpu" else torch.float32,
+                     device=device)
+    add_span_products(buf, dy, xs, spans, 0.5, lambda like: domain_mask(spans, 29, 4, like))
+    want = torch.ones(4, dy.shape[1], xs.shape[1], dtype=torch.float64)
+    for domain, start, end in spans:
+        want[domain] += 0.5 * dy[start:end].double().cpu().mT @ xs[start:end].double().cpu()
+    assert (want[3] == 1).all() and relative_error(buf.cpu(), want) < (1e-14 if device == "cpu" else 1e-6)
 
 
 def test_capture_of_a_padded_shape_in_a_packed_micro_batch_is_a_clear_error():

@@ -85,6 +85,26 @@ def test_torch_varlen_hands_the_kernel_each_sequence(monkeypatch):
     check_against_padded_rows("cpu")
 
 
+def test_torch_varlen_hands_gradients_back_in_the_projections_layout(monkeypatch):
+    """q, k and v come in as transformers lays them out, (1, heads, T, d) views of the
+    projections' (1, T, heads x d) outputs; their gradients must go back in that layout, as
+    views of the kernel's (T, heads, d) gradients. Any other layout costs a copy of each one at
+    every layer (and the rotary embedding's backward another)."""
+    import torch.nn.attention.varlen as varlen
+    monkeypatch.setattr(varlen, "varlen_attn", lambda q, k, v, *args, **kwargs: q * k + v)
+    heads, tokens, d = 4, 11, 8
+    projections = [torch.randn(1, tokens, heads * d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+    q, k, v = (p.view(1, tokens, heads, d).transpose(1, 2) for p in projections)
+    grads = []
+    for t in (q, k, v):
+        t.register_hook(grads.append)
+    out, _ = varlen_attention_forward(None, q, k, v, None, cu_seq_lens_q=torch.tensor([0, 5, 11], dtype=torch.int32),
+                                      max_length_q=6)
+    out.backward(torch.randn_like(out))
+    assert len(grads) == 3 and all(g.shape == (1, heads, tokens, d) and g.transpose(1, 2).is_contiguous()
+                                   for g in grads)
+
+
 @pytest.mark.gpu
 def test_torch_varlen_matches_padded_rows_on_a_gpu():
     if reason := varlen_unavailable():

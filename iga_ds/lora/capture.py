@@ -66,13 +66,10 @@ class _MicroBatch:
     _mask: torch.Tensor | None = None
 
     def domain_mask(self, like: torch.Tensor) -> torch.Tensor:
-        """(tokens, N): 1 where a token of the padding-free row is of that domain, in ``like``'s
-        dtype and on its device; made once per micro-batch (every layer's backward takes it)."""
+        """The padding-free row's :func:`domain_mask`, made once per micro-batch (every layer's
+        backward takes it)."""
         if self._mask is None or self._mask.dtype != like.dtype or self._mask.device != like.device:
-            mask = torch.zeros(self.num_tokens, self.num_domains, dtype=like.dtype)
-            for domain, start, end in self.domain_spans:
-                mask[start:end, domain] = 1
-            self._mask = host_to_device(mask, like.device)
+            self._mask = domain_mask(self.domain_spans, self.num_tokens, self.num_domains, like)
         return self._mask
 
     def backward_started(self) -> None:
@@ -184,24 +181,38 @@ def _add_per_domain_span(buf: torch.Tensor, grad_out: torch.Tensor, x: torch.Ten
             f"LoRA output of shape {tuple(grad_out.shape)}, expected one padding-free row of {tokens} tokens "
             "(1, tokens, features): the capture slices that row by the sequence lengths"
         )
-    dy = grad_out.reshape(tokens, grad_out.shape[-1])
-    xs = x.reshape(tokens, x.shape[-1])
-    if len(micro.domain_spans) == 1:
-        domain, start, end = micro.domain_spans[0]
+    add_span_products(buf, grad_out.reshape(tokens, grad_out.shape[-1]), x.reshape(tokens, x.shape[-1]),
+                      micro.domain_spans, alpha, micro.domain_mask)
+
+
+def add_span_products(buf: torch.Tensor, dy: torch.Tensor, xs: torch.Tensor, spans: Sequence[tuple[int, int, int]],
+                      alpha: float, mask_like: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """``buf[n] += alpha * dy[s:e]^T xs[s:e]`` for each (n, s, e) of ``spans`` (``dy``: tokens x out,
+    ``xs``: tokens x in, ``buf``: N x out x in); ``mask_like(t)``: the spans' (tokens, N) 0/1
+    domain mask in ``t``'s dtype and device (:func:`domain_mask`)."""
+    if len(spans) == 1:
+        domain, start, end = spans[0]
         add_products(buf[domain: domain + 1], dy[start:end].mT.unsqueeze(0), xs[start:end].unsqueeze(0), alpha)
         return
     # one GEMM over the whole row instead of one per span: the narrow operand (LoRA's r side)
-    # is laid out once per domain, zero outside that domain's tokens. The wide operand is read
-    # once, as by autograd's own weight gradient; per-span GEMMs each had a few output tiles
-    # to spread over the SMs (N x the FLOPs, still bound by reading the wide operand)
-    num, narrow_on_right = buf.shape[0], xs.shape[-1] <= dy.shape[-1]
+    # laid out once per domain, zero outside its tokens. The wide operand is read once, as by
+    # autograd's own weight gradient; a span's GEMM alone has too few output tiles to fill the SMs
+    tokens, num, narrow_on_right = dy.shape[0], buf.shape[0], xs.shape[-1] <= dy.shape[-1]
     narrow = xs if narrow_on_right else dy
-    per_domain = (narrow.unsqueeze(1) * micro.domain_mask(narrow).unsqueeze(2)).reshape(tokens, -1)
-    if narrow_on_right:  # factor B: (out, N r), added into buf (N, out, r) transposed
+    per_domain = (narrow.unsqueeze(1) * mask_like(narrow).unsqueeze(2)).reshape(tokens, -1)
+    if narrow_on_right:  # (out, N in), added into buf (N, out, in) transposed
         product = product_fp32(dy.mT, per_domain) if buf.dtype == torch.float32 else dy.mT @ per_domain
         buf.add_(product.view(dy.shape[-1], num, -1).transpose(0, 1), alpha=alpha)
-    else:  # factor A: (N r, in), which is buf's own layout
+    else:  # (N out, in): buf's own layout
         add_products(buf.view(1, -1, xs.shape[-1]), per_domain.mT.unsqueeze(0), xs.unsqueeze(0), alpha)
+
+
+def domain_mask(spans: Sequence[tuple[int, int, int]], tokens: int, num_domains: int, like: torch.Tensor) -> torch.Tensor:
+    """(tokens, N): 1 where a token of the row is of that domain, in ``like``'s dtype and device."""
+    mask = torch.zeros(tokens, num_domains, dtype=like.dtype)
+    for domain, start, end in spans:
+        mask[start:end, domain] = 1
+    return host_to_device(mask, like.device)
 
 
 # cuBLAS writes fp32 products of bf16 or fp16 operands (the "dtype" overloads, torch >= 2.8, CUDA)

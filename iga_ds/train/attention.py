@@ -77,7 +77,8 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     if query.dtype not in (torch.bfloat16, torch.float16):
         raise ConfigError(f"model.attn_implementation: {VARLEN_ATTENTION} runs in bfloat16 or float16, not "
                           f"{query.dtype}: set model.dtype: bfloat16, or bf16 in the DeepSpeed JSON")
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, heads, head_dim)
+    # squeeze, not [0]: its gradient is a view, where indexing's writes a zero-filled copy
+    q, k, v = (t.squeeze(0).transpose(0, 1) for t in (query, key, value))  # (T, heads, head_dim)
     if k.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves a group of queries
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,
