@@ -2,8 +2,8 @@
 
 PEFT computes ``base(x) + lora_B(lora_A(x)) * scaling`` as five kernels: the base product, two
 skinny products, a multiply and an add over the whole output. Backward pays the multiply again
-and an add of the two input gradients. At LLaMA-2-7B's shape those elementwise passes over
-tokens x 4,096 activations are about a twentieth of the step (docs/PERFORMANCE.md). Here
+and an add of the two input gradients: passes over whole activations, which at LLaMA-2-7B's
+shape cost a share of the step that docs/PERFORMANCE.md gives. Here
 
     out  = x W^T (+ b),  then  out += scaling * h B^T  with  h = x A^T     (one addmm, in place)
     dx   = dy W,         then  dx  += (scaling * dy B) A                  (one addmm, in place)
@@ -11,8 +11,8 @@ tokens x 4,096 activations are about a twentieth of the step (docs/PERFORMANCE.m
 and the factors' gradients are the same skinny products autograd would take. The scaling is
 applied to (tokens x r) and (out x r) tensors only.
 
-:func:`fuse_lora_layers` installs it on each adapted layer where it computes exactly what PEFT
-computes: plain LoRA on a frozen ``nn.Linear``, no dropout, one active adapter, one dtype, no
+:func:`fuse_lora_layers` installs it on each adapted layer where it computes what PEFT computes
+(up to the order of rounding): plain LoRA on a frozen ``nn.Linear``, no dropout, one active adapter, one dtype, no
 autocast; any other call falls through to PEFT's own forward. The capture (``lora.capture``)
 takes the per-domain gradients of a fused layer from this function's backward instead of
 through hooks on ``lora_A`` and ``lora_B``, which a fused layer no longer calls."""
