@@ -364,6 +364,9 @@ while step < max_steps:
     if not stop and os.environ.get("IGA_TEST_WATCH_STOP_FILE") != "0" and os.path.exists(os.path.join(out, "STOP")):
         stop.append("stop file")
     if stop:
+        # the contract: a stopping rank ignores repeats of the request (the job script signals
+        # just after writing the stop file); Python restores the default action, death, at exit
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         tmp = ckpt + ".tmp"
         json.dump({"step": step}, open(tmp, "w"))
         os.replace(tmp, ckpt)

@@ -109,6 +109,28 @@ def test_stop_request_reason_names_what_asked(tmp_path):
     assert not StopSignal(None).requested()  # no file watched, no signal
 
 
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1 here")
+def test_after_a_stop_a_repeated_sigusr1_cannot_end_the_process(tmp_path):
+    """Without a stop, uninstall gives SIGUSR1 its old handler back; after one, it leaves it
+    ignored, so a second request arriving during the exit cannot kill the rank."""
+    from iga_ds.train.checkpoint import StopSignal
+
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        stop = StopSignal(tmp_path / "STOP").install()
+        assert signal.getsignal(signal.SIGUSR1) == stop._handle
+        stop.uninstall()
+        assert signal.getsignal(signal.SIGUSR1) == before
+        stop = StopSignal(tmp_path / "STOP").install()
+        (tmp_path / "STOP").write_text("")
+        assert stop.requested()
+        stop.uninstall()
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGUSR1)  # would end this process with the default action
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
 def test_checkpoints_are_pruned_and_exclude_frozen_weights(setup):
     tmp, data, base = setup
     out = tmp / "pruned"

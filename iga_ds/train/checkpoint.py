@@ -308,8 +308,13 @@ class StopSignal:
         self.received = signum
 
     def uninstall(self) -> None:
+        """The old handlers back; after a stop request, SIGUSR1 ignored instead. The process is on
+        its way out then, and a repeat of the request (the job script signals the ranks just after
+        writing the stop file a rank may already have acted on) would otherwise end it with the
+        default action mid-exit: Python itself restores that action at shutdown."""
+        usr1 = getattr(signal, "SIGUSR1", None)
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if sig == usr1 and self.reason is not None else handler)
         self._previous.clear()
 
     def discard_stale(self) -> bool:
