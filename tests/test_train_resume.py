@@ -161,6 +161,7 @@ def test_a_resume_under_another_schedule_names_the_changes_and_refuses_unless_al
     """Other max_steps and lr than the checkpoint's: one line naming each change, old -> new;
     with checkpoint.allow_schedule_change the run continues under the new schedule (its lr, its
     number of steps)."""
+    from iga_ds.engine.collector import FrozenCollector
     from iga_ds.errors import ConfigError
     from iga_ds.train.optim import lr_lambda
 
@@ -178,6 +179,7 @@ def test_a_resume_under_another_schedule_names_the_changes_and_refuses_unless_al
     assert "schedule.max_steps 3 -> 4" in message and "schedule.lr 0.005 -> 0.001" in message, message
     assert "total_steps 3 -> 4" in message and "checkpoint.allow_schedule_change=true" in message, message
     assert "schedule.warmup_ratio" not in message  # only what changed
+    assert FrozenCollector._holders == 0  # the refused runs detached their hooks
     second = _train(tmp, data, base, out, **changed, **{"checkpoint.allow_schedule_change": True,
                                                          "schedule.weight_decay": 0.0})
     assert second.status == "completed" and second.step == 4

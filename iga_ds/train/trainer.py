@@ -211,16 +211,20 @@ class Trainer:
         batches = self._tokenize(tokenizer, groups, fmt)
         engine, counts = self._build_engine(base_dir, ds_dict, total_steps)
         hook = attach(engine, hook_config)
-        updates = UpdateNorms(engine.module)
-        out = Path(cfg.output_dir)
-        start_step = self._resume(engine, out, updates, total_steps)
-        stop = StopSignal(out / STOP_FILE)
-        if dist.rank == 0:
-            self._prepare_output(out, stop, start_step, {
-                "base_model_dir": str(base_dir), "world_size": dist.world_size, "total_steps": total_steps,
-                "trainable_parameters": counts[0], "total_parameters": counts[1], "prompt_format": fmt.name,
-                "train_records": len(records), "train_groups": len(groups),
-                "deepspeed_config": ds_dict, "iga": hook_config.to_dict()})
+        try:  # a refused resume leaves no hook behind: its wrapped step, its frozen garbage collector
+            updates = UpdateNorms(engine.module)
+            out = Path(cfg.output_dir)
+            start_step = self._resume(engine, out, updates, total_steps)
+            stop = StopSignal(out / STOP_FILE)
+            if dist.rank == 0:
+                self._prepare_output(out, stop, start_step, {
+                    "base_model_dir": str(base_dir), "world_size": dist.world_size, "total_steps": total_steps,
+                    "trainable_parameters": counts[0], "total_parameters": counts[1], "prompt_format": fmt.name,
+                    "train_records": len(records), "train_groups": len(groups),
+                    "deepspeed_config": ds_dict, "iga": hook_config.to_dict()})
+        except BaseException:
+            hook.detach()
+            raise
         self._print(f"training LoRA r={cfg.lora.r}: {counts[0]:,} trainable of {counts[1]:,} parameters; "
                     f"method {hook_config.method}; {len(groups)} groups, {total_steps} steps, "
                     f"world size {dist.world_size}")
