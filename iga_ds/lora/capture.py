@@ -137,7 +137,6 @@ class _FusedSink:
     """A fused layer's backward (``lora.fused``) adds into the sums through this: the same
     products as :class:`_CapturedLoRA`, with dy unscaled and the scaling folded into the add."""
 
-    owns: bool
     anchor: torch.Tensor | None
     bufA: torch.Tensor
     bufB: torch.Tensor
@@ -219,10 +218,15 @@ def domain_mask(spans: Sequence[tuple[int, int, int]], tokens: int, num_domains:
 _MIXED_GEMM = "dtype_out" in torch.ops.aten.baddbmm.overloads()
 
 
+def _writes_fp32(a: torch.Tensor) -> bool:
+    """Whether the BLAS can write fp32 products of ``a``'s dtype on its device."""
+    return _MIXED_GEMM and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)
+
+
 def product_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` in float32: written as fp32 by the BLAS where it can (bf16/fp16 on CUDA), never
     rounded to the operands' dtype there; elsewhere the operands' product, cast."""
-    if _MIXED_GEMM and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+    if _writes_fp32(a):
         return torch.mm(a, b, out_dtype=torch.float32)
     return (a @ b).float()
 
@@ -234,7 +238,7 @@ def add_products(buf: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: flo
     then an add."""
     if a.dtype == buf.dtype:
         buf.baddbmm_(a, b, alpha=alpha)
-    elif _MIXED_GEMM and buf.is_cuda and buf.dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
+    elif buf.dtype == torch.float32 and buf.is_cuda and _writes_fp32(a):
         torch.baddbmm(buf, a, b, out_dtype=buf.dtype, alpha=alpha, out=buf)
     else:  # mixed-dtype add: the cast to buf's dtype happens inside the kernel
         buf.add_(torch.bmm(a, b), alpha=alpha)
@@ -311,15 +315,18 @@ class DomainGradientCapture:
         def sink() -> _FusedSink | None:
             if not module.lora_A.weight.requires_grad:
                 return None  # a frozen adapter: nothing to capture
-            if self._micro is None:
-                raise RuntimeError(
-                    f"{module.name}: forward with gradients outside micro_batch(domain_ids); "
-                    "wrap each training forward and backward in hook.micro_batch(...)"
-                )
-            return _FusedSink(self.owns_gradients, self._anchor if self.owns_gradients else None,
-                              bufA, bufB, self._micro)
+            return _FusedSink(self._anchor if self.owns_gradients else None, bufA, bufB, self._current_micro(module))
 
         return sink
+
+    def _current_micro(self, module: LoraModule) -> _MicroBatch:
+        """The micro-batch a training forward of ``module`` belongs to; an error outside one."""
+        if self._micro is None:
+            raise RuntimeError(
+                f"{module.name}: forward with gradients outside micro_batch(domain_ids); "
+                "wrap each training forward and backward in hook.micro_batch(...)"
+            )
+        return self._micro
 
     @staticmethod
     def _stash_input(stash: dict):
@@ -339,17 +346,13 @@ class DomainGradientCapture:
             trains = layer.weight.requires_grad if owns else output.requires_grad
             if not torch.is_grad_enabled() or not trains:
                 return None  # evaluation forward, or a frozen adapter: nothing to capture
-            if self._micro is None:
-                raise RuntimeError(
-                    f"{module.name}: forward with gradients outside micro_batch(domain_ids); "
-                    "wrap each training forward and backward in hook.micro_batch(...)"
-                )
+            micro = self._current_micro(module)
             if x is None:
                 raise RuntimeError(f"{module.name}: lora_B ran without lora_A before it; unsupported LoRA variant")
             if owns:  # both factors' own outputs are dropped, and with them autograd's paths to the weights
                 return _CapturedLoRA.apply(x, inputs[0].detach(), output.detach(), module.lora_A.weight.detach(),
-                                           layer.weight.detach(), self._anchor, bufA, bufB, self._micro)
-            return _CaptureFn.apply(output, x, inputs[0], layer.weight, bufA, bufB, self._micro)
+                                           layer.weight.detach(), self._anchor, bufA, bufB, micro)
+            return _CaptureFn.apply(output, x, inputs[0], layer.weight, bufA, bufB, micro)
 
         return hook
 

@@ -29,8 +29,9 @@ from iga_ds.lora.modules import LoraModule
 class DomainSink(Protocol):
     """What the capture hands a fused layer's backward for one forward (see ``lora.capture``)."""
 
-    owns: bool  # the factors' gradients go to the capture only: autograd gets none
-    anchor: torch.Tensor | None  # needs a gradient, so backward reaches the layer (owning only)
+    # set when the capture owns the factors' gradients (autograd then gets none): it needs a
+    # gradient, so backward reaches the layer even where nothing else below it needs one
+    anchor: torch.Tensor | None
 
     def add(self, grad_out: torch.Tensor, h: torch.Tensor, grad_h: torch.Tensor, x: torch.Tensor,
             scaling: float) -> None:
@@ -91,7 +92,7 @@ class FusedForward:
         m, base = self.module, self.module.layer.base_layer
         sink = self.capture() if self.capture is not None and torch.is_grad_enabled() else None
         A, B, anchor = m.lora_A.weight, m.lora_B.weight, None
-        if sink is not None and sink.owns:  # the factors stay out of autograd; the anchor keeps the layer in it
+        if sink is not None and sink.anchor is not None:  # owning: the factors stay out of autograd
             A, B, anchor = A.detach(), B.detach(), sink.anchor
         scaling = float(self.module.layer.scaling[m.adapter])  # read per call: PEFT's set_scale may change it
         return _LoRALinear.apply(x, base.weight, base.bias, A, B, anchor, scaling, sink)
