@@ -15,7 +15,7 @@ applied to (tokens x r) and (out x r) tensors only.
 (up to the order of rounding): plain LoRA on a frozen ``nn.Linear``, no dropout, one active adapter, one dtype, no
 autocast; any other call falls through to PEFT's own forward. The capture (``lora.capture``)
 takes the per-domain gradients of a fused layer from this function's backward instead of
-through hooks on ``lora_A`` and ``lora_B``, which a fused layer no longer calls."""
+through hooks on ``lora_A`` and ``lora_B``, which a fused layer does not call."""
 from __future__ import annotations
 
 from typing import Callable, Protocol, Sequence
