@@ -419,6 +419,24 @@ def test_selection_runs_first_on_id_data_and_each_row_trains_at_its_choice(tmp_p
     assert json.loads((out / ex.SELECTION_FILE).read_text())["rows"]["lora_sft"]["chosen"] == {"lr": 5e-4}
 
 
+def test_a_row_with_its_own_learning_rates_is_selected_among_them(tmp_path, monkeypatch):
+    text = SELECTING.replace("lora_sft: {method: erm, domains: [math]}",
+                             "lora_sft: {method: erm, domains: [math]}\n  sgd: {method: erm, selection_lr: [0.2, 0.05], "
+                             "train: {schedule: {optimizer: sgd}}}")
+    grid = ex.load_grid(write_grid(tmp_path, text))
+    sgd = next(v for v in grid.variants if v.key == "sgd")
+    assert grid.selection.candidates(sgd) == [{"lr": 0.05}, {"lr": 0.2}]
+    out, calls = tmp_path / "out", []
+    monkeypatch.setattr(ex, "run_cell", _scoring_run_cell(calls, lambda key, lr: 90.0 if lr == 0.2 else 10.0))
+    monkeypatch.setattr(ex, "prepare_data", lambda grid, out, log=print: None)
+    ex.run_grid(grid, out, only=["sgd-*"], report=False)
+    assert {name for name, v, _ in calls if v} == {f"sgd_lr{lr:g}-s{s}" for lr in (0.05, 0.2) for s in (0, 1)}
+    assert json.loads((out / ex.SELECTION_FILE).read_text())["rows"]["sgd"]["chosen"] == {"lr": 0.2}
+    assert {name: lr for name, v, lr in calls if not v} == {"sgd-s0": 0.2, "sgd-s7": 0.2}
+    with pytest.raises(ConfigError, match="methods.sgd.selection_lr: names candidates, but the grid has no selection"):
+        ex.load_grid(write_grid(tmp_path, text.replace("selection: {lr: [1.0e-3, 2.0e-3, 5.0e-4], seeds: [0, 1]}", "")))
+
+
 def test_selection_report_lists_every_candidate():
     from iga_ds.experiments.paired import selection_section
 

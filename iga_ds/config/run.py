@@ -210,14 +210,24 @@ class DataConfig(Section):
         return domains
 
 
+OPTIMIZERS = ("adamw", "sgd")
+ADAMW_ONLY, SGD_ONLY = ("betas", "eps"), ("momentum",)
+
+
 class ScheduleConfig(Section):
-    lr: Number = setting(2e-4, "AdamW learning rate", expected="a positive number", gt=0)
+    optimizer: Literal["adamw", "sgd"] = setting(
+        "adamw", "`adamw` (torch's AdamW), or `sgd`: SGD with momentum (`momentum`; a departure from the paper, "
+        "for telling what Adam's per-element scaling does to a method's gradient)")
+    lr: Number = setting(2e-4, "learning rate", expected="a positive number", gt=0)
     warmup_ratio: Number = setting(0.03, "share of the steps with a linear warm-up", expected="a number in [0, 1)",
                                    ge=0, lt=1)
     min_lr_ratio: Number = setting(0.0, "the cosine decays to lr x this", expected="a number in [0, 1]", ge=0, le=1)
-    weight_decay: Number = setting(0.01, "AdamW weight decay", expected="a non-negative number", ge=0)
+    weight_decay: Number = setting(0.01, "decoupled weight decay (AdamW's; SGD's is coupled, torch's "
+                                   "`weight_decay`)", expected="a non-negative number", ge=0)
     betas: list[Number] = setting(lambda: [0.9, 0.999], "AdamW betas", expected="two numbers in [0, 1)")
     eps: Number = setting(1e-8, "AdamW epsilon", expected="a positive number", gt=0)
+    momentum: Number = setting(0.9, "SGD momentum (`optimizer: sgd` only)", expected="a number in [0, 1)",
+                               ge=0, lt=1)
     gradient_clipping: Number = setting(1.0, "clip the gradient's global norm at this value (0: no clipping); the "
                                         "DeepSpeed JSON's `gradient_clipping` is `\"auto\"` or absent to take it, "
                                         "or the same number", expected="a non-negative number", ge=0)
@@ -232,6 +242,16 @@ class ScheduleConfig(Section):
         if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
             raise ValueError("two numbers in [0, 1)")
         return betas
+
+    @model_validator(mode="after")
+    def _options_of_the_optimizer(self) -> "ScheduleConfig":
+        # an option the chosen optimizer would ignore is refused, not ignored
+        unused = SGD_ONLY if self.optimizer == "adamw" else ADAMW_ONLY
+        for key in unused:
+            if key in self.model_fields_set:
+                raise config_problem(f"{key}: acts with optimizer: {'sgd' if key in SGD_ONLY else 'adamw'} only; "
+                                     f"optimizer is {self.optimizer}", nested=True)
+        return self
 
 
 class MethodConfig(Section):

@@ -456,6 +456,13 @@ def forget_world_group() -> None:
 # optimizer-state slices.
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+SGD_MOMENTS = ("momentum_buffer",)
+
+
+def optimizer_moments(optimizer) -> tuple[str, ...]:
+    """The per-parameter state keys a full optimizer state holds: SGD's momentum buffer, else Adam's moments."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # ZeRO's wrapper holds the torch optimizer
+    return SGD_MOMENTS if isinstance(inner, torch.optim.SGD) else ADAM_MOMENTS
 
 
 def _trainable(engine):
@@ -463,13 +470,14 @@ def _trainable(engine):
 
 
 def save_full_optimizer_state(engine, file: Path, rank: int) -> None:
-    """Gather every LoRA parameter's Adam moments to full size (collective); rank 0 writes."""
+    """Gather every LoRA parameter's optimizer state (Adam's moments, SGD's momentum) to full size
+    (collective); rank 0 writes."""
     from deepspeed.utils import safe_get_full_optimizer_state
     from safetensors.torch import save_file
 
     tensors = {}
     for name, param in _trainable(engine):
-        for key in ADAM_MOMENTS:
+        for key in optimizer_moments(engine.optimizer):
             full = safe_get_full_optimizer_state(param, key)
             if full is None:
                 return  # not a ZeRO-partitioned optimizer: its own checkpoint suffices
@@ -500,18 +508,34 @@ def load_full_optimizer_state(engine, file: Path) -> None:
         # A fresh engine has no Adam state yet (torch creates it at the first step) and
         # DeepSpeed links each parameter to its slice of that state only then: create the
         # state the way AdamW would, link, then write the gathered moments into the slices.
+        keys = optimizer_moments(opt)
         for group in opt.param_groups:
             group["step"] = step
             for flat in group["params"]:
-                opt.state[flat] = {
-                    "step": torch.tensor(float(step), dtype=torch.float32),
-                    "exp_avg": torch.zeros_like(flat, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(flat, memory_format=torch.preserve_format),
-                }
+                opt.state[flat] = {key: torch.zeros_like(flat, memory_format=torch.preserve_format) for key in keys}
+                if keys == ADAM_MOMENTS:
+                    opt.state[flat]["step"] = torch.tensor(float(step), dtype=torch.float32)
         link()
         for name, param in _trainable(engine):
-            for key in ADAM_MOMENTS:
+            for key in keys:
                 safe_set_full_optimizer_state(param, f.get_tensor(f"{name}/{key}").to(param.device), key)
+
+
+class GroupStepSGD(torch.optim.SGD):
+    """torch SGD with a step count in each param group, where DeepSpeed's elastic checkpoint reads
+    it (see :class:`GroupStepAdamW`)."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        for group in self.param_groups:
+            group.setdefault("step", 0)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for group in self.param_groups:
+            group["step"] = int(group["step"]) + 1
+        return loss
 
 
 class GroupStepAdamW(torch.optim.AdamW):

@@ -50,6 +50,7 @@ from iga_ds.evaluation.runner import evaluate
 from iga_ds.experiments.grid import (  # noqa: F401
     MARKER, POOLED_DOMAIN, Cell, Grid, Variant, base_domains, cell_run_dict, deep_merge, load_grid,
 )
+from iga_ds.experiments.provenance import source_state
 from iga_ds.experiments.report import write_report
 from iga_ds.files import atomic_write_json, atomic_write_text, read_jsonl, write_jsonl
 from iga_ds.methods import resolved_parameters
@@ -285,6 +286,7 @@ def run_cell(grid: Grid, cell: Cell, out: Path, prepared: PreparedData, progress
     cell_dir = out / cell.name
     cell_dir.mkdir(parents=True)
     spec = grid.cell_spec(cell)
+    source = source_state()  # the code as the cell starts
     atomic_write_json(cell_dir / "cell_spec.json", spec)
     train_file, id_records, ood_records = cell_data(grid, cell, prepared, cell_dir)
     if validation_only:
@@ -321,6 +323,7 @@ def run_cell(grid: Grid, cell: Cell, out: Path, prepared: PreparedData, progress
         "domains": domains,
         "method_params": resolved_parameters(resolved["iga"]["method"], resolved["iga"]["params"]),
         "spec_hash": _spec_hash(spec),
+        "source": source,
         "evaluations": {name: {k: r.get(k) for k in ("accuracy", "id_accuracy", "ood_accuracy", "delta_gap",
                                                       "ood_cue_follow")}
                         for name, r in evals.items()},
@@ -512,7 +515,7 @@ def selection_cells(grid: Grid, only: Sequence[str], needed: set[str]) -> list[C
         return []
     out = []
     for v in grid.variants:
-        for candidate in grid.selection.candidates():
+        for candidate in grid.selection.candidates(v):
             for seed in grid.selection.seeds:
                 cell = Cell(candidate_variant(v, candidate), seed)
                 named = any(fnmatch.fnmatchcase(f"{SELECTION_DIR}/{cell.name}", p) for p in only)
@@ -564,11 +567,11 @@ def choose(grid: Grid, folder: Path) -> dict[str, Any]:
     sel = grid.selection
     rows: dict[str, Any] = {}
     for v in grid.variants:
-        tried = [{**c, sel.metric: _candidate_score(grid, folder, v, c)} for c in sel.candidates()]
+        tried = [{**c, sel.metric: _candidate_score(grid, folder, v, c)} for c in sel.candidates(v)]
         entry: dict[str, Any] = {"candidates": tried}
         if all(t[sel.metric] is not None for t in tried):
             best = max(range(len(tried)), key=lambda i: (tried[i][sel.metric], -i))  # first of equals: smaller
-            entry["chosen"] = sel.candidates()[best]
+            entry["chosen"] = sel.candidates(v)[best]
         rows[v.key] = entry
     return {"metric": sel.metric, "seeds": list(sel.seeds), "rule": "highest metric; ties to the smaller lr, "
             "then the fewer steps", "rows": rows}

@@ -34,7 +34,8 @@ POOLED_DOMAIN = "pooled"  # the one pseudo-domain of ungrouped training (CoT-Dis
 
 GRID_KEYS = ("train_config", "train", "data", "benchmarks", "eval", "seeds", "methods", "ablations",
              "keep_checkpoints", "selection")
-VARIANT_KEYS = ("method", "params", "domains", "pairing", "split", "grouping", "label", "train", "cue")
+VARIANT_KEYS = ("method", "params", "domains", "pairing", "split", "grouping", "label", "train", "cue",
+                "selection_lr")
 SYNTH_KEYS = ("groups", "seed", "shortcut", "domains", "id_groups", "ood_groups", "patterns", "min_depth",
               "max_depth", "answer_only", "shortcut_by_domain", "test_cue")
 SELECTION_KEYS = ("lr", "max_steps", "seeds", "metric")
@@ -72,6 +73,8 @@ class Variant:
     label: str | None = None
     train: dict[str, Any] = field(default_factory=dict)
     cue: str = "planted"  # planted | neutral (synthetic data: train on the shortcut-free twin)
+    # the row's own candidate learning rates (an optimizer on another lr scale, e.g. SGD); empty: the grid's
+    selection_lr: tuple[float, ...] = ()
 
     def spec(self) -> dict[str, Any]:
         spec = {"key": self.key, "kind": self.kind, "method": self.method, "params": self.params,
@@ -116,10 +119,12 @@ class Selection:
     seeds: tuple[int, ...] = (0,)
     metric: str = "id_accuracy"
 
-    def candidates(self) -> list[dict[str, Any]]:
-        """Each candidate's schedule keys, in the tie-break order (smaller lr, then fewer steps)."""
+    def candidates(self, variant: Variant | None = None) -> list[dict[str, Any]]:
+        """Each candidate's schedule keys (``variant``'s own learning rates where it names them),
+        in the tie-break order (smaller lr, then fewer steps)."""
         steps = sorted(self.max_steps) or [None]
-        return [{"lr": lr, **({"max_steps": n} if n is not None else {})} for lr in sorted(self.lr) for n in steps]
+        rates = (variant.selection_lr if variant is not None else ()) or self.lr
+        return [{"lr": lr, **({"max_steps": n} if n is not None else {})} for lr in sorted(rates) for n in steps]
 
 
 @dataclass
@@ -237,6 +242,8 @@ def _variant(key: Any, raw: Any, kind: str, where: str) -> Variant:
         split=_choice(raw.get("split", "seed"), ("seed", "instance"), f"{where}.split"),
         grouping=grouping, label=label, train=copy.deepcopy(_mapping(raw.get("train"), f"{where}.train")),
         cue=_choice(raw.get("cue", "planted"), ("planted", "neutral"), f"{where}.cue"),
+        selection_lr=_number_list(raw["selection_lr"], f"{where}.selection_lr", False) if "selection_lr" in raw
+        else (),
     )
 
 
@@ -456,6 +463,8 @@ def _parse_grid(raw: Any, path: Path) -> Grid:
                 list(seeds), variants, keep, _selection(raw.get("selection")))
     for v in variants:  # every cell's run config is checked before anything runs
         where = f"{'methods' if v.kind == 'method' else 'ablations'}.{v.key}"
+        if v.selection_lr and grid.selection is None:
+            raise ConfigError(f"{where}.selection_lr: names candidates, but the grid has no selection stage")
         try:
             config_from_dict(cell_run_dict(grid, Cell(v, seeds[0]), Path("cell"), "data.jsonl"))
         except ConfigError as exc:

@@ -67,7 +67,7 @@ from iga_ds.train.trackers import require_trackers
 from iga_ds.train.model import (add_lora, allow_cudnn_attention, apply_liger_kernel, load_base_model, load_tokenizer,
                                 require_liger_kernel)
 from iga_ds.train.model_card import make_portable
-from iga_ds.train.optim import GroupStepAdamW, lr_lambda
+from iga_ds.train.optim import build_optimizer, lr_lambda
 from iga_ds.train.pretrain import default_tiny_base
 from iga_ds.train.profiling import StepProfiler
 from iga_ds.train.update_norms import UpdateNorms
@@ -305,7 +305,7 @@ class Trainer:
         return tokenizer, fmt
 
     def _build_engine(self, base_dir: str, ds_dict: dict, total_steps: int):
-        """The LoRA model in a DeepSpeed engine, with the run YAML's AdamW and schedule; also
+        """The LoRA model in a DeepSpeed engine, with the run YAML's optimizer and schedule; also
         (trainable, total) parameter counts."""
         cfg, s = self.cfg, self.cfg.schedule
         allow_cudnn_attention(cfg.model.cudnn_attention)
@@ -322,7 +322,7 @@ class Trainer:
             fuse_lora_layers(find_lora_modules(model))
         trainable = [p for p in model.parameters() if p.requires_grad]
         counts = (sum(p.numel() for p in trainable), sum(p.numel() for p in model.parameters()))
-        optimizer = GroupStepAdamW(trainable, lr=s.lr, betas=tuple(s.betas), eps=s.eps, weight_decay=s.weight_decay)
+        optimizer = build_optimizer(trainable, s)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, s.warmup_ratio, s.min_lr_ratio))
         import deepspeed  # only after init_distributed has chosen the accelerator (DS_ACCELERATOR)
 

@@ -1,0 +1,82 @@
+"""schedule.optimizer: sgd, SGD with momentum under ZeRO-2: the update is -lr times the momentum
+buffer, the buffer is checkpointed, a resume continues exactly, and options of the other optimizer are refused."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from test_train_support import run_config_dict, tiny_base, write_isomer_jsonl
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+SGD = {"schedule.optimizer": "sgd", "schedule.momentum": 0.9, "schedule.weight_decay": 0.0,
+       "schedule.max_steps": 4, "checkpoint.every_steps": 1, "checkpoint.keep_last": 4}
+
+
+def _train(tmp, data, base, out, **over):
+    from iga_ds.config.run import config_from_dict
+    from iga_ds.train.trainer import Trainer
+
+    cfg = config_from_dict(run_config_dict(tmp, data, output_dir=str(out), **over))
+    return Trainer(cfg, base_model_dir=str(base), quiet=True).run()
+
+
+def _tensors(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sgd")
+    data = write_isomer_jsonl(tmp / "train.jsonl", groups=6, seed=2)
+    return tmp, data, tiny_base(tmp, data)
+
+
+@pytest.mark.parametrize("over, words", [
+    ({"schedule.momentum": 0.5}, "schedule.momentum: acts with optimizer: sgd only"),
+    ({"schedule.optimizer": "sgd", "schedule.betas": [0.9, 0.99]}, "schedule.betas: acts with optimizer: adamw"),
+    ({"schedule.optimizer": "sgd", "schedule.momentum": 1.0}, "schedule.momentum: expected a number in [0, 1)"),
+    ({"schedule.optimizer": "lion"}, "schedule.optimizer: expected"),
+])
+def test_options_of_the_other_optimizer_are_refused_in_one_line(tmp_path, over, words):
+    from iga_ds.config.run import config_from_dict
+    from iga_ds.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(run_config_dict(tmp_path, tmp_path / "d.jsonl", **over))
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_step_is_minus_lr_times_the_checkpointed_momentum_buffer(setup):
+    import torch
+
+    tmp, data, base = setup
+    run = _train(tmp, data, base, tmp / "sgd", **SGD)
+    assert run.status == "completed"
+    ckpts = tmp / "sgd" / "checkpoints"
+    before, after = (_tensors(ckpts / f"step_{s:08d}" / "adapter" / "adapter_model.safetensors") for s in (2, 3))
+    state = _tensors(ckpts / "step_00000003" / "optimizer_full.safetensors")
+    assert state and all(key.endswith("/momentum_buffer") for key in state)
+    lr = run.history[2]["lr"]  # the lr step 3 took
+    checked = 0
+    for key, buf in state.items():
+        name = key.rsplit("/", 1)[0].replace(".default", "")
+        saved = next(k for k in after if k.endswith(name.split("base_model.model.", 1)[-1]))
+        assert torch.allclose(after[saved] - before[saved], -lr * buf, rtol=1e-4, atol=1e-7), name
+        checked += 1
+    assert checked == len(after)
+
+
+def test_an_sgd_run_resumed_from_its_checkpoint_matches_the_uninterrupted_one(setup):
+    import torch
+
+    tmp, data, base = setup
+    full = _train(tmp, data, base, tmp / "full", **SGD)
+    cut = _train(tmp, data, base, tmp / "cut", **SGD, **{"checkpoint.stop_at_step": 2})
+    assert cut.status == "stopped" and cut.step == 2
+    rest = _train(tmp, data, base, tmp / "cut", **SGD)
+    assert [h["loss"] for h in cut.history + rest.history] == [h["loss"] for h in full.history]
+    a, b = _tensors(full.adapter_dir / "adapter_model.safetensors"), _tensors(rest.adapter_dir / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
