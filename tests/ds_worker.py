@@ -102,11 +102,14 @@ def run_scenario(s: dict, out_path: str, rank: int, world: int, timeout: float) 
     if s.get("die_rank") == rank:
         os._exit(3)  # a rank that dies before the first boundary
     stats = []
+    # variance 'debiased': sequence i is of group i // 3, in half group % 2 of the step's groups
+    halves = (torch.arange(size) // 3) % 2 if s.get("halves") else None
     for step in range(s["steps"]):
         ids, attn, labels, domains = (t.to(engine.device) for t in global_batch(step, size))
         for rows in s["layout"][rank]:
+            half = halves[torch.tensor(rows)] if halves is not None else None
             rows = torch.tensor(rows, device=engine.device)
-            with hook.micro_batch(domains[rows]):
+            with hook.micro_batch(domains[rows], halves=half):
                 scale = hook.dummy_scale()
                 logits = engine(input_ids=ids[rows], attention_mask=attn[rows]).logits
                 if scale is not None:

@@ -149,6 +149,8 @@ def test_method_specs_go_through_the_registry():
         dg.build_methods(["irm"])
     with pytest.raises(UserError, match="given twice"):
         dg.build_methods(["sand_mask", "sand_mask"])
+    with pytest.raises(UserError, match="split in two halves"):  # the diagnostic gives one mean per domain
+        dg.build_methods(["iga:variance=debiased"])
     with pytest.raises(UserError, match="KEY=VALUE"):
         dg.parse_method("iga:tau")
 
@@ -229,7 +231,15 @@ def test_the_command_on_a_run(tiny, run_folder, tmp_path, capsys):
     labels = ["erm", "sand_mask", "erm_captured", "iga:tau=0.25"]
     assert [m["label"] for m in result["methods"]] == labels and set(result["weight"]["methods"]) == set(labels)
     rows = [line.split()[0] for line in printed.splitlines() if line.split() and line.split()[0] in labels]
-    assert rows == labels  # the table's rows, in the order given
+    assert rows == labels + labels  # the gradients' rows, then the updates', in the order given
+    # an adapter saved without optimizer state: the optimizer's update is AdamW's first step
+    after = result["after_optimizer"]
+    assert after["optimizer"] == {"optimizer": "adamw", "step": 0, "betas": [0.9, 0.999], "eps": 1e-8,
+                                  "gradient_clipping": 1.0, "state": None, "moments": "zero"}
+    assert "after the optimizer (adamw, step 1, zero moments)" in printed
+    for space in dg.SPACES:
+        assert shares(after, space, "erm") == (1.0, 1.0)
+        assert shares(after, space, "erm_captured") == pytest.approx((1.0, 1.0), rel=1e-5)
     assert result["source"]["kind"] == "run" and result["data"] == {"path": data, "groups": 2, "domains": RUN_DOMAINS}
     assert result["methods"][3] == {"label": "iga:tau=0.25", "method": "iga", "params": {"tau": 0.25}}
     for space in dg.SPACES:

@@ -51,14 +51,17 @@ def reference(s: dict, steps=None) -> dict:
         else:
             losses = sequence_losses(model(input_ids=ids, attention_mask=attn).logits, labels)
             lora = [p for m in modules for p in (m.lora_A.weight, m.lora_B.weight)]
+            # the means the method takes: per domain, or per (domain, half) as domain + 3 * half, the
+            # half being the parity of the sequence's group (i // 3) among the step's
+            slots = domains + 3 * ((torch.arange(size) // 3) % 2) if s.get("halves") else domains
             per_domain = []
-            for d in range(3):
-                sel = domains == d
+            for d in range(int(slots.max()) + 1):
+                sel = slots == d
                 per_domain.append(torch.autograd.grad(losses[sel].sum() / sel.sum(), lora, retain_graph=True))
             grads = [
                 ModuleGrads(m.name, m.index, m.lora_A.weight.detach(), m.lora_B.weight.detach(),
-                            torch.stack([per_domain[d][2 * i] for d in range(3)]),
-                            torch.stack([per_domain[d][2 * i + 1] for d in range(3)]), m.scaling)
+                            torch.stack([g[2 * i] for g in per_domain]),
+                            torch.stack([g[2 * i + 1] for g in per_domain]), m.scaling)
                 for i, m in enumerate(modules)
             ]
             for m, u in zip(modules, method.combine(grads, step)):
@@ -133,11 +136,16 @@ CASES = [
     # ZeRO-0 and ZeRO-1: the capture keeps autograd's plain gradient and the hook overwrites it
     ("iga", {"tau": 0.5, "normalize": "mean"}, 2, EVEN_2x2, {"stage": 0}),
     ("iga", {"tau": 0.5, "normalize": "mean"}, 2, EVEN_2x2, {"stage": 1}),
+    # the variance estimators (tests/test_iga_variance.py): ema's averages kept by each module's owner,
+    # debiased's per-(domain, half) means captured as 2N slots, over ranks and micro-batches
+    ("iga", {"tau": 1.0, "variance": "ema", "variance_decay": 0.5}, 2, UNEVEN_2x2, {"overlap_comm": True}),
+    ("iga", {"tau": 1.0, "variance": "debiased"}, 2, UNEVEN_2x2, {"halves": True}),
+    ("iga", {"tau": 1.0, "variance": "debiased"}, 1, EVEN_2x1, {"halves": True, "bucket": 200}),
 ]
 
 
 CASE_IDS = [f"{c[0]}-gas{c[2]}-{'-'.join(f'{k}{v}' if k == 'stage' else k for k, v in c[4].items()) or 'plain'}"
-            for c in CASES]
+            + (f"-{c[1]['variance']}" if "variance" in c[1] else "") for c in CASES]
 
 
 def case_scenario(method, params, gas, layout, extra) -> dict:

@@ -98,6 +98,32 @@ def test_a_packed_micro_batch_of_several_groups_goes_domain_by_domain():
     assert [d for d, _, _ in spans] == [0, 1, 2]
 
 
+def test_halves_follow_each_group_and_a_packed_row_goes_half_by_half():
+    """With each group's half of the step (variance: debiased), every sequence carries its group's
+    half; a packed row is ordered by half, then domain, so each (domain, half) is one span."""
+    import datasets
+
+    from iga_ds.train.batching import GroupSampler, TokenizedGroups
+
+    rows = rows_of([4, 5, 6, 7, 8, 9, 3, 4, 5], seed=3)
+    table = datasets.Dataset.from_dict({"input_ids": [r[0] for r in rows], "labels": [r[1] for r in rows]})
+    groups = TokenizedGroups(table, N, 0, Path("unused"), built=True)
+    padded = groups.micro_batch([2, 0, 1], halves=[0, 1, 0])
+    assert padded.domain_ids.tolist() == [0, 1, 2] * 3 and padded.halves.tolist() == [0] * 3 + [1] * 3 + [0] * 3
+    assert padded.to("cpu").halves.tolist() == padded.halves.tolist()  # the halves stay with the batch
+    packed = groups.micro_batch([2, 0, 1], padding_free=True, halves=[0, 1, 0])
+    order = [6, 3, 7, 4, 8, 5, 0, 1, 2]  # half 0 (groups 2, 1) domain by domain, then half 1 (group 0)
+    assert packed.input_ids[0].tolist() == [t for i in order for t in rows[i][0]]
+    assert packed.halves.tolist() == [0] * 6 + [1] * 3 and packed.domain_ids.tolist() == [0, 0, 1, 1, 2, 2, 0, 1, 2]
+    assert groups.micro_batch([2, 0]).halves is None  # not asked for: none
+    with pytest.raises(ValueError, match=r"halves: expected one per group \(2\), got 1"):
+        groups.micro_batch([2, 0], halves=[0])
+    # the halves of the step's groups alternate over the step, whichever rank holds a group
+    sampler = GroupSampler(num_groups=12, groups_per_step=6, seed=1)
+    assert sampler.rank_halves(0, 1) == [0, 1, 0, 1, 0, 1]
+    assert sampler.rank_halves(0, 2) + sampler.rank_halves(1, 2) == [0, 1, 0, 1, 0, 1]
+
+
 # -- losses ----------------------------------------------------------------------------------
 
 

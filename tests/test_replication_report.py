@@ -46,7 +46,8 @@ def test_replication_report_regenerates_from_the_archived_runs(tmp_path):
     assert figures == sorted(f"{student}/{name}" for student in ("tiny-llama-4-layers", "smollm2-135m-instruct",
                                                              "smollm2-135m-instruct-diverse-environments",
                                                              "smollm2-135m-instruct-negative-control")
-                             for name in ("lcs_layers.png", "mask_stats.png", "ood_accuracy.png", "ood_vs_time.png"))
+                             for name in ("cue_by_domain.png", "lcs_layers.png", "mask_stats.png", "ood_accuracy.png",
+                                          "ood_vs_time.png"))
     documented = (ROOT / "docs" / "replication_discussion.md").read_text(encoding="utf-8")
     for _, folder, name in STUDENTS:  # the command shown names these folders and students
         assert f"runs/{folder} " in documented and f'--name "{name}"' in documented

@@ -9,12 +9,14 @@ import statistics
 import subprocess
 import sys
 import tarfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from iga_ds.errors import UserError
 from iga_ds.experiments.report import write_report
+from iga_ds.experiments.results import cell_cue_follow_by_domain, load_results, wrong_cue_items
 
 ROOT = Path(__file__).resolve().parents[1]
 GRIDS = ("shift-smollm2", "control-smollm2")
@@ -62,7 +64,8 @@ def _ood(cell: Path) -> float:
 def test_against_pairs_every_row_with_the_named_row(grid, tmp_path):
     base, other = "ERM-SFT, 64 single instances per step", "ERM, grouped batches, 16 groups x 4 domains"
     out = write_report(grid / "runs" / "shift-smollm2", out=tmp_path / "r.md", figures=False, against=[base], log=None)
-    section = out.read_text().split(f'Every row against the row "{base}"')[1]
+    # the first table after the heading: the paired table (the per-domain one follows it)
+    section = out.read_text().split(f'Every row against the row "{base}"')[1].split("\n\n")[1]
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in section.splitlines() if line.startswith("| ")}
     assert rows[base][3] == "—"
     # the paired point estimate is the mean over seeds of the per-seed OOD difference
@@ -85,7 +88,8 @@ def test_the_readme_states_the_shipped_rows_figures_from_the_archived_report(nam
     report prints it."""
     report = _report(name).read_text(encoding="utf-8")
     shipped = report.split("## The paper's claims")[1].split("\n| ", 1)[1].split(" against ERM-SFT |")[0]
-    paired = report.split("## Rows by the paper's definitions")[1].split("Every row against")[0]
+    # the paired table against ERM-SFT: the first table after the headline baseline's note
+    paired = report.split("## Rows by the paper's definitions")[1].split("Headline baseline:")[1].split("\n\n")[1]
     cells = {line.split(" | ")[0][2:]: line.split(" | ") for line in paired.splitlines() if line.startswith("| ")}
     iga, erm = cells[shipped], cells["ERM-SFT"]
     ood, delta = iga[2].split(" [")[0], iga[3].replace(" [", " points [")
@@ -96,3 +100,14 @@ def test_the_readme_states_the_shipped_rows_figures_from_the_archived_report(nam
         assert f"the shipped IGA scores {ood}% against ERM-SFT's {erm[2].split(' [')[0]}%: {delta}" in text, doc
         assert f"its cue effect changes by {cue}" in text, doc
         assert f"flips with the cue on {flips[0]}% of items (ERM-SFT: {flips[1]}%)" in text, doc
+
+
+def test_the_per_domain_shares_weigh_up_to_each_evaluations_pooled_share(grid):
+    """On the archived cells, the per-domain wrong-cue shares (from the per-item records) weighted by
+    their items give the pooled ``ood_cue_follow`` the evaluation runner wrote."""
+    for cell in load_results(grid / "runs" / "shift-smollm2"):
+        counts = Counter(r["domain"] for r in wrong_cue_items(cell, "synthetic"))
+        shares = cell_cue_follow_by_domain(cell, "synthetic")
+        assert set(shares) == {"legal", "math", "medical", "science"}, cell.name
+        pooled = sum(shares[d] * n for d, n in counts.items()) / sum(counts.values())
+        assert pooled == pytest.approx(cell.evals["synthetic"]["ood_cue_follow"], abs=1e-9), cell.name

@@ -156,3 +156,41 @@ def test_two_ranks_then_resume_on_one_matches_single_rank_run(setup):
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6)
     # and training moved the adapter away from its initialization (lora_B starts at zero)
     assert any(k.endswith("lora_B.weight") and a[k].abs().max() > 0 for k in a)
+
+
+@pytest.mark.timeout(240)
+def test_iga_ema_state_of_two_owner_ranks_resumes_on_one(setup):
+    """IGA with ``variance: ema`` under ZeRO-2: each rank keeps the averages of the modules it
+    combines and saves its share; a resume on one rank merges the shares and continues as a
+    single-rank run of every step does."""
+    import torch
+    from safetensors.torch import load_file
+
+    from iga_ds.config.run import load_run_config
+    from iga_ds.train.checkpoint import read_method_state
+    from iga_ds.train.trainer import Trainer
+
+    tmp, data, base = setup
+    over = {"schedule.max_steps": 4, "data.groups_per_step": 2, "data.groups_per_micro_batch": 1,
+            "method.name": "iga", "method.params": {"variance": "ema", "variance_decay": 0.5}}
+    cfg2 = _write_config(tmp, data, base, "ema-ws", **over, **{"checkpoint.stop_at_step": 2})
+    procs = _two_ranks(cfg2)
+    logs = [p.communicate(timeout=200)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+    ckpt = tmp / "ema-ws" / "checkpoints" / "step_00000002"
+    shares = [load_file(str(f)) for f in sorted(ckpt.glob("method_state_rank*.safetensors"))]
+    assert len(shares) == 2 and all(shares)  # both ranks own modules, and saved theirs only
+    assert not set(shares[0]) & set(shares[1])
+    assert {k.split(".")[0] for k in read_method_state(ckpt)} == {k.split(".")[0] for s in shares for k in s}
+
+    resumed = Trainer(load_run_config(cfg2, ["checkpoint.stop_at_step=null"]), quiet=True).run()
+    single = Trainer(load_run_config(_write_config(tmp, data, base, "ema-ws1", **over)), quiet=True).run()
+    assert resumed.status == single.status == "completed"
+    two_rank = [json.loads(x) for x in (tmp / "ema-ws" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in two_rank] == pytest.approx([h["loss"] for h in single.history], rel=1e-5)
+    assert [r["hook.mask_mean"] for r in two_rank] == pytest.approx([h["hook.mask_mean"] for h in single.history],
+                                                                     rel=1e-4)
+    a = load_file(str(resumed.adapter_dir / "adapter_model.safetensors"))
+    b = load_file(str(single.adapter_dir / "adapter_model.safetensors"))
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6)

@@ -186,3 +186,56 @@ def test_a_resume_under_another_schedule_names_the_changes_and_refuses_unless_al
     shape = lr_lambda(4, 0.03, 0.0)  # the run's warm-up and floor are the defaults
     assert [h["lr"] for h in second.history] == pytest.approx([1e-3 * shape(k) for k in (1, 2, 3)])
     assert _metric_steps(out) == [1, 2, 3, 4]
+
+
+EMA = {"method.name": "iga", "method.params": {"tau": 1.0, "variance": "ema", "variance_decay": 0.5}}
+
+
+def test_iga_ema_resumes_exactly(setup):
+    """IGA's moving averages are the method's state: S steps equal S1 steps, a checkpoint (its
+    method_state file) and a resume for the rest, bit for bit; without the state they would not."""
+    import torch
+
+    from iga_ds.train.checkpoint import read_method_state
+
+    tmp, data, base = setup
+    steps = 4
+    full = _train(tmp, data, base, tmp / "ema-full", **EMA, **{"schedule.max_steps": steps})
+    first = _train(tmp, data, base, tmp / "ema-cut", **EMA, **{"schedule.max_steps": steps,
+                                                                "checkpoint.stop_at_step": 2})
+    assert first.status == "stopped"
+    saved = read_method_state(tmp / "ema-cut" / "checkpoints" / "step_00000002")
+    assert saved and all(key.split(".")[1] in ("ema_gA", "ema_gB", "ema_steps") for key in saved)
+    assert {int(t) for key, t in saved.items() if key.endswith("ema_steps")} == {2}
+    second = _train(tmp, data, base, tmp / "ema-cut", **EMA, **{"schedule.max_steps": steps})
+    assert [h["loss"] for h in first.history + second.history] == [h["loss"] for h in full.history]
+    assert ([h["hook.mask_mean"] for h in first.history + second.history]
+            == [h["hook.mask_mean"] for h in full.history])
+    a, b = _adapter_tensors(full.adapter_dir), _adapter_tensors(second.adapter_dir)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # a method that keeps no state refuses the averages in one line, rather than dropping them
+    from iga_ds.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^resume: .*step_00000004: iga with variance 'batch' keeps no state"):
+        _train(tmp, data, base, tmp / "ema-cut", **{"method.name": "iga", "schedule.max_steps": steps})
+    # the state is what made it exact: a resume that starts the averages over differs
+    for share in (tmp / "ema-cut" / "checkpoints" / "step_00000002").glob("method_state_rank*"):
+        share.unlink()
+    (tmp / "ema-cut" / "checkpoints" / "latest").write_text("step_00000002")
+    fresh = _train(tmp, data, base, tmp / "ema-cut", **EMA, **{"schedule.max_steps": steps})
+    assert [h["hook.mask_mean"] for h in fresh.history] != [h["hook.mask_mean"] for h in full.history[2:]]
+
+
+def test_iga_debiased_trains_on_halves_and_refuses_an_odd_group_count(setup):
+    from iga_ds.errors import ConfigError
+
+    tmp, data, base = setup
+    debiased = {"method.name": "iga", "method.params": {"variance": "debiased"}}
+    run = _train(tmp, data, base, tmp / "debiased", **debiased, **{"schedule.max_steps": 2})
+    assert run.status == "completed"
+    # the logged losses stay per domain (4), though the hook captured 2 x 4 (domain, half) slots
+    assert all(len([k for k in h if k.startswith("loss.")]) == 4 for h in run.history)
+    assert all(0 < h["hook.mask_mean"] <= 1 for h in run.history)
+    with pytest.raises(ConfigError, match=r"data.groups_per_step: .*two equal halves; expected an even number, got 3"):
+        _train(tmp, data, base, tmp / "debiased-odd", **debiased,
+               **{"schedule.max_steps": 1, "data.groups_per_step": 3})

@@ -73,6 +73,9 @@ class EngineHook:
         # before anything is changed: every DeepSpeed internal used below is there
         check_engine(engine, self.method.needs_domain_gradients, self._factors())
         self.num_domains = config.num_domains
+        # a method that asks for halves gets 2N means, domain n's halves of the step's groups at n and N + n
+        self.domain_halves = bool(self.method.domain_halves)
+        self.num_slots = 2 * self.num_domains if self.domain_halves else self.num_domains
         self.device = torch.device(engine.device)
         self._stats: dict = {}
         self._loss_finite: torch.Tensor | None = None  # device flag: no host sync per micro-batch
@@ -101,7 +104,7 @@ class EngineHook:
         if others:
             log.warning("%s acts on LoRA factors only; %d other trainable tensors (e.g. %s) keep the plain gradient",
                         self.method.name, len(others), others[0])
-        N, W = self.num_domains, self.comm.world_size
+        N, W = self.num_slots, self.comm.world_size
         self.layout = build_layout(self.modules, W, N, num_stats=len(self.stat_keys))
         self.flat_in = torch.zeros(self.layout.in_size, dtype=torch.float32, device=self.device)
         buffers = []
@@ -135,10 +138,12 @@ class EngineHook:
 
     # -- per micro-batch -------------------------------------------------------------------
     @contextlib.contextmanager
-    def micro_batch(self, domain_ids: torch.Tensor, sequence_lengths=None) -> Iterator["EngineHook"]:
+    def micro_batch(self, domain_ids: torch.Tensor, sequence_lengths=None, halves=None) -> Iterator["EngineHook"]:
         """Run one micro-batch's forward and backward inside this context. ``sequence_lengths``
         (host): a padding-free micro-batch, its sequences back to back in one row with these
-        token counts, attributed token by token to their domains."""
+        token counts, attributed token by token to their domains. ``halves`` (host, a 0 or 1 per
+        sequence): the half of the step's groups each sequence's group is in, which a method with
+        ``domain_halves`` needs (ignored otherwise)."""
         if self.capture is None:
             yield self
             return
@@ -147,9 +152,27 @@ class EngineHook:
         # divides it by the accumulation steps
         scale = 1.0 / (batch * self.engine.gradient_accumulation_steps())
         start = time.perf_counter()
-        with self.capture.micro_batch(domain_ids, scale, sequence_lengths):
+        with self.capture.micro_batch(self._capture_slots(domain_ids, halves), scale, sequence_lengths):
             yield self
         self._micro_batch_seconds += time.perf_counter() - start
+
+    def _capture_slots(self, domain_ids, halves):
+        """What the capture sums by: each sequence's domain, or with ``domain_halves`` its slot
+        domain + N * half (on the host)."""
+        if not self.domain_halves:
+            return domain_ids
+        N = self.num_domains
+        ids = torch.as_tensor(domain_ids).reshape(-1).cpu()
+        if halves is None:
+            raise ValueError(f"method {self.method.name!r} compares two halves of each domain's groups: pass "
+                             "micro_batch(domain_ids, halves=...), the half (0 or 1) of each sequence's group")
+        halves = torch.as_tensor(halves).reshape(-1).cpu().to(ids.dtype)
+        if halves.shape != ids.shape or not bool(((halves == 0) | (halves == 1)).all()):
+            raise ValueError(f"halves: expected a 0 or 1 for each of the {ids.numel()} sequences, "
+                             f"got {halves.tolist()}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= N):
+            raise ValueError(f"domain ids must be in [0, {N}), got {ids.tolist()}")
+        return ids + N * halves
 
     def dummy_scale(self) -> torch.Tensor | None:
         if self.method.needs_dummy_scale():
@@ -238,10 +261,7 @@ class EngineHook:
         clock = PhaseClock(self.device)
         clock.mark("start")
         counts = self._global_counts()
-        if bool((counts == 0).any()):
-            missing = [d for d, c in zip(self.config.domains, counts.tolist()) if c == 0]
-            raise RuntimeError(f"step {step}: no sequence of domain(s) {missing} in the global batch; "
-                               "each optimizer step needs every domain (whole isomer groups)")
+        self._check_counts(counts, step)
         out = _Combined(clock, counts)
         if self.method.scope == "global":  # every rank needs every module: all-reduce, compute redundantly
             summed = self.comm.all_reduce_sum(self.flat_in)
@@ -259,6 +279,22 @@ class EngineHook:
             out.updates = self._unpack(out.gathered)
             clock.mark("gathered")
         return out
+
+    def _check_counts(self, counts: torch.Tensor, step: int) -> None:
+        """Every domain in the global batch; with ``domain_halves``, in both halves, equally."""
+        domains = list(self.config.domains)
+        if not self.domain_halves:
+            if bool((counts == 0).any()):
+                missing = [d for d, c in zip(domains, counts.tolist()) if c == 0]
+                raise RuntimeError(f"step {step}: no sequence of domain(s) {missing} in the global batch; "
+                                   "each optimizer step needs every domain (whole isomer groups)")
+            return
+        first, second = counts.view(2, -1).tolist()
+        uneven = [f"{d} ({a:g} and {b:g})" for d, a, b in zip(domains, first, second) if a != b or a == 0]
+        if uneven:
+            raise RuntimeError(f"step {step}: method {self.method.name!r} needs each domain's sequences split in two "
+                               f"equal, non-empty halves of the step's groups (an even number of whole groups a "
+                               f"step); got {', '.join(uneven)}")
 
     def _run_method(self, summed: torch.Tensor, mine: list[LoraModule], base: int, counts: torch.Tensor,
                     step: int, out: "_Combined") -> list:
@@ -306,7 +342,7 @@ class EngineHook:
         Scales ``summed`` in place (the buffer is reset after the step). Whole isomer groups give
         every domain the same count: then one multiply covers every module.
         """
-        N = self.num_domains
+        N = self.num_slots
         equal = bool((counts == counts[0]).all())
         if equal:
             summed.mul_(1.0 / float(counts[0]))
@@ -426,6 +462,31 @@ class EngineHook:
         mine = [m for m in self.modules if m.name in per_module]
         rules = {stat.name: stat.combine for stat in self.method.statistics if stat.combine != "model"}
         return aggregate_module_stats([per_module[m.name] for m in mine], [m.full_rank_cost for m in mine], rules)
+
+    # -- the method's state, for checkpoints ------------------------------------------------
+    def method_state(self) -> dict[str, torch.Tensor]:
+        """This rank's share of the method's state (:meth:`GradientMethod.state_dict`): module
+        scope, the entries of the modules it combines; global scope, all of it on rank 0 only
+        (every rank holds the same). A checkpoint saves each rank's share and merges them."""
+        state = self.method.state_dict()
+        if self.method.scope != "module":
+            return state if self.comm.rank == 0 else {}
+        return {key: t for key, t in state.items() if self._state_owner(key) == self.comm.rank}
+
+    def load_method_state(self, state: dict[str, torch.Tensor]) -> None:
+        """The method's state back from a checkpoint's merged shares, saved at any world size:
+        module scope, this rank takes the entries of the modules it combines."""
+        if self.method.scope == "module":
+            state = {key: t for key, t in state.items() if self._state_owner(key) == self.comm.rank}
+        self.method.load_state_dict(state)
+
+    def _state_owner(self, key: str) -> int:
+        """The rank that combines the module a module-scope state entry ``"<index>.<name>"`` is of."""
+        index = key.partition(".")[0]
+        if not index.isdigit() or not 0 <= int(index) < len(self.modules):
+            raise ValueError(f"method state: key {key!r} names no module (expected '<module index>.<name>', "
+                             f"index below {len(self.modules)})")
+        return self.layout.owners[int(index)]
 
     # -- results ---------------------------------------------------------------------------
     def pop_stats(self) -> dict:

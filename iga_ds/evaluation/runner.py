@@ -18,7 +18,7 @@ from iga_ds.evaluation import generation
 from iga_ds.files import append_lines, atomic_write_json, cut_torn_tail, iter_jsonl
 from iga_ds.metrics.accuracy import accuracy, accuracy_by_group, delta_gap
 from iga_ds.metrics.answers import extract_answer, score_generation
-from iga_ds.metrics.cue import cue_counterfactual_summary
+from iga_ds.metrics.cue import cue_counterfactual_summary, signals_wrong_answer
 
 SCHEMA = "iga-ds.eval/1"
 
@@ -123,8 +123,7 @@ def cue_conflict(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     right (``accuracy``, %). Empty when no item carries a cue."""
     out: dict[str, dict[str, Any]] = {}
     for split in sorted({r["split"] for r in rows}):
-        conflict = [r for r in rows if r["split"] == split and r.get("cue_answer") is not None
-                    and r["cue_answer"] != r["gold"]]
+        conflict = [r for r in rows if r["split"] == split and signals_wrong_answer(r)]
         if conflict:
             out[split] = {
                 "n": len(conflict),

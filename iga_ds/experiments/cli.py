@@ -187,11 +187,15 @@ def run_demo(args: argparse.Namespace) -> int:
 def _register_diagnose(subparsers: Any) -> None:
     dg = subparsers.add_parser(
         "diagnose",
-        help="how much of the task and of a planted cue each method's update keeps, as shares of ERM's",
+        help="how much of the task and of a planted cue each method's gradient, and the optimizer's update of it, "
+        "keeps, as shares of ERM's; on one model or over a run's checkpoints",
         description="On a run's adapter (or a base with a fresh adapter) and the first K isomer groups of --data "
         "(records with meta.cue): per-domain LoRA gradients of the cue records and of their no-cue twins; the task "
-        "direction t (no-cue mean) and the cue direction c (cue mean minus t); each method's update U of the cue "
-        "gradients, and <U, d> / <U_erm, d>, cosines and spreads in weight and factor space (docs/DIAGNOSE.md).",
+        "direction t (no-cue mean) and the cue direction c (cue mean minus t); each method's combined gradient U of "
+        "the cue gradients, and <U, d> / <U_erm, d>, cosines and spreads in weight and factor space; the same for "
+        "the optimizer's update u(U), one AdamW (or SGD-momentum) step from the checkpoint's own moments. With "
+        "--every N, on each of a run's checkpoints at a multiple of N steps: one resumable JSON and a figure "
+        "(docs/DIAGNOSE.md).",
     )
     dg.add_argument("--run", required=True, help="a training run's folder, an adapter folder, or a base model "
                     "(builtin:tiny, a folder, a hub id, a .gguf file) given a fresh adapter")
@@ -200,7 +204,10 @@ def _register_diagnose(subparsers: Any) -> None:
     dg.add_argument("--method", action="append", default=[], metavar="NAME[:KEY=VALUE,...]",
                     help="a method and its parameters, e.g. iga:tau=0.5 or sand_mask (repeatable; erm, the "
                     "reference, is always measured)")
-    dg.add_argument("--out", required=True, help="JSON file to write")
+    dg.add_argument("--out", required=True, help="JSON file to write (with --every: the trajectory's, resumed "
+                    "where it holds steps already, and its figure beside it, OUT with .png)")
+    dg.add_argument("--every", type=int, metavar="N", help="--run is a training run's folder: diagnose each of its "
+                    "checkpoints at a multiple of N steps (1: every one), the same groups for all")
     dg.add_argument("--batch-size", type=int, default=4, help="instances per backward (one domain at a time)")
     dg.add_argument("--max-length", type=int, help="tokens per instance (default: the run's, else 512)")
     dg.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
@@ -219,7 +226,7 @@ def run_diagnose(args: argparse.Namespace) -> int:
     from iga_ds.experiments import diagnose as dg
 
     for flag, value in (("--groups", args.groups), ("--batch-size", args.batch_size), ("--max-length", args.max_length),
-                        ("--lora-r", args.lora_r)):
+                        ("--lora-r", args.lora_r), ("--every", args.every)):
         if value is not None and value < 1:
             raise UserError(f"{flag} {value}: expected a positive integer")
     if not args.init_b_std >= 0 or (args.lora_alpha is not None and not args.lora_alpha > 0):
@@ -231,6 +238,16 @@ def run_diagnose(args: argparse.Namespace) -> int:
     dg.build_methods(args.method)  # a bad --method fails before the data and the model are read
     settings = dg.Settings(args.run, args.data, args.groups, args.method, args.out, args.batch_size,
                            args.max_length, args.dtype, args.device, fresh, not args.no_progress)
+    if args.every is not None:
+        from iga_ds.experiments import diagnose_trajectory as dt
+
+        if fresh is not None:
+            raise UserError("--every diagnoses a run's own adapters: --lora-r, --lora-alpha, --target-modules, "
+                            "--init-b-std and --seed are for a base given a fresh one")
+        result = dt.trajectory(settings, args.every)
+        print(dt.format_trajectory(result))
+        print(f"wrote {args.out}" + (f" and {Path(args.out).with_name(result['figure'])}" if result["figure"] else ""))
+        return 0
     result = dg.diagnose(settings)
     print(dg.format_table(result))
     print(f"wrote {args.out}")

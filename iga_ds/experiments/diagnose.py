@@ -1,4 +1,5 @@
-"""``iga-ds diagnose``: how much of the task and of a planted shortcut each method's update keeps.
+"""``iga-ds diagnose``: how much of the task and of a planted shortcut each method's gradient, and
+the optimizer's update of it, keeps.
 
 On one model (a training run's adapter, or a base with a fresh LoRA adapter) and the first K
 isomer groups of a data set whose records carry a cue sentence (``meta.cue``), two directions
@@ -8,14 +9,19 @@ per LoRA module, from per-domain mean gradients of the factors (gA[n], gB[n]):
   problem with its cue sentence removed);
 - the **cue** direction c: the mean gradient on the cue records minus t.
 
-Each method's update U is its ``combine`` of the cue records' per-domain gradients (through the
-registry, with the parameters given), ERM's the plain mean t + c. A method keeps of a direction
-d the share ``<U, d> / <U_erm, d>`` (1: as much as ERM, 0: none), measured in the factor space
+Each method's combined gradient U is its ``combine`` of the cue records' per-domain gradients
+(through the registry, with the parameters given), ERM's the plain mean t + c. A method keeps
+of a direction d the share ``<U, d> / <U_erm, d>`` (1: as much as ERM, 0: none), measured in the factor space
 (gA and gB over all modules, one vector) and in the weight space, where a factor step is
-G = s (gB A + B gA) per module (every module's G, one vector). Also cos(U, t), cos(U, c), the
-update's size over ERM's, and how much the per-domain directions disagree across domains:
+G = s (gB A + B gA) per module (every module's G, one vector). Also cos(U, t), cos(U, c), U's
+size over ERM's, and how much the per-domain directions disagree across domains:
 spread = sqrt(mean_n ||d[n] - d||^2) / ||d||, for t[n] (no-cue gradients) and c[n] (cue minus
-no-cue gradients of domain n). docs/DIAGNOSE.md says how to read them.
+no-cue gradients of domain n). The same shares, cosines and sizes of the optimizer's update
+u(U) (``after_optimizer``): one AdamW or SGD-momentum step on U, clipped as training clips it,
+from the moments saved with the adapter's checkpoint, or from zero moments
+(:mod:`iga_ds.experiments.preconditioning`). docs/DIAGNOSE.md says how to read them; the
+measures are in :mod:`iga_ds.experiments.diagnose_measures`, the run over a run's checkpoints
+in :mod:`iga_ds.experiments.diagnose_trajectory`.
 
 The gradients come from a plain loop, one domain at a time, backward after backward on a PEFT
 model (no DeepSpeed, no capture hook): the slow, obvious path, independent of the training
@@ -23,10 +29,10 @@ machinery it is there to explain.
 """
 from __future__ import annotations
 
+import filecmp
 import json
-import math
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -38,6 +44,9 @@ from iga_ds.data.prompts import AUTO, PromptFormat, prompt_format, saved_prompt_
 from iga_ds.data.schema import read_isomer_jsonl
 from iga_ds.errors import ConfigError, DataError, UserError
 from iga_ds.evaluation.generation import resolve_device
+from iga_ds.experiments.diagnose_measures import REFERENCE, SPACES, measure
+from iga_ds.experiments.export import ADAPTER_WEIGHTS
+from iga_ds.experiments.preconditioning import OptimizerState, check_covered, optimizer_updates, read_optimizer_state
 from iga_ds.files import atomic_write_json, read_yaml_file
 from iga_ds.lora.modules import LoraModule, find_lora_modules
 from iga_ds.methods import GradientMethod, ModuleGrads, get_method
@@ -45,10 +54,8 @@ from iga_ds.models import TOKENIZER_FILES, check_model_source
 from iga_ds.progress import progress as progress_of
 from iga_ds.train.batching import encode_example, pad_id, pad_rows, sequence_losses
 from iga_ds.train.model import add_lora, load_base_model, load_tokenizer
+from iga_ds.train.checkpoint import FULL_OPTIMIZER_FILE, latest_checkpoint
 from iga_ds.train.model_card import adapter_base, base_location, read_tiny
-
-REFERENCE = "erm"  # the plain mean: every share is measured against it
-
 
 # -- methods ---------------------------------------------------------------------------------
 
@@ -99,6 +106,10 @@ def build_method(spec: MethodSpec) -> GradientMethod:
     if method.scope == "loss" and spec.name != REFERENCE:
         raise UserError(f"--method {spec.label}: {spec.name} changes the loss, not the per-domain gradients; "
                         "the diagnostic compares gradient methods (and erm, the reference)")
+    if getattr(method, "domain_halves", False):
+        # it would read the N domain means as N/2 domains' two halves
+        raise UserError(f"--method {spec.label}: needs each domain's groups split in two halves, which the "
+                        "diagnostic does not take; measure another variance")
     return method
 
 
@@ -113,15 +124,6 @@ def build_methods(texts: Sequence[str]) -> dict[str, GradientMethod]:
     if REFERENCE not in methods:
         methods = {REFERENCE: get_method(REFERENCE), **methods}
     return {REFERENCE: methods[REFERENCE], **{k: v for k, v in methods.items() if k != REFERENCE}}
-
-
-def apply_method(method: GradientMethod, modules: Sequence[ModuleGrads]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(gA, gB) per module: ERM's mean over domains, or the method's ``combine`` at step 0."""
-    if method.scope == "loss":
-        return [(m.gA.mean(dim=0), m.gB.mean(dim=0)) for m in modules]
-    # copies: what a method does to its inputs cannot reach the measures or the next method
-    own = [replace(m, A=m.A.clone(), B=m.B.clone(), gA=m.gA.clone(), gB=m.gB.clone()) for m in modules]
-    return [(u.gA, u.gB) for u in method.combine(own, 0)]
 
 
 # -- records ---------------------------------------------------------------------------------
@@ -183,6 +185,7 @@ class Source:
     domains: list[str] | None = None
     max_length: int | None = None
     tiny: dict[str, Any] | None = None  # builtin:tiny's shape, where an adapter records one
+    schedule: dict[str, Any] | None = None  # the run's optimizer settings (None: the defaults)
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "base": self.base, "adapter": str(self.adapter) if self.adapter else None,
@@ -207,7 +210,24 @@ def _run_source(folder: Path, adapter: Path) -> Source:
         base = adapter_base(adapter)  # the run came from another machine: the base its adapter names
     fmt = saved_prompt_format(adapter) or resolved.get("prompt_format") or data.get("prompt_format") or AUTO
     return Source("run", str(base), adapter, _adapter_tokenizer(adapter, cfg.get("tokenizer")), fmt,
-                  (resolved.get("iga") or {}).get("domains"), data.get("max_length"), read_tiny(adapter))
+                  (resolved.get("iga") or {}).get("domains"), data.get("max_length"), read_tiny(adapter),
+                  cfg.get("schedule"))
+
+
+def checkpoint_of(adapter: Path | None) -> Path | None:
+    """The checkpoint folder whose optimizer state goes with ``adapter``: its own
+    (RUN/checkpoints/TAG/adapter), or for a run's final adapter the latest checkpoint that holds
+    the same weights; None where there is none (a fresh or a stand-alone adapter)."""
+    if adapter is None:
+        return None
+    if (adapter.parent / FULL_OPTIMIZER_FILE).is_file():
+        return adapter.parent
+    latest = latest_checkpoint(adapter.parent / "checkpoints")
+    if latest is None or not (latest / FULL_OPTIMIZER_FILE).is_file():
+        return None
+    mine, theirs = adapter / ADAPTER_WEIGHTS, latest / "adapter" / ADAPTER_WEIGHTS
+    same = mine.is_file() and theirs.is_file() and filecmp.cmp(mine, theirs, shallow=False)
+    return latest if same else None
 
 
 def resolve_source(run: str) -> Source:
@@ -318,92 +338,6 @@ def module_grads(modules: Sequence[LoraModule],
                         m.scaling, m.lora_A.weight.dtype) for m, (gA, gB) in zip(modules, grads)]
 
 
-# -- the measures ----------------------------------------------------------------------------
-
-
-SPACES = ("weight", "factor")
-
-
-def _vectors(m: ModuleGrads, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
-    """Each (gA, gB) of one module as a flat float64 vector in both spaces."""
-    A, B = m.A.double(), m.B.double()
-    return {"factor": [torch.cat([a.double().reshape(-1), b.double().reshape(-1)]) for a, b in pairs],
-            "weight": [(m.scaling * (b.double() @ A + B @ a.double())).reshape(-1) for a, b in pairs]}
-
-
-def module_figures(cue: ModuleGrads, plain: ModuleGrads, updates: Sequence[tuple[torch.Tensor, torch.Tensor]]
-                   ) -> dict[str, dict[str, Any]]:
-    """One module's share of the sums the measures are ratios of, per space: ``gram``, the inner
-    products of [t, c, U_1, ...] (ERM first among the updates), and ``spread``, the mean over
-    domains of ||t[n] - t||^2 and of ||c[n] - c||^2."""
-    tA, tB = plain.gA.double().mean(dim=0), plain.gB.double().mean(dim=0)
-    cA, cB = cue.gA.double().mean(dim=0) - tA, cue.gB.double().mean(dim=0) - tB
-    vectors = _vectors(cue, [(tA, tB), (cA, cB), *updates])
-    out = {}
-    for space in SPACES:
-        v = vectors[space]
-        gram = torch.tensor([[float(torch.dot(x, y)) for y in v] for x in v], dtype=torch.float64)
-        out[space] = {"gram": gram, "spread": torch.zeros(2, dtype=torch.float64)}
-    del vectors
-    n = cue.num_domains
-    for i in range(n):  # one domain at a time: a few module-sized matrices alive, whatever N
-        task = (plain.gA[i].double() - tA, plain.gB[i].double() - tB)
-        shortcut = (cue.gA[i].double() - plain.gA[i].double() - cA, cue.gB[i].double() - plain.gB[i].double() - cB)
-        for space, (dt, dc) in _vectors(cue, [task, shortcut]).items():
-            out[space]["spread"] += torch.tensor([float(dt.pow(2).sum()), float(dc.pow(2).sum())],
-                                                 dtype=torch.float64) / n
-    return out
-
-
-def _ratio(a: float, b: float) -> float | None:
-    value = a / b if b != 0 else math.nan
-    return value if math.isfinite(value) else None
-
-
-def _cos(g: torch.Tensor, i: int, j: int) -> float | None:
-    return _ratio(float(g[i, j]), math.sqrt(float(g[i, i]) * float(g[j, j])))
-
-
-def summarize(gram: torch.Tensor, spread: torch.Tensor, labels: Sequence[str]) -> dict[str, Any]:
-    """The measures of one space from its summed ``gram`` ([t, c, ERM, the others]) and ``spread``."""
-    g = gram.tolist()
-    t, c, erm = 0, 1, 2
-    directions = {"task_norm": math.sqrt(g[t][t]), "cue_norm": math.sqrt(g[c][c]), "cos_task_cue": _cos(gram, t, c),
-                  "task_spread": _ratio(math.sqrt(float(spread[0])), math.sqrt(g[t][t])),
-                  "cue_spread": _ratio(math.sqrt(float(spread[1])), math.sqrt(g[c][c]))}
-    methods = {}
-    for k, label in enumerate(labels, start=erm):
-        methods[label] = {"task": _ratio(g[k][t], g[erm][t]), "cue": _ratio(g[k][c], g[erm][c]),
-                          "cos_task": _cos(gram, k, t), "cos_cue": _cos(gram, k, c),
-                          "size": _ratio(math.sqrt(g[k][k]), math.sqrt(g[erm][erm]))}
-    return {"directions": directions, "methods": methods}
-
-
-def measure(cue: Sequence[ModuleGrads], plain: Sequence[ModuleGrads], methods: dict[str, GradientMethod],
-            on_method: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Every method's update of the cue gradients, measured against the task and cue directions:
-    the whole model's figures per space, and each module's shares in the weight space."""
-    labels = list(methods)
-    if labels[0] != REFERENCE:
-        raise ValueError(f"the first method must be {REFERENCE}, the reference")
-    updates = {}
-    for label, method in methods.items():
-        updates[label] = apply_method(method, cue)
-        if on_method is not None:
-            on_method(label)
-    totals = {s: {"gram": 0.0, "spread": 0.0} for s in SPACES}
-    per_module = []
-    for i, (mc, mp) in enumerate(zip(cue, plain)):
-        figures = module_figures(mc, mp, [updates[label][i] for label in labels])
-        for space in SPACES:
-            for key in ("gram", "spread"):
-                totals[space][key] = totals[space][key] + figures[space][key]
-        own = summarize(figures["weight"]["gram"], figures["weight"]["spread"], labels)
-        per_module.append({"name": mc.name, **own["directions"],
-                           "methods": {k: {"task": v["task"], "cue": v["cue"]} for k, v in own["methods"].items()}})
-    return {**{s: summarize(totals[s]["gram"], totals[s]["spread"], labels) for s in SPACES}, "modules": per_module}
-
-
 # -- the command -----------------------------------------------------------------------------
 
 
@@ -424,19 +358,31 @@ class Settings:
     progress: bool = True
 
 
-def _gradients(model, modules, tokenizer, fmt, groups, settings: Settings, max_length: int, what: str):
-    rows = encode_domains(groups, tokenizer, fmt, max_length)
-    bar = progress_of(sum(len(r) for r in rows), f"gradients, {what}", "instance", enabled=settings.progress)
-    try:
-        grads = domain_gradients(model, modules, rows, pad_id(tokenizer), settings.batch_size, bar.update)
-    finally:
-        bar.close()
-    return module_grads(modules, grads)
+@dataclass
+class Loaded:
+    """A model ready for the measures: the PEFT model, its LoRA modules with their parameter
+    names (the keys of a checkpoint's optimizer state), the tokenizer and the prompt format."""
+
+    model: Any
+    modules: list[LoraModule]
+    names: list[tuple[str, str]]
+    tokenizer: Any
+    fmt: PromptFormat
 
 
-def diagnose(settings: Settings, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Load, take the per-domain gradients of the cue records and of their twins, measure every
-    method; write the JSON (atomically) and return it."""
+@dataclass
+class Inputs:
+    """What the measures of every model share: the methods, the groups and their no-cue twins."""
+
+    methods: dict[str, GradientMethod]
+    groups: list[list[dict]]
+    twins: list[list[dict]]
+    domains: list[str]
+    max_length: int
+
+
+def prepare(settings: Settings) -> tuple[Source, Inputs]:
+    """The methods, the model's source and the groups, each checked before any model loads."""
     methods = build_methods(settings.methods)
     source = resolve_source(settings.run)
     groups, domains = twin_groups(settings.data, settings.groups, source.domains)
@@ -445,23 +391,68 @@ def diagnose(settings: Settings, log: Callable[[str], None] = print) -> dict[str
     if settings.fresh is not None and source.adapter is not None:
         raise UserError(f"--run {settings.run} has its own adapter: --lora-r, --lora-alpha, --target-modules, "
                         "--init-b-std and --seed are for a base given a fresh one")
-    device = resolve_device(settings.device)
-    model, modules, tokenizer = load_model(source, settings.fresh or FreshLora(), settings.dtype, device,
-                                           settings.progress)
+    return source, Inputs(methods, groups, twins, domains, max_length)
+
+
+def load(source: Source, settings: Settings) -> Loaded:
+    model, modules, tokenizer = load_model(source, settings.fresh or FreshLora(), settings.dtype,
+                                           resolve_device(settings.device), settings.progress)
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    names = [(name_of[id(m.lora_A.weight)], name_of[id(m.lora_B.weight)]) for m in modules]
     fmt = prompt_format(tokenizer, source.prompt_format, "prompt format", UserError)
-    log(f"diagnose: {len(modules)} LoRA modules, {len(groups)} groups x {len(domains)} domains "
-        f"({', '.join(domains)}), {fmt.name} prompts")
-    cue = _gradients(model, modules, tokenizer, fmt, groups, settings, max_length, "cue records")
-    plain = _gradients(model, modules, tokenizer, fmt, twins, settings, max_length, "no-cue twins")
-    bar = progress_of(len(methods), "methods", "method", enabled=settings.progress)
+    return Loaded(model, modules, names, tokenizer, fmt)
+
+
+def _gradients(loaded: Loaded, groups, settings: Settings, max_length: int, what: str) -> list[ModuleGrads]:
+    rows = encode_domains(groups, loaded.tokenizer, loaded.fmt, max_length)
+    bar = progress_of(sum(len(r) for r in rows), f"gradients, {what}", "instance", enabled=settings.progress)
     try:
-        figures = measure(cue, plain, methods, on_method=lambda label: bar.update(1))
+        grads = domain_gradients(loaded.model, loaded.modules, rows, pad_id(loaded.tokenizer), settings.batch_size,
+                                 bar.update)
     finally:
         bar.close()
-    result = {"source": source.describe(), "prompt_format": fmt.name, "max_length": max_length,
-              "data": {"path": settings.data, "groups": len(groups), "domains": domains},
-              "methods": [_spec_entry(label) for label in methods],  # in order (the JSON's keys are sorted)
-              "num_modules": len(modules), **figures}
+    return module_grads(loaded.modules, grads)
+
+
+def optimizer_state(source: Source, loaded: Loaded, log: Callable[[str], None]) -> OptimizerState:
+    """The state the optimizer's step starts from: the adapter's checkpoint's, else zero moments."""
+    state = read_optimizer_state(checkpoint_of(source.adapter), source.schedule)
+    if state.source:
+        check_covered(state, loaded.names)
+    elif source.adapter is not None:
+        log(f"diagnose: no optimizer state saved with {source.adapter}; the optimizer's update is its first "
+            "step's, from zero moments")
+    return state
+
+
+def measure_model(loaded: Loaded, source: Source, inputs: Inputs, settings: Settings,
+                  log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The per-domain gradients of the cue records and of their twins on the loaded model, and
+    every method's figures, of its gradient and of the optimizer's update: the result's JSON."""
+    groups, domains, methods = inputs.groups, inputs.domains, inputs.methods
+    log(f"diagnose: {len(loaded.modules)} LoRA modules, {len(groups)} groups x {len(domains)} domains "
+        f"({', '.join(domains)}), {loaded.fmt.name} prompts")
+    state = optimizer_state(source, loaded, log)
+    cue = _gradients(loaded, groups, settings, inputs.max_length, "cue records")
+    plain = _gradients(loaded, inputs.twins, settings, inputs.max_length, "no-cue twins")
+    bar = progress_of(len(methods), "methods", "method", enabled=settings.progress)
+    try:
+        figures = measure(cue, plain, methods, on_method=lambda label: bar.update(1),
+                          precondition=lambda pairs: optimizer_updates(state, loaded.names, pairs))
+    finally:
+        bar.close()
+    figures["after_optimizer"]["optimizer"] = state.describe()
+    return {"source": source.describe(), "prompt_format": loaded.fmt.name, "max_length": inputs.max_length,
+            "data": {"path": settings.data, "groups": len(groups), "domains": domains},
+            "methods": [_spec_entry(label) for label in methods],  # in order (the JSON's keys are sorted)
+            "num_modules": len(loaded.modules), **figures}
+
+
+def diagnose(settings: Settings, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Load, take the per-domain gradients of the cue records and of their twins, measure every
+    method; write the JSON (atomically) and return it."""
+    source, inputs = prepare(settings)
+    result = measure_model(load(source, settings), source, inputs, settings, log)
     atomic_write_json(settings.out, result)
     return result
 
@@ -477,8 +468,23 @@ def _fmt(value: float | None, width: int = 7) -> str:
     return (f"{value:.3f}" if abs(value) < 1000 else f"{value:.2e}").rjust(width)
 
 
+COLUMNS = ("task", "cue", "cos_task", "cos_cue", "size")
+
+
+def _table_rows(figures: dict[str, Any], labels: Sequence[str], width: int) -> list[str]:
+    """One row per method: its figures in the weight, then the factor space."""
+    head = f"{'method':<{width}}  " + "  ".join(
+        f"{s[0].upper()} {name}".rjust(7) for s in SPACES for name in ("task", "cue", "cos t", "cos c", "size"))
+    rows = [head, "-" * len(head)]
+    for label in labels:
+        rows.append(f"{label:<{width}}  " + "  ".join(_fmt(figures[s]["methods"][label][k]) for s in SPACES
+                                                     for k in COLUMNS))
+    return rows
+
+
 def format_table(result: dict[str, Any]) -> str:
-    """The printed summary: the directions, then one row per method and space."""
+    """The printed summary: the directions, then one row per method and space, for the gradients
+    and for the optimizer's updates."""
     lines = []
     for space in SPACES:
         d = result[space]["directions"]
@@ -487,12 +493,11 @@ def format_table(result: dict[str, Any]) -> str:
                      f"task {_fmt(d['task_spread'], 0).strip()}, cue {_fmt(d['cue_spread'], 0).strip()}")
     labels = [entry["label"] for entry in result["methods"]]
     width = max(len("method"), *(len(label) for label in labels))
-    head = f"{'method':<{width}}  " + "  ".join(
-        f"{s[0].upper()} {name}".rjust(7) for s in SPACES for name in ("task", "cue", "cos t", "cos c", "size"))
-    lines += ["", "kept of each direction, as a share of ERM's (<U, d> / <U_erm, d>); W: weight space, F: factor space",
-              head, "-" * len(head)]
-    for label in labels:
-        cells = [_fmt(result[s]["methods"][label][k]) for s in SPACES
-                 for k in ("task", "cue", "cos_task", "cos_cue", "size")]
-        lines.append(f"{label:<{width}}  " + "  ".join(cells))
+    lines += ["", "gradient: kept of each direction, as a share of ERM's (<U, d> / <U_erm, d>); "
+              "W: weight space, F: factor space", *_table_rows(result, labels, width)]
+    after = result.get("after_optimizer")
+    if after is not None:
+        opt = after["optimizer"]
+        lines += ["", f"after the optimizer ({opt['optimizer']}, step {opt['step'] + 1}, {opt['moments']} moments): "
+                  "the update's shares, <u(U), d> / <u(U_erm), d>", *_table_rows(after, labels, width)]
     return "\n".join(lines)

@@ -1,14 +1,17 @@
 """PNG figures for the report: OOD accuracy per method, LCS per layer, mask statistics over
-training, OOD accuracy against training time; a single run's loss curve; the demo's figure (ID
-and OOD accuracy per method, and the training loss). matplotlib with the Agg backend (no
-display), imported when a figure is drawn."""
+training, OOD accuracy against training time, wrong-cue following per domain; a single run's
+loss curve; the demo's figure (ID and OOD accuracy per method, and the training loss).
+matplotlib with the Agg backend (no display), imported when a figure is drawn."""
 from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
 from typing import Sequence
 
-from iga_ds.experiments.results import Cell, benchmarks_of, cell_avg_headline, cell_lcs, headline_accuracy, row_order
+from iga_ds.experiments.results import (
+    Cell, benchmarks_of, cell_avg_headline, cell_cue_follow_by_domain, cell_lcs, cue_domains, headline_accuracy,
+    labels_in_order, row_order,
+)
 from iga_ds.metrics.accuracy import mean_std
 from iga_ds.metrics.mask import mask_keys, metric_series
 
@@ -144,6 +147,44 @@ def accuracy_vs_time_figure(cells: Sequence[Cell], path: Path) -> str | None:
     return out
 
 
+def cue_domain_figure(cells: Sequence[Cell], path: Path) -> str | None:
+    """Per benchmark with wrong-cue OOD items, each row's share of them answered as the cue
+    signals, per domain (mean ± std over seeds): the per-domain rule the pooled share hides."""
+    benches = [b for b in benchmarks_of(cells) if cue_domains(cells, b)]
+    if not benches:
+        return None
+    rows: dict[str, list[Cell]] = defaultdict(list)
+    for c in cells:
+        rows[c.label].append(c)
+    labels = labels_in_order(cells)
+    plt = _pyplot()
+    width = 0.8 / len(labels)
+    colors = plt.get_cmap("tab20" if len(labels) > 10 else "tab10").colors  # a colour per row
+    fig, axes = plt.subplots(1, len(benches), figsize=(6 * len(benches), 3.5), squeeze=False)
+    for ax, bench in zip(axes[0], benches):
+        domains = cue_domains(cells, bench)
+        for i, label in enumerate(labels):
+            stats = []
+            for domain in domains:
+                vals = [v for c in rows[label] if (v := cell_cue_follow_by_domain(c, bench).get(domain)) is not None]
+                stats.append(mean_std(vals) if vals else (float("nan"), 0.0))
+            xs = [j + (i - (len(labels) - 1) / 2) * width for j in range(len(domains))]
+            ax.bar(xs, [m for m, _ in stats], width, yerr=[s for _, s in stats], capsize=1, label=label,
+                   color=colors[i % len(colors)])
+        ax.set_xticks(range(len(domains)), domains)
+        ax.set_ylim(0, 105)
+        ax.set_ylabel("wrong-cue OOD items answered as the cue (%)")
+        ax.set_title(bench, fontsize=9)
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.suptitle("Wrong-cue following per domain (mean ± std over seeds)")
+    fig.tight_layout()
+    # outside the axes, right of them: the saved figure's tight bounding box takes it in
+    fig.legend(handles, names, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    out = _save(fig, path)
+    plt.close(fig)
+    return out
+
+
 def _loss_lines(ax, rows: dict[str, list[Cell]], window: int) -> bool:
     """Training loss per step of each row (mean over its cells, moving average) on ``ax``."""
     drawn = False
@@ -207,5 +248,45 @@ def make_figures(cells: Sequence[Cell], folder: str | Path) -> dict[str, str]:
         "LCS per layer": lcs_layer_figure(cells, folder / "lcs_layers.png"),
         "Mask statistics over training": mask_figure(cells, folder / "mask_stats.png"),
         "OOD accuracy against training time": accuracy_vs_time_figure(cells, folder / "ood_vs_time.png"),
+        "Wrong-cue following per domain": cue_domain_figure(cells, folder / "cue_by_domain.png"),
     }
     return {title: p for title, p in made.items() if p}
+
+
+def _kept(entry: dict, after: bool, space: str, label: str, key: str) -> float:
+    figures = entry["after_optimizer"][space] if after else entry[space]
+    value = figures["methods"][label][key]
+    return float("nan") if value is None else value
+
+
+def diagnose_trajectory_figure(steps: Sequence[dict], path: Path) -> str | None:
+    """``iga-ds diagnose --every``: kept task (solid) and kept cue (dashed) of each method against
+    the checkpoint's step, as shares of ERM's (1 by definition: the dotted line), for the gradient
+    and for the optimizer's update, in the factor and the weight space."""
+    labels = [m["label"] for m in steps[0]["methods"] if m["label"] != "erm"] if steps else []  # erm: the reference
+    if not labels:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), sharex=True, squeeze=False)
+    xs = [entry["step"] for entry in steps]
+    for row, space in enumerate(("factor", "weight")):
+        for col, after in enumerate((False, True)):
+            ax = axes[row][col]
+            for i, label in enumerate(labels):
+                for key, style in (("task", "-"), ("cue", "--")):
+                    ax.plot(xs, [_kept(e, after, space, label, key) for e in steps], style, color=f"C{i % 10}",
+                            marker="o", markersize=3, linewidth=1.2, label=f"{label}: {key}")
+            ax.axhline(1.0, color="0.6", linestyle=":", linewidth=1)
+            ax.set_title(f"{'update after the optimizer' if after else 'gradient'}, {space} space", fontsize=9)
+            ax.set_ylabel("kept, share of ERM's")
+    for ax in axes[1]:
+        ax.set_xlabel("step")
+        ax.xaxis.get_major_locator().set_params(integer=True)  # steps, not fractions of one
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.suptitle("Kept task (solid) and cue (dashed) over training")
+    fig.tight_layout()
+    # outside the axes, right of them: the saved figure's tight bounding box takes it in
+    fig.legend(handles, names, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    out = _save(fig, path)
+    plt.close(fig)
+    return out

@@ -15,7 +15,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from iga_ds.errors import UserError
-from iga_ds.experiments.results import METHOD_LABELS, Cell, benchmarks_of, cell_clipped_share, row_order
+from iga_ds.experiments.results import (
+    METHOD_LABELS, Cell, benchmarks_of, cell_clipped_share, cue_domains, labels_in_order, row_order, wrong_cue_items,
+)
 from iga_ds.experiments.tables import DASH, Stat, group_rows, markdown
 from iga_ds.experiments.update_size import update_ratios
 from iga_ds.metrics.cue import counterfactual_pairs, group_totals
@@ -118,6 +120,22 @@ def cue_totals(group: Sequence[Cell], bench: str, statistic: str) -> dict[int, d
     return out
 
 
+def cue_follow_totals(group: Sequence[Cell], bench: str, domain: str) -> dict[int, dict[str, tuple[float, float]]]:
+    """Per seed, per isomer group: (wrong-cue OOD items of ``domain`` answered as the cue signals,
+    such items)."""
+    out: dict[int, dict[str, tuple[float, float]]] = {}
+    for cell in group:
+        sums: dict[str, list[float]] = {}
+        for row in wrong_cue_items(cell, bench):
+            if row.get("domain") == domain:
+                entry = sums.setdefault(row["group"], [0.0, 0.0])
+                entry[0] += row["follows_wrong_cue"]
+                entry[1] += 1.0
+        if sums:
+            out[cell.seed] = {g: (a, b) for g, (a, b) in sums.items()}
+    return out
+
+
 def _text(interval: Interval | None, signed: bool = False) -> str:
     return NA if interval is None else interval.text(1, signed)
 
@@ -131,10 +149,7 @@ def paired_table(cells: Sequence[Cell], bench: str, baseline: str) -> str:
     """Per row: OOD accuracy and its paired difference from ``baseline``, the cue effect and its
     difference, the flip rate (each with its 95% interval over isomer groups), the clipped steps
     and the update size against the baseline."""
-    rows = group_rows([c for c in cells if not c.ablation])
-    labels = [baseline] + [lab for lab in row_order(list(rows)) if lab != baseline]
-    labels += sorted(group_rows([c for c in cells if c.ablation]))
-    rows.update(group_rows([c for c in cells if c.ablation]))
+    labels, rows = _paired_labels(cells, baseline)
     base = rows[baseline]
     acc_b, effect_b = accuracy_totals(base, bench), cue_totals(base, bench, "cue_effect")
     body = []
@@ -150,6 +165,29 @@ def paired_table(cells: Sequence[Cell], bench: str, baseline: str) -> str:
     header = ["Row", "seeds", f"{bench} OOD acc. [95% CI]", f"Δ OOD acc. vs {baseline} [95% CI]",
               "cue effect, points [95% CI] ↓", f"Δ cue effect vs {baseline} [95% CI]", "flip rate, % [95% CI] ↓",
               "clipped steps, %", f"update size vs {baseline}"]
+    return markdown(header, body)
+
+
+def _paired_labels(cells: Sequence[Cell], baseline: str) -> tuple[list[str], dict[str, list[Cell]]]:
+    """The paired tables' rows: the baseline, the other method rows in paper order, the ablations."""
+    return [baseline] + [lab for lab in labels_in_order(cells) if lab != baseline], group_rows(cells)
+
+
+def domain_cue_table(cells: Sequence[Cell], bench: str, baseline: str) -> str | None:
+    """Per row and domain: the difference from ``baseline`` in wrong-cue OOD following, with its
+    95% interval over isomer groups; None where no evaluation has wrong-cue items by domain."""
+    domains = cue_domains(cells, bench)
+    if not domains:
+        return None
+    labels, rows = _paired_labels(cells, baseline)
+    base = {d: cue_follow_totals(rows[baseline], bench, d) for d in domains}
+    body = []
+    for lab in labels:
+        group = rows[lab]
+        diffs = ["—" if lab == baseline else
+                 _text(paired_difference(cue_follow_totals(group, bench, d), base[d]), True) for d in domains]
+        body.append([lab, str(len({c.seed for c in group})), *diffs])
+    header = ["Row", "seeds", *[f"Δ {d}, points [95% CI]" for d in domains]]
     return markdown(header, body)
 
 
@@ -186,10 +224,21 @@ def paired_section(cells: Sequence[Cell], against: Sequence[str] = ()) -> list[s
         return parts + ["No ERM-SFT row by the paper's definition (or no OOD items): no paired comparison.", ""]
     parts += [f"Headline baseline: the row \"{baseline}\" (ERM-SFT by the paper's definition). {PAIRED_NOTE}", ""]
     for bench in benches:
-        parts += [paired_table(cells, bench, baseline), ""]
+        parts += _paired_tables(cells, bench, baseline)
     for other in against:
         parts += [f"Every row against the row \"{other}\", paired the same way:", ""]
-        parts += [line for bench in benches for line in (paired_table(cells, bench, other), "")]
+        parts += [line for bench in benches for line in _paired_tables(cells, bench, other)]
+    return parts
+
+
+def _paired_tables(cells: Sequence[Cell], bench: str, baseline: str) -> list[str]:
+    """The paired table of ``bench`` against ``baseline``, then its per-domain wrong-cue differences."""
+    parts = [paired_table(cells, bench, baseline), ""]
+    by_domain = domain_cue_table(cells, bench, baseline)
+    if by_domain:
+        parts += [f"{bench}, per domain: of the OOD items whose cue signals a wrong answer, the share answered as "
+                  f"the cue signals, the row's minus that of \"{baseline}\" (points), paired the same way:", "",
+                  by_domain, ""]
     return parts
 
 

@@ -37,16 +37,20 @@ from iga_ds.experiments.results import (
     cell_avg_delta_gap,
     cell_avg_headline,
     cell_cue_follow,
+    cell_cue_follow_by_domain,
     cell_default_lcs,
     cell_final_loss,
     cell_lcs,
     cell_method_params,
     cell_median_step_ms,
     cell_metric_mean,
+    cell_source,
+    cue_domains,
     eval_files,
     folder_kind,
     headline_accuracy,
     is_iga_row,
+    labels_in_order,
     load_demo,
     load_results,
     load_run,
@@ -87,6 +91,62 @@ def main_table(cells: Sequence[Cell]) -> str:
     columns.append(column(rows, cell_final_loss, None, 3))
     body = [[label] + [col[label] for col in columns] for label in order]
     return markdown(header, body)
+
+
+CUE_DOMAIN_NOTE = (
+    "The OOD items of the column \"OOD follows wrong cue\" split by domain: over the OOD items whose planted "
+    "cue signals a wrong answer, the share the row answered as the cue signals, per domain (mean ± sample std "
+    "over seeds; no bold, since a share near 0% is an answer against the cue, not its absence). A row that "
+    "learned a rule per domain follows the cue in some domains and answers against it in others, which the "
+    "pooled share averages away."
+)
+
+
+def cue_domain_table(cells: Sequence[Cell], bench: str) -> str | None:
+    """Per row (method rows, then ablations): wrong-cue OOD following pooled and in each domain;
+    None when no cell's evaluation of ``bench`` has wrong-cue items by domain."""
+    domains = cue_domains(cells, bench)
+    if not domains:
+        return None
+    rows, labels = group_rows(cells), labels_in_order(cells)
+    columns = [column(rows, lambda c: cell_cue_follow(c, bench), None, 1)]
+    columns += [column(rows, lambda c, d=d: cell_cue_follow_by_domain(c, bench).get(d), None, 1) for d in domains]
+    header = ["Row", f"{bench}: all domains", *[f"{bench}: {d}" for d in domains]]
+    return markdown(header, [[lab] + [col[lab] for col in columns] for lab in labels])
+
+
+def provenance_line(cells: Sequence[Cell]) -> str:
+    """Which code the cells ran: each commit (``cell.json``'s ``source``) with its cells' tree
+    state, and how many cells record no commit."""
+    by_commit: dict[str, list[bool | None]] = defaultdict(list)
+    for cell in cells:
+        commit, clean = cell_source(cell)
+        if commit is not None:
+            by_commit[commit[:7]].append(clean)
+    missing = len(cells) - sum(len(states) for states in by_commit.values())
+    if not by_commit:
+        return f"Provenance: no cell records the commit it ran at (`source` in cell.json; {_count(missing, 'cell')})."
+    parts = [f"{_count(len(states), 'cell')} ran at commit {sha} ({_tree_state(states)})"
+             for sha, states in sorted(by_commit.items(), key=lambda item: (-len(item[1]), item[0]))]
+    text = "Provenance: " + ", ".join(parts)
+    if missing:
+        text += f"; {_count(missing, 'cell')} record{'s' if missing == 1 else ''} no commit"
+    every = all(clean is True for states in by_commit.values() for clean in states)
+    return text + ("; every recorded tree was clean." if every and missing else
+                   "; every tree was clean." if every else "; not every tree was clean.")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _tree_state(states: Sequence[bool | None]) -> str:
+    """How the trees of one commit's cells stood: clean, with uncommitted changes, or not recorded."""
+    counts = {state: states.count(state) for state in (True, False, None) if state in states}
+    if len(counts) == 1:
+        return {True: "clean tree", False: "uncommitted changes", None: "tree state not recorded"}[next(iter(counts))]
+    names = {True: "clean", False: "with uncommitted changes", None: "tree state not recorded"}
+    return ", ".join(f"{n} {names[state]}" for state, n in counts.items())
 
 
 def _iga_label(rows: dict[str, list[Cell]]) -> str | None:
@@ -308,11 +368,17 @@ def report_body(cells: Sequence[Cell], level: int = 2, against: Sequence[str] = 
         f"seeds {', '.join(map(str, seeds))}. Entries are mean ± sample std over seeds (std shown "
         "when there is more than one seed); best in bold. Accuracies in %, LCS in units of 1e-2.",
         "",
+        provenance_line(cells),
+        "",
         f"{h} Main results (paper Table 2)",
         "",
         main_table(main_cells) if main_cells else "No runs without an ablation.",
         "",
     ]
+    by_domain = [table for bench in benchmarks_of(cells) if (table := cue_domain_table(cells, bench))]
+    if by_domain:
+        parts += [f"{h} OOD wrong-cue following per domain", "", CUE_DOMAIN_NOTE, ""]
+        parts += [line for table in by_domain for line in (table, "")]
     parts += [f"{h} Ablations (paper Table 3)", ""]
     parts += [ablation_table(main_cells, ablation_cells) if ablation_cells else "No ablation runs.", ""]
     parts += [f"{h} Efficiency (paper Table 4)", "", efficiency_table(main_cells) if main_cells else DASH, ""]

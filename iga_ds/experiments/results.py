@@ -29,6 +29,7 @@ from iga_ds.config.run import RUN_CONFIG
 from iga_ds.errors import ConfigError, DataError
 from iga_ds.files import iter_jsonl, read_json, read_yaml_file
 from iga_ds.methods import method_parameters
+from iga_ds.metrics.cue import signals_wrong_answer
 from iga_ds.metrics.mask import metric_series
 
 # paper names of the methods (Table 2 order); unknown names are shown as given
@@ -71,8 +72,8 @@ class Cell:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     # per LoRA module {"path": .., "displacement": ..}, from update_norms.json (None: no file)
     update_norms: dict[str, dict[str, float]] | None = None
-    # per evaluation, its scored items in brief (group, split, correctness, cue rewrites): the
-    # paired intervals resample these by isomer group
+    # per evaluation, its scored items in brief (group, split, domain, correctness, cue rewrites,
+    # wrong-cue following): the paired intervals resample these by isomer group
     items: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     variant: dict[str, Any] | None = None  # cell_spec.json's variant (how the row was trained)
     gradient_clipping: float | None = None  # the clip the run trained with (config.resolved.yaml)
@@ -166,6 +167,21 @@ def _check_lcs(result: dict[str, Any], where: str) -> None:
                             f"got {layer!r}: {value!r:.60}")
 
 
+def _check_source(source: Any, where: str) -> None:
+    """``cell.json``'s ``source``: absent, or the commit the cell ran at (a sha or null) and
+    whether its tree was clean (true, false or null: not known)."""
+    if source is None:
+        return
+    expected = 'expected {"commit": "<sha>" or null, "clean": true, false or null}'
+    if not isinstance(source, dict):
+        raise DataError(f"{where}: field 'source': {expected}, got {source!r:.60}")
+    commit, clean = source.get("commit"), source.get("clean")
+    if commit is not None and (not isinstance(commit, str) or not commit.strip()):
+        raise DataError(f"{where}: field 'source.commit': expected a commit sha or null, got {commit!r:.60}")
+    if clean is not None and not isinstance(clean, bool):
+        raise DataError(f"{where}: field 'source.clean': expected true, false or null, got {clean!r:.60}")
+
+
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
     """The training log; a row's ``step`` must be a number (the figures' x axis)."""
     rows = []
@@ -213,6 +229,7 @@ def _read_cell(folder: Path) -> Cell:
     if ablation is not None and not isinstance(ablation, str):
         raise DataError(f"{path}: field 'ablation': expected a name or null, got {ablation!r}")
     _check_numbers(info, CELL_NUMBERS, str(path))
+    _check_source(info.get("source"), str(path))
     ablation = ablation or None
     settings = "" if ablation or info.get("label") else _cell_settings(folder, info)
     cell = Cell(folder.name, method, seed, ablation, _label(method, ablation, info.get("label"), settings), info)
@@ -256,15 +273,20 @@ def item_group(row: dict[str, Any]) -> str:
 
 
 def brief_items(rows: Sequence[Any]) -> list[dict[str, Any]]:
-    """The scored item rows of an eval.json, reduced to what paired statistics read."""
+    """The scored item rows of an eval.json, reduced to what paired statistics and the per-domain
+    tables read; an item whose planted cue signals a wrong answer says whether it was answered
+    as the cue signals (``follows_wrong_cue``)."""
     out = []
     for row in rows:
         if not isinstance(row, dict) or row.get("correct") is None:
             continue
-        brief = {"group": item_group(row), "split": row.get("split"), "correct": bool(row["correct"])}
+        brief = {"group": item_group(row), "split": row.get("split"), "domain": row.get("domain"),
+                 "correct": bool(row["correct"])}
         if row.get("counterfactual"):
             brief.update(counterfactual=row["counterfactual"], of=row.get("of"), group_id=brief["group"],
                          prediction=row.get("prediction"))
+        elif signals_wrong_answer(row):
+            brief["follows_wrong_cue"] = row.get("prediction") == row["cue_answer"]
         out.append(brief)
     return out
 
@@ -382,6 +404,12 @@ def row_order(labels: list[str]) -> list[str]:
     return known + other + iga
 
 
+def labels_in_order(cells: Sequence[Cell]) -> list[str]:
+    """Every row's label: the method rows in paper order (:func:`row_order`), then the ablations sorted."""
+    main = row_order(sorted({c.label for c in cells if not c.ablation}))
+    return main + sorted({c.label for c in cells if c.ablation} - set(main))
+
+
 # -- what a table reads from one cell ------------------------------------------------------------
 
 PAPER_BENCHMARK_ORDER = ("arb", "logiqa2", "reclor", "math")
@@ -442,6 +470,35 @@ def cell_final_loss(cell: Cell) -> float | None:
 def cell_cue_follow(cell: Cell, bench: str) -> float | None:
     """Share (%) of the evaluation's wrong-cue OOD items answered as the cue signals."""
     return cell.evals.get(bench, {}).get("ood_cue_follow")
+
+
+def wrong_cue_items(cell: Cell, bench: str) -> list[dict[str, Any]]:
+    """The cell's OOD items of ``bench`` whose planted cue signals a wrong answer (the items of
+    ``ood_cue_follow``; the counterfactual rewrites left out)."""
+    return [r for r in cell.items.get(bench, [])
+            if r["split"] == "ood" and not r.get("counterfactual") and "follows_wrong_cue" in r]
+
+
+def cell_cue_follow_by_domain(cell: Cell, bench: str) -> dict[str, float]:
+    """Per domain, the share (%) of the wrong-cue OOD items answered as the cue signals: the
+    pooled ``ood_cue_follow`` split by domain (a per-domain rule shows here, not in the pool)."""
+    by_domain: dict[str, list[bool]] = {}
+    for row in wrong_cue_items(cell, bench):
+        if row.get("domain") is not None:
+            by_domain.setdefault(str(row["domain"]), []).append(row["follows_wrong_cue"])
+    return {domain: 100.0 * sum(flags) / len(flags) for domain, flags in sorted(by_domain.items())}
+
+
+def cue_domains(cells: Sequence[Cell], bench: str) -> list[str]:
+    """The domains with wrong-cue OOD items in any cell's evaluation of ``bench``, sorted."""
+    return sorted({d for c in cells for d in cell_cue_follow_by_domain(c, bench)})
+
+
+def cell_source(cell: Cell) -> tuple[str | None, bool | None]:
+    """The commit a cell ran at and whether its tree was clean (``cell.json``'s ``source``);
+    (None, None) for a cell that records neither."""
+    source = cell.info.get("source") or {}
+    return source.get("commit"), source.get("clean")
 
 
 def cell_clipped_share(cell: Cell) -> float | None:

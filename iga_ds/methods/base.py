@@ -1,12 +1,11 @@
 """The contract every method follows: what a new method implements, and what it may assume.
 
-A method turns per-domain LoRA gradients into the gradient the optimizer sees: pure tensor
-code, no process groups, no DeepSpeed. Its ``scope`` picks the one hook it overrides:
-``"module"``, one module at a time (``combine_module``; IGA, AND-mask), so the engine hook can
-spread modules over ranks; ``"global"``, every module at once (``combine``; PCGrad, MGDA);
-``"loss"``, a new objective and no gradients (``objective``; ERM, IRM, V-REx). What the hook
-uses for speed, which no method needs, is in :mod:`iga_ds.methods.tensors`. The keyword
-arguments of ``__init__`` are the method's config parameters. V-REx, as in vrex.py::
+A method turns per-domain LoRA gradients into the gradient the optimizer sees: pure tensor code, no process
+groups, no DeepSpeed. Its ``scope`` picks the one hook it overrides: ``"module"``, one module at a time
+(``combine_module``; IGA, AND-mask), so the engine hook can spread modules over ranks; ``"global"``, every
+module at once (``combine``; PCGrad, MGDA); ``"loss"``, a new objective and no gradients (``objective``; ERM,
+IRM, V-REx). What the hook uses for speed, which no method needs, is in :mod:`iga_ds.methods.tensors`. The
+keyword arguments of ``__init__`` are the method's config parameters. V-REx, as in vrex.py::
 
     class VREx(GradientMethod):
         name, scope, paper = "vrex", "loss", "Krueger et al., ... ICML 2021"
@@ -30,9 +29,8 @@ Scope = Literal["module", "global", "loss"]
 
 @dataclass(frozen=True)
 class Statistic:
-    """A figure a method reports. Module scope: per module, ``combine`` forming the model's
-    figure (``mean`` weighted by each module's out x in elements, ``sum``, ``min``); ``model``:
-    the whole model's figure already (global methods), logged as ``method/<name>``."""
+    """A figure a method reports. Module scope: per module, ``combine`` forming the model's figure (``mean``
+    weighted by out x in, ``sum``, ``min``); ``model``: the model's figure already (global), as ``method/<name>``."""
 
     name: str
     combine: Literal["mean", "sum", "min", "model"]
@@ -41,10 +39,9 @@ class Statistic:
 
 @dataclass
 class ModuleGrads:
-    """Per-domain mean gradients of one LoRA module, PEFT layout: A: r x in, B: out x r, gA:
-    N x r x in, gB: N x out x r, ``scaling`` s in dW = s * B @ A. ``index`` (the module's place
-    in the model) keys random sketches, so results do not depend on the rank computing them.
-    ``compute_dtype``: the backward's dtype (bfloat16 in bf16 runs; A, B float32), None: A's."""
+    """Per-domain mean gradients of one LoRA module, PEFT layout: A: r x in, B: out x r, gA: N x r x in, gB:
+    N x out x r, ``scaling`` s in dW = s * B @ A. ``index`` (its place in the model) keys sketches and state, so
+    results do not depend on the rank computing them. ``compute_dtype``: the backward's (bf16 runs), None: A's."""
 
     name: str
     index: int
@@ -67,8 +64,7 @@ class ModuleGrads:
 
 @dataclass
 class ModuleUpdate:
-    """What the optimizer sees for one module: gA shaped as A, gB as B, and ``stats`` keyed by
-    declared statistic names (a dict, or a :class:`iga_ds.methods.tensors.PendingStats`)."""
+    """The optimizer's input for one module: gA shaped as A, gB as B, ``stats`` by statistic name (or PendingStats)."""
 
     gA: torch.Tensor
     gB: torch.Tensor
@@ -76,21 +72,21 @@ class ModuleUpdate:
 
 
 class GradientMethod:
-    """Set the four class attributes and override your scope's hook. ``statistics``: module
-    scope, any subset per module; global, model figures in the first update's ``stats``."""
+    """Set the four class attributes and override your scope's hook. ``statistics``: module scope, any subset
+    per module; global, model figures in the first update's ``stats``."""
 
     name: ClassVar[str] = ""
     scope: ClassVar[Scope] = "module"
     paper: ClassVar[str] = ""
     statistics: ClassVar[tuple[Statistic, ...]] = ()
+    domain_halves: bool = False  # True: gA, gB are 2N x ..., domain n's halves of the step's groups at n and N + n
 
     def __init__(self, seed: int = 0):
         self.seed = seed
 
     def combine(self, modules: Sequence[ModuleGrads], step: int) -> list[ModuleUpdate]:
-        """One update per module, in order, at optimizer step ``step``. Global scope: every
-        module, on every rank; module scope: the modules this rank owns, by default one
-        ``combine_module`` each (override to batch them)."""
+        """One update per module, in order, at optimizer step ``step``. Global scope: every module, on every
+        rank; module scope: the modules this rank owns, by default one ``combine_module`` each (or batched)."""
         if self.scope == "loss":
             raise TypeError(f"method {self.name!r} acts on the loss; it has no gradient combination")
         return [self.combine_module(m, step) for m in modules]
@@ -101,9 +97,16 @@ class GradientMethod:
 
     def objective(self, sequence_losses: torch.Tensor, domain_ids: torch.Tensor, num_domains: int,
                   dummy_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """One micro-batch's scalar for backward: the mean of per-sequence losses (the hook turns
-        captured sums into per-domain means by it), plus a loss-scope method's penalty."""
+        """One micro-batch's scalar for backward: the mean of per-sequence losses (the hook turns captured sums
+        into per-domain means by it), plus a loss-scope method's penalty."""
         return sequence_losses.mean()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What the method carries from step to step, for checkpoints; module scope: keys ``"<index>.<name>"``."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Take back a :meth:`state_dict` (module scope: the entries of the modules this rank combines)."""
 
     def needs_dummy_scale(self) -> bool:
         """True when ``objective`` needs logits multiplied by a scalar it can differentiate."""

@@ -20,6 +20,11 @@ from typing import Any, Iterable, Mapping
 CUE_STATISTICS = ("cue_effect", "flip_rate", "error_right", "error_wrong")
 
 
+def signals_wrong_answer(row: Mapping[str, Any]) -> bool:
+    """Whether an evaluation row's planted cue points away from its gold answer (a cue-conflict item)."""
+    return row.get("cue_answer") is not None and row.get("cue_answer") != row.get("gold")
+
+
 def counterfactual_pairs(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One entry per item scored with both cues: its group, whether each version was right and
     whether the extracted answer flipped; items missing a version are left out."""

@@ -95,6 +95,12 @@ class GroupSampler:
         per_rank = len(groups) // world_size
         return groups[rank * per_rank : (rank + 1) * per_rank]
 
+    def rank_halves(self, rank: int, world_size: int) -> list[int]:
+        """The half of the step's groups each of :meth:`rank_groups` is in: 0 at an even place of the
+        step's (randomly ordered) groups, 1 at an odd one, so that an even K gives equal halves."""
+        per_rank = self.groups_per_step // world_size
+        return [(rank * per_rank + i) % 2 for i in range(per_rank)]
+
 
 def check_batch_layout(groups_per_step: int, groups_per_micro_batch: int, world_size: int) -> int:
     """Gradient accumulation steps that make K groups per step over ``world_size`` ranks."""
@@ -123,6 +129,7 @@ class MicroBatch:
     domain_ids: Any  # (B,) long, index into the domain list
     num_target_tokens: int
     num_tokens: int
+    halves: Any = None  # (B,) long on the host: each sequence's half of the step's groups, where asked for
 
     sequence_lengths = None  # padded: the capture reads each sequence from its own row
 
@@ -134,6 +141,7 @@ class MicroBatch:
             self.domain_ids.to(device),
             self.num_target_tokens,
             self.num_tokens,
+            self.halves,
         )
 
     def model_inputs(self) -> dict[str, Any]:
@@ -161,12 +169,13 @@ class PackedMicroBatch:
     num_target_tokens: int
     num_tokens: int
     cu_seq_lens: Any  # (B + 1,) int32: 0 and the running sum of the sequence lengths
+    halves: Any = None  # (B,) long on the host: each sequence's half of the step's groups, where asked for
 
     def to(self, device) -> "PackedMicroBatch":
-        # the lengths stay on the host: the capture slices the row by them
+        # the lengths (and halves) stay on the host: the capture slices the row by them
         return PackedMicroBatch(self.input_ids.to(device), self.position_ids.to(device), self.labels.to(device),
                                 self.domain_ids.to(device), self.sequence_lengths, self.token_index.to(device),
-                                self.num_target_tokens, self.num_tokens, self.cu_seq_lens.to(device))
+                                self.num_target_tokens, self.num_tokens, self.cu_seq_lens.to(device), self.halves)
 
     def model_inputs(self) -> dict[str, Any]:
         # no cache: transformers looks for packed sequences only without one (and without a mask);
@@ -405,17 +414,28 @@ class TokenizedGroups:
     def num_groups(self) -> int:
         return len(self.rows) // self.per_group
 
-    def micro_batch(self, groups: Sequence[int], padding_free: bool = False) -> MicroBatch | PackedMicroBatch:
+    def micro_batch(self, groups: Sequence[int], padding_free: bool = False,
+                    halves: Sequence[int] | None = None) -> MicroBatch | PackedMicroBatch:
         """The padded micro-batch of these groups, as :func:`collate` of their records; with
-        ``padding_free``, the same sequences in one row (:func:`pack_rows`), domain by domain, so
-        that the capture takes each domain's tokens in one product."""
-        pairs = [(g, d) for g in groups for d in range(self.per_group)]
+        ``padding_free``, the same sequences in one row (:func:`pack_rows`), domain by domain (half
+        by half, then domain by domain, with ``halves``), so that the capture takes each domain's
+        tokens in one product. ``halves``: each group's half of the step (0 or 1), carried to
+        each of its sequences as the micro-batch's ``halves``."""
+        import torch
+
+        group_halves = [0] * len(groups) if halves is None else list(halves)
+        if len(group_halves) != len(groups):
+            raise ValueError(f"halves: expected one per group ({len(groups)}), got {len(group_halves)}")
+        triples = [(g, d, h) for g, h in zip(groups, group_halves) for d in range(self.per_group)]
         if padding_free:
-            pairs.sort(key=lambda gd: gd[1])  # stable: groups keep their order within a domain
-        batch = self.rows[[g * self.per_group + d for g, d in pairs]]
+            triples.sort(key=lambda gdh: (gdh[2], gdh[1]))  # stable: groups keep their order within a domain
+        batch = self.rows[[g * self.per_group + d for g, d, _ in triples]]
         rows = list(zip(batch["input_ids"], batch["labels"]))
-        domain_ids = [d for _, d in pairs]
-        return pack_rows(rows, domain_ids) if padding_free else pad_rows(rows, domain_ids, self.pad)
+        domain_ids = [d for _, d, _ in triples]
+        mb = pack_rows(rows, domain_ids) if padding_free else pad_rows(rows, domain_ids, self.pad)
+        if halves is not None:
+            mb.halves = torch.tensor([h for _, _, h in triples], dtype=torch.long)
+        return mb
 
 
 def tokenized_cache_root() -> Path:

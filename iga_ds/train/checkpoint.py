@@ -17,6 +17,12 @@ from the DeepSpeed checkpoint (``zero_optimization.elastic_checkpoint`` merges t
 partitions of all saved ranks) and the moments from that file, set back into this run's
 partitions with ``safe_set_full_optimizer_state``.
 
+A method that carries state over steps (IGA's ``variance: ema``) has it saved beside: each
+rank writes its share (:meth:`iga_ds.engine.hook.EngineHook.method_state`: under ZeRO the
+modules it combines) as ``method_state_rank<R>.safetensors``; a resume reads every rank's file,
+merges them into the full state and gives it to the hook, which hands each rank its own
+modules' entries, at the saved world size or another.
+
 SIGUSR1 and SIGTERM only raise a flag; the trainer checks it at the next step boundary (all
 ranks agree through one all-reduce), saves, and exits 0, so Slurm can requeue the job
 (``#SBATCH --signal=B:USR1@120`` and ``--requeue``). A file named ``STOP`` in the output
@@ -46,6 +52,7 @@ TAG_PREFIX = "step_"
 # a checkpoint being written, one a lost rank left unfinished, or an older one being replaced
 PARTIAL_PREFIX = "partial-"
 FULL_OPTIMIZER_FILE = "optimizer_full.safetensors"
+METHOD_STATE_PREFIX = "method_state_rank"
 
 
 def _world_size() -> int:
@@ -123,6 +130,38 @@ def _rng_file(path: Path, rank: int) -> Path:
     return path / f"rng_rank{rank:05d}.pt"
 
 
+# -- the method's state ----------------------------------------------------------------------
+
+
+def _method_state_file(path: Path, rank: int) -> Path:
+    return path / f"{METHOD_STATE_PREFIX}{rank:05d}.safetensors"
+
+
+def save_method_state(path: Path, rank: int, state: dict[str, Any]) -> None:
+    """This rank's share of the method's state into ``path`` (nothing when it has none)."""
+    if not state:
+        return
+    from safetensors.torch import save_file
+
+    target = _method_state_file(path, rank)
+    tmp = target.with_suffix(".tmp")
+    save_file({key: t.detach().cpu().contiguous() for key, t in state.items()}, str(tmp))
+    os.replace(tmp, target)
+
+
+def read_method_state(path: Path) -> dict[str, Any]:
+    """Every rank's share of the method's state saved in checkpoint ``path``, merged: the full state."""
+    from safetensors.torch import load_file
+
+    merged: dict[str, Any] = {}
+    for share in sorted(path.glob(f"{METHOD_STATE_PREFIX}*.safetensors")):
+        for key, tensor in load_file(str(share)).items():
+            if key in merged:
+                raise ConfigError(f"resume: {path}: method state {key!r} saved by two ranks")
+            merged[key] = tensor
+    return merged
+
+
 # -- save / load -----------------------------------------------------------------------------
 
 
@@ -134,9 +173,11 @@ def save_checkpoint(
     rank: int,
     keep_last: int,
     save_adapter: Callable[[Path], None] | None = None,
+    method_state: dict[str, Any] | None = None,
 ) -> Path:
     """Save on every rank (DeepSpeed's call is collective); rank 0 also writes the adapter,
-    puts the finished folder in place and prunes old checkpoints. Returns the checkpoint folder."""
+    puts the finished folder in place and prunes old checkpoints. ``method_state``: this rank's
+    share of the method's state (:func:`save_method_state`). Returns the checkpoint folder."""
     import torch
     import torch.distributed as dist
 
@@ -154,6 +195,7 @@ def save_checkpoint(
     tmp = _rng_file(staging, rank).with_suffix(".tmp")
     torch.save(capture_rng(), tmp)
     os.replace(tmp, _rng_file(staging, rank))
+    save_method_state(staging, rank, method_state or {})
     save_full_optimizer_state(engine, staging / FULL_OPTIMIZER_FILE, rank)
     if rank == 0:
         atomic_write_json(staging / "meta.json", {"step": step, "world_size": _world_size()})

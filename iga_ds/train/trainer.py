@@ -60,7 +60,7 @@ from iga_ds.train.batching import (
     unknown_words,
 )
 from iga_ds.train.checkpoint import (STOP_FILE, StopSignal, adopt_schedule, check_schedule, load_checkpoint,
-                                    resolve_resume, save_checkpoint)
+                                    read_method_state, resolve_resume, save_checkpoint)
 from iga_ds.train.distributed import init_distributed, resolve_dist
 from iga_ds.train.logbook import METRICS_FILE, Logbook, truncate_metrics
 from iga_ds.train.trackers import require_trackers
@@ -212,9 +212,10 @@ class Trainer:
         engine, counts = self._build_engine(base_dir, ds_dict, total_steps)
         hook = attach(engine, hook_config)
         try:  # a refused resume leaves no hook behind: its wrapped step, its frozen garbage collector
+            check_halves(hook, cfg.data.groups_per_step)
             updates = UpdateNorms(engine.module)
             out = Path(cfg.output_dir)
-            start_step = self._resume(engine, out, updates, total_steps)
+            start_step = self._resume(engine, hook, out, updates, total_steps)
             stop = StopSignal(out / STOP_FILE)
             if dist.rank == 0:
                 self._prepare_output(out, stop, start_step, {
@@ -330,11 +331,15 @@ class Trainer:
                                                config=ds_dict, dist_init_required=False)
         return engine, counts
 
-    def _resume(self, engine, out: Path, updates: UpdateNorms, total_steps: int) -> int:
+    def _resume(self, engine, hook: EngineHook, out: Path, updates: UpdateNorms, total_steps: int) -> int:
         resume_from = resolve_resume(self.cfg.resume, out / "checkpoints")
         if resume_from is None:
             return 0
         client = load_checkpoint(engine, resume_from, self.dist.rank)
+        try:  # a state the method does not take (another method or variance than the run saved)
+            hook.load_method_state(read_method_state(resume_from))
+        except ValueError as exc:
+            raise ConfigError(f"resume: {resume_from}: {exc}") from None
         start_step = int(client.get("step", 0))
         changes = check_schedule(resume_from, client.get("schedule"), self._schedule(total_steps),
                                  self.cfg.checkpoint.allow_schedule_change)
@@ -373,6 +378,8 @@ class Trainer:
         t0 = time.perf_counter()
         engine, hook, domains = s.engine, s.hook, s.domains
         mine = s.sampler.rank_groups(step, s.dist.rank, s.dist.world_size)
+        # a method comparing two halves of each domain's groups: each group's half of the step
+        halves = s.sampler.rank_halves(s.dist.rank, s.dist.world_size) if hook.domain_halves else None
         per_micro = self.cfg.data.groups_per_micro_batch
         # per-domain loss sums stay on the device until the step ends: reading them per
         # micro-batch would stall the launch queue
@@ -381,11 +388,12 @@ class Trainer:
         lr = engine.get_lr()[0]
         s.updates.begin_step()
         for i in range(0, len(mine), per_micro):
-            mb = s.batches.micro_batch(mine[i: i + per_micro], self.cfg.data.padding_free)
-            # the hook reads domain ids (and a packed row's sequence lengths) on the host
+            mb = s.batches.micro_batch(mine[i: i + per_micro], self.cfg.data.padding_free,
+                                       halves[i: i + per_micro] if halves is not None else None)
+            # the hook reads domain ids (and a packed row's sequence lengths, the halves) on the host
             host_ids, host_lengths = mb.domain_ids, mb.sequence_lengths
             mb = mb.to(engine.device)
-            with hook.micro_batch(host_ids, host_lengths):
+            with hook.micro_batch(host_ids, host_lengths, mb.halves):
                 scale = hook.dummy_scale()
                 logits = engine(**mb.model_inputs()).logits
                 if scale is not None:
@@ -437,7 +445,8 @@ class Trainer:
                      "update_path": s.updates.state(), "schedule": self._schedule(s.total_steps)}
             save_checkpoint(s.engine, s.out / "checkpoints", step, state, s.dist.rank, self.cfg.checkpoint.keep_last,
                             lambda path: save_adapter_atomic(s.engine.module, s.tokenizer, path, s.prompt_format,
-                                                             self._portable(s, step)))
+                                                             self._portable(s, step)),
+                            method_state=s.hook.method_state())
         if stopping and s.stop.reason is not None and s.dist.rank == 0:
             s.stop.consume()  # done: the next run must not stop on it
         if stopping and step < s.total_steps:
@@ -489,6 +498,13 @@ def save_adapter_atomic(peft_model, tokenizer, path: Path, fmt: PromptFormat | N
         os.rename(path, old)
     os.rename(tmp, path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def check_halves(hook: EngineHook, groups_per_step: int) -> None:
+    """A method that compares two halves of each domain's groups needs an even number of groups a step."""
+    if hook.domain_halves and groups_per_step % 2:
+        raise ConfigError(f"data.groups_per_step: method {hook.method.name!r} (variance: debiased) splits each "
+                          f"step's groups in two equal halves; expected an even number, got {groups_per_step}")
 
 
 def train(config: RunConfig, **kwargs) -> TrainResult:

@@ -50,6 +50,7 @@ class IGALoRASpace(MaskedProjectionMethod):
 
     name = "iga_lora_space"
     paper = "IGA ablation (Table 3: mask in LoRA space only)"
+    variances = ("batch",)  # its mask is of gA and gB themselves, not of reconstructions
 
     def combine_module(self, module: ModuleGrads, step: int) -> ModuleUpdate:
         out, masks, variances = [], [], []

@@ -15,9 +15,12 @@ from iga_ds.methods.iga.common import (
     check_projection_options,
 )
 from iga_ds.methods.iga.fused import batched_iga
-from iga_ds.methods.iga.reference import Normalize, masked_projection
+from iga_ds.methods.iga.reference import Normalize, masked_projection, mean_and_variance
 from iga_ds.methods.iga.rsvd import SVD_METHODS
 from iga_ds.methods.iga.sketch import sketch_key, sketch_keys
+from iga_ds.methods.iga.variance import (
+    DEFAULT_VARIANCE, VARIANCES, MovingAverages, check_variance_options, debiased_variance, split_halves,
+)
 from iga_ds.methods.tensors import TiledResults
 
 IMPLEMENTATIONS = ("auto", "reference", "fused")
@@ -43,12 +46,19 @@ class MaskedProjectionMethod(GradientMethod):
     rank-r truncation, then ``factors``: ``chain_rule`` maps it through dW = s B A like a
     gradient (which applies the reconstruction a second time), ``split`` is the paper's
     U S^1/2, S^1/2 V^T, which made training diverge (docs/METHOD_NOTES.md).
+
+    ``variance``: where the mask's V comes from (:mod:`iga_ds.methods.iga.variance`): ``batch``,
+    the paper's, this step's; ``ema`` (a departure), the per-domain means averaged over steps
+    (decay ``variance_decay``, 0.9 when not given; the averages are the method's checkpointed
+    state); ``debiased`` (a departure), this step's less the noise two halves of each domain's
+    groups estimate (the hook then captures 2N per-(domain, half) means: ``domain_halves``).
     """
 
     scope = "module"
     statistics = MASK_STATISTICS
     mask_kind: ClassVar[str] = "continuous"
     fixed_projection: ClassVar[str | None] = None  # an ablation that replaces the projection
+    variances: ClassVar[tuple[str, ...]] = VARIANCES  # the variance estimators the subclass's mask takes
 
     def __init__(
         self,
@@ -62,8 +72,18 @@ class MaskedProjectionMethod(GradientMethod):
         factors: str = DEFAULT_FACTORS,
         projection: str = DEFAULT_PROJECTION,
         damping: float = DEFAULT_DAMPING,
+        variance: str = DEFAULT_VARIANCE,
+        variance_decay: float | None = None,
     ):
         super().__init__(seed)
+        self.variance_decay = check_variance_options(variance, variance_decay)
+        if variance not in self.variances:
+            takes = " or ".join(map(repr, self.variances))
+            raise ValueError(f"variance={variance!r}: {self.name} takes variance {takes} only")
+        self.variance = variance
+        # debiased: the hook gives gA, gB as 2N means, domain n's halves of the step's groups at n and N + n
+        self.domain_halves = variance == "debiased"
+        self._averages = MovingAverages(self.variance_decay) if variance == "ema" else None
         check_options(normalize=normalize, projection=projection, factors=factors, tau=tau, damping=damping)
         check_choice(svd, SVD_METHODS, "svd")
         self.factors, self.damping = factors, float(damping)
@@ -79,13 +99,36 @@ class MaskedProjectionMethod(GradientMethod):
         gen = None
         if self.svd != "exact" and self.projection == "svd":  # sketched: keyed per step and module
             gen = sketch_key(self.seed, step, module.index)
+        domain_A, domain_B, spread = self.domain_means_and_spread(module)
         gA, gB, stats = masked_projection(
-            module.A, module.B, module.gA, module.gB, scaling=module.scaling, tau=self.tau, rank=self.rank,
+            module.A, module.B, domain_A, domain_B, scaling=module.scaling, tau=self.tau, rank=self.rank,
             normalize=self.normalize, svd=self.svd, oversample=self.oversample, power_iters=self.power_iters,
             generator=gen, mask_kind=self.mask_kind, projection=self.projection, factors=self.factors,
-            damping=self.damping,
+            damping=self.damping, spread=spread,
         )
         return ModuleUpdate(gA, gB, stats)
+
+    def domain_means_and_spread(self, m: ModuleGrads):
+        """This step's per-domain mean factor gradients (N x ...), and the (variance, mean) the mask
+        is computed from where ``variance`` does not take them from those means (else None)."""
+        if self.variance == "ema":  # the averages reconstructed at the current factors
+            averaged_A, averaged_B = self._averages.update(m.index, m.gA, m.gB)
+            mean, var = mean_and_variance(m.A, m.B, averaged_A, averaged_B, m.scaling)
+            return m.gA, m.gB, (var, mean)
+        if self.variance == "debiased":
+            hA1, hA2, hB1, hB2 = split_halves(m.gA, m.gB)
+            mean, var = debiased_variance(m.A, m.B, hA1, hA2, hB1, hB2, m.scaling)
+            return (hA1 + hA2) / 2, (hB1 + hB2) / 2, (var, mean)
+        return m.gA, m.gB, None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {} if self._averages is None else self._averages.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if self._averages is not None:
+            self._averages.load_state_dict(state)
+        elif state:
+            raise ValueError(f"{self.name} with variance {self.variance!r} keeps no state; got {sorted(state)[:3]}")
 
 
 class IGA(MaskedProjectionMethod):
@@ -94,7 +137,8 @@ class IGA(MaskedProjectionMethod):
     ``implementation``: ``reference`` runs :func:`~iga_ds.methods.iga.reference.masked_projection`
     module by module; ``fused`` runs :func:`~iga_ds.methods.iga.fused.batched_iga` (same result up
     to rounding, no N full-rank matrices, modules of equal shape batched); ``auto`` takes
-    ``fused`` on CUDA.
+    ``fused`` on CUDA with ``variance: batch``: the batched path knows no other variance, so
+    ``auto`` takes the reference path for ``ema`` and ``debiased``, and ``fused`` refuses them.
     ``precision`` (fused path): ``auto`` (default) is ``bf16`` when the gradients come from a
     bfloat16 forward and backward (:attr:`ModuleGrads.trained_in`; a DeepSpeed bf16 run) and
     ``ieee`` otherwise: bf16 keeps the precision rule of docs/PERFORMANCE.md (its error a fifth
@@ -115,20 +159,26 @@ class IGA(MaskedProjectionMethod):
     def __init__(self, tau: float = DEFAULT_TAU, normalize: Normalize = DEFAULT_NORMALIZE, rank: int | None = None,
                  svd: str = "randomized", oversample: int = 10, power_iters: int = 2, seed: int = 0,
                  implementation: str = "auto", precision: str = "auto", factors: str = DEFAULT_FACTORS,
-                 projection: str = DEFAULT_PROJECTION, damping: float = DEFAULT_DAMPING):
-        super().__init__(tau, normalize, rank, svd, oversample, power_iters, seed, factors, projection, damping)
+                 projection: str = DEFAULT_PROJECTION, damping: float = DEFAULT_DAMPING,
+                 variance: str = DEFAULT_VARIANCE, variance_decay: float | None = None):
+        super().__init__(tau, normalize, rank, svd, oversample, power_iters, seed, factors, projection, damping,
+                         variance, variance_decay)
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         check_choice(implementation, IMPLEMENTATIONS, "implementation")
         if implementation == "fused" and svd == "exact":
             raise ValueError("implementation 'fused' needs a sketched svd, 'randomized' or 'single_pass' "
                              "(the exact SVD has no fused form)")
+        if implementation == "fused" and variance != DEFAULT_VARIANCE:
+            raise ValueError(f"implementation 'fused' takes variance 'batch' only, got variance {variance!r} "
+                             "(use implementation 'auto' or 'reference')")
         self.precision = precision
         self.implementation = implementation
 
     def _fused(self, modules: Sequence[ModuleGrads]) -> bool:
         if self.implementation == "auto":
-            return self.svd != "exact" and bool(modules) and modules[0].gA.device.type == "cuda"
+            return (self.svd != "exact" and self.variance == DEFAULT_VARIANCE and bool(modules)
+                    and modules[0].gA.device.type == "cuda")
         return self.implementation == "fused"
 
     def precision_for(self, modules: Sequence[ModuleGrads]) -> str:

@@ -164,20 +164,27 @@ def tangent_factors(A, B, G, scaling, damping: float = 0.0):
 def masked_projection(
     A, B, gA, gB, *, scaling, tau, rank, normalize, svd, oversample, power_iters, generator,
     mask_kind: str = "continuous", binary_threshold: float = 0.5, projection: str = DEFAULT_PROJECTION,
-    factors: str = DEFAULT_FACTORS, damping: float = DEFAULT_DAMPING,
+    factors: str = DEFAULT_FACTORS, damping: float = DEFAULT_DAMPING, spread=None,
 ):
     """IGA with the steps that its ablations change made explicit: the mask (``continuous``,
     ``binary`` or ``none``) and the projection back to the factors: ``tangent`` (ERM's factor
     gradients plus the pseudo-inverse of the reconstruction applied to what the mask removed),
     rank-r ``svd`` then ``factors`` (``split`` or ``chain_rule``), or the ``chain`` rule without
-    truncation. Returns (gA_new, gB_new, stats)."""
+    truncation. ``spread``: the (variance, mean) the mask is computed from, where they are not
+    this step's (:mod:`iga_ds.methods.iga.variance`); the masked mean is this step's either way.
+    Returns (gA_new, gB_new, stats)."""
     rank = check_module(A, B, gA, gB, rank)
     r = A.shape[0]
-    mean, var = mean_and_variance(A, B, gA, gB, scaling)
+    if spread is None:
+        mean, var = mean_and_variance(A, B, gA, gB, scaling)
+        spread_mean = mean
+    else:  # computed as mean_and_variance computes it
+        mean = reconstruct(A, B, gA.mean(dim=0), gB.mean(dim=0), scaling)
+        var, spread_mean = spread
     if mask_kind == "none":
         mask = torch.ones_like(mean)
     else:
-        soft = torch.exp(-tau * normalize_variance(var, mean, normalize))
+        soft = torch.exp(-tau * normalize_variance(var, spread_mean, normalize))
         mask = (soft >= binary_threshold).to(mean.dtype) if mask_kind == "binary" else soft
     stats = mask_stats(mask, var)
     if projection == "tangent":
@@ -190,7 +197,7 @@ def masked_projection(
         stats["energy_kept"] = kept / masked_sq if masked_sq > 0 else 1.0
         return gA_new, gB_new, stats
     masked = mean * mask
-    del mean, var
+    del mean, var, spread_mean
     total = float(masked.pow(2).sum())
     if projection == "chain":
         # Treat the masked matrix as dL/d(dW): chain rule through dW = s * B @ A.
