@@ -19,7 +19,9 @@ from iga_ds.experiments.report import write_report
 from iga_ds.experiments.results import cell_cue_follow_by_domain, load_results, wrong_cue_items
 
 ROOT = Path(__file__).resolve().parents[1]
-GRIDS = ("shift-smollm2", "control-smollm2")
+GRIDS = ("shift-smollm2", "control-smollm2", "shift-g16-smollm2")
+# the folder each archive unpacks into under runs/, where it differs from the archive's name
+UNPACKS_TO = {"shift-g16-smollm2": "shift_g16_smollm2"}
 
 
 def _report(name: str) -> Path:
@@ -29,7 +31,8 @@ def _report(name: str) -> Path:
 def _documented_command(name: str) -> list[str]:
     """The `iga-ds report runs/NAME` line of results/README.md, as arguments."""
     text = (ROOT / "results" / "README.md").read_text(encoding="utf-8").replace("\\\n", " ")
-    line = next(line.strip() for line in text.splitlines() if line.strip().startswith(f"iga-ds report runs/{name} "))
+    folder = UNPACKS_TO.get(name, name)
+    line = next(line.strip() for line in text.splitlines() if line.strip().startswith(f"iga-ds report runs/{folder} "))
     return shlex.split(line)[1:]
 
 
