@@ -126,7 +126,8 @@ def test_stop_file_stops_both_ranks_at_one_step_and_resume_completes(setup):
 
 
 @pytest.mark.timeout(240)
-def test_two_ranks_then_resume_on_one_matches_single_rank_run(setup):
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_two_ranks_then_resume_on_one_matches_single_rank_run(setup, optimizer):
     import torch
     from safetensors.torch import load_file
 
@@ -134,19 +135,22 @@ def test_two_ranks_then_resume_on_one_matches_single_rank_run(setup):
     from iga_ds.train.trainer import Trainer
 
     tmp, data, base = setup
-    over = {"schedule.max_steps": 4, "data.groups_per_step": 2, "data.groups_per_micro_batch": 1}
-    cfg2 = _write_config(tmp, data, base, "ws", **over, **{"checkpoint.stop_at_step": 2})
+    over = {"schedule.max_steps": 4, "data.groups_per_step": 2, "data.groups_per_micro_batch": 1,
+            "schedule.optimizer": optimizer, **({"schedule.lr": 0.5} if optimizer == "sgd" else {})}
+    name = f"ws_{optimizer}"
+    cfg2 = _write_config(tmp, data, base, name, **over, **{"checkpoint.stop_at_step": 2})
     procs = _two_ranks(cfg2)
     logs = [p.communicate(timeout=200)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
-    ckpt = tmp / "ws" / "checkpoints" / "step_00000002"
+    ckpt = tmp / name / "checkpoints" / "step_00000002"
     assert sorted(x.name for x in ckpt.glob("*optim_states.pt")) and len(list(ckpt.glob("*optim_states.pt"))) == 2
 
-    # the same run on one rank: accumulation over 2 micro-batches replaces the second rank
+    # the same run on one rank: accumulation over 2 micro-batches replaces the second rank; the
+    # optimizer state (Adam's moments, SGD's momentum) comes from the gathered full state
     resumed = Trainer(load_run_config(cfg2, ["checkpoint.stop_at_step=null"]), quiet=True).run()
-    single = Trainer(load_run_config(_write_config(tmp, data, base, "ws1", **over)), quiet=True).run()
+    single = Trainer(load_run_config(_write_config(tmp, data, base, f"{name}1", **over)), quiet=True).run()
     assert resumed.status == single.status == "completed"
-    two_rank_losses = [json.loads(x)["loss"] for x in (tmp / "ws" / "metrics.jsonl").read_text().splitlines()]
+    two_rank_losses = [json.loads(x)["loss"] for x in (tmp / name / "metrics.jsonl").read_text().splitlines()]
     assert len(two_rank_losses) == 4
     assert two_rank_losses == pytest.approx([h["loss"] for h in single.history], rel=1e-5)
     a = load_file(str(resumed.adapter_dir / "adapter_model.safetensors"))
