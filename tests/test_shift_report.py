@@ -19,7 +19,8 @@ from iga_ds.experiments.report import write_report
 from iga_ds.experiments.results import cell_cue_follow_by_domain, load_results, wrong_cue_items
 
 ROOT = Path(__file__).resolve().parents[1]
-GRIDS = ("shift-smollm2", "control-smollm2", "shift-g16-smollm2")
+GRIDS = ("shift-smollm2", "control-smollm2")  # whole grids, quoted by the README
+REGENERATED = GRIDS + ("shift-g16-smollm2",)  # every archived report, the interim one included
 # the folder each archive unpacks into under runs/, where it differs from the archive's name
 UNPACKS_TO = {"shift-g16-smollm2": "shift_g16_smollm2"}
 
@@ -47,7 +48,7 @@ def grid(tmp_path_factory) -> Path:
     return _extract(tmp_path_factory.mktemp("shift"), "shift-smollm2")
 
 
-@pytest.mark.parametrize("name", GRIDS)
+@pytest.mark.parametrize("name", REGENERATED)
 def test_the_archived_report_regenerates_from_the_archive(name, grid, tmp_path):
     root = grid if name == "shift-smollm2" else _extract(tmp_path, name)
     args = _documented_command(name)
