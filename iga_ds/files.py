@@ -38,10 +38,26 @@ def temp_file_beside(path: Path) -> tuple[int, str]:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as exc:
         raise _naming(exc, path) from None
+    os.chmod(tmp, new_file_mode())
+    return fd, tmp
+
+
+def new_file_mode() -> int:
+    """The permissions a new file gets under this process's umask (0o644 under umask 022)."""
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    return fd, tmp
+    return 0o666 & ~umask
+
+
+def follow_umask(path: str | os.PathLike) -> None:
+    """Give ``path`` (a file, or every file under a folder) the permissions a new file gets
+    under the umask: writers that create files 0600 (safetensors' ``save_file``) would
+    otherwise leave adapters and optimizer states unreadable to everyone else."""
+    path = Path(path)
+    mode = new_file_mode()
+    for file in (path.rglob("*") if path.is_dir() else [path]):
+        if file.is_file() and not file.is_symlink():
+            os.chmod(file, mode)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

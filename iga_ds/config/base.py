@@ -4,11 +4,13 @@ them, and one validator that turns any error into one line naming the dotted key
 Sections are pydantic models (pydantic v2 comes with DeepSpeed, whose own config is built the
 same way). Fields are strict: ``true`` is not a seed, ``2.0`` not a layer count, ``"2"`` not a
 number of waves; the one leniency is a number written in scientific notation without a dot
-(``2e-4``), which YAML 1.1 reads as a string. A field may say what it expects in words
-(``expected=``); otherwise the words come from its type.
+(``2e-4``), which YAML 1.1 reads as a string. Every number is finite (``.inf`` and ``.nan``
+are refused, in typed fields and in free-form mappings such as method parameters alike). A
+field may say what it expects in words (``expected=``); otherwise the words come from its type.
 """
 from __future__ import annotations
 
+import math
 import types
 import typing
 from typing import Any, ClassVar, Literal, Union
@@ -23,7 +25,7 @@ from iga_ds.errors import ConfigError
 class Section(BaseModel):
     """A block of a config file: unknown keys and wrong types are errors."""
 
-    model_config = ConfigDict(strict=True, extra="forbid", validate_default=False)
+    model_config = ConfigDict(strict=True, extra="forbid", validate_default=False, allow_inf_nan=False)
     # a value of the wrong type is described by the field's rule ("a positive integer") rather
     # than by its type ("an integer")
     describe_by_rule: ClassVar[bool] = False
@@ -53,6 +55,32 @@ def _yaml_number(value: Any) -> Any:
 
 # a float field that also takes integers and "2e-4"
 Number = typing.Annotated[float, BeforeValidator(_yaml_number)]
+
+
+def first_non_finite(value: Any, key: str = "") -> tuple[str, float] | None:
+    """(dotted key, value) of the first NaN or infinity in a free-form value (mappings, lists,
+    numbers), or None: what typed fields refuse, looked for where the type is ``Any``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return key, value
+    if isinstance(value, dict):
+        items = ((f"{key}.{k}" if key else str(k), v) for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{key}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for inner_key, inner in items:
+        found = first_non_finite(inner, inner_key)
+        if found is not None:
+            return found
+    return None
+
+
+def finite_params(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` when every number in it is finite; else an error naming the key below the field."""
+    found = first_non_finite(params)
+    if found is not None:
+        raise config_problem(f"{found[0]}: expected a finite number, got {found[1]!r}", nested=True)
+    return params
 
 
 def config_problem(message: str, nested: bool = False) -> PydanticCustomError:
@@ -132,6 +160,9 @@ def error_line(model: type[BaseModel], error: dict, prefix: str = "") -> str:
             return ctx["message"]
         return f"{key}.{ctx['message']}" if ctx.get("nested") else f"{key}: {ctx['message']}"
     info, tp, owner = _field_at(model, loc)
+    if error["type"] == "finite_number":
+        rule = (info.json_schema_extra or {}).get("expected") if info is not None else None
+        return f"{key}: expected {rule or 'a number'} (finite), got {error['input']!r}"
     if error["type"] == "missing":
         return f"{key}: missing; expected {type_phrase(tp)}"
     rule = (info.json_schema_extra or {}).get("expected") if info is not None and loc and \

@@ -36,6 +36,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from iga_ds.config.base import validate_section
 from iga_ds.config.ds_keys import check_known_keys
 from iga_ds.config.hook import BLOCK, HookConfig, check_method_params
 from iga_ds.config.run import (BUILTIN_TINY, DEFAULT_DEEPSPEED, SHIPPED, RunConfig, TinyBaseConfig, shipped_file,
@@ -118,7 +119,9 @@ def resolve_hook_config(run: RunConfig, block: dict[str, Any] | None, source: st
         if key in block and block[key] != value:
             raise ConfigError(f"{key}: {run_source} sets {run_key}: {value!r} and {source} sets "
                               f"{BLOCK}.{key}: {block[key]!r}; set it in one of them")
-        block[key] = value
+    # the keys only the JSON sets are checked first, so that an error there names iga.KEY
+    validate_section(HookConfig, {k: v for k, v in block.items() if k not in from_run}, f"{source}: {BLOCK}")
+    block.update({key: value for key, (value, _) in from_run.items()})
     where = "method" if run.method is not None else f"{source}: {BLOCK}"
     return HookConfig.from_dict(block, where=where)
 

@@ -8,6 +8,7 @@ Example block (every field optional)::
       "domains": ["math", "medical", "legal", "science"],
       "seed": 0,
       "skip_nonfinite": true,
+      "max_skipped_steps": 3,
       "timeout_s": 600
     }
 
@@ -24,7 +25,7 @@ from typing import Any
 
 from pydantic import field_validator
 
-from iga_ds.config.base import Number, Section, config_problem, setting, validate_section
+from iga_ds.config.base import Number, Section, config_problem, finite_params, setting, validate_section
 from iga_ds.data.domains import DEFAULT_DOMAINS
 from iga_ds.errors import ConfigError
 from iga_ds.methods import get_method, method_parameters
@@ -49,10 +50,18 @@ class HookConfig(Section):
                         "any world size")
     skip_nonfinite: bool = setting(True, "a NaN or Inf in the loss or the combined gradient skips the step on every "
                                    "rank (false: stop the run with an error)")
+    max_skipped_steps: int = setting(3, "with `skip_nonfinite`: the run stops with an error after this many skipped "
+                                     "steps in a row, naming the first non-finite quantity it saw (a diverged run "
+                                     "never ends as done); 0: never stop", expected="an integer >= 0", ge=0)
     timeout_s: Number = setting(600.0, "the hook's collectives fail after this many seconds, so that a dead rank "
                                 "stops the others; also the trainer's peer timeout: a rank whose heartbeat is "
                                 "silent this long is named as lost and the others exit",
                                 expected="a positive number of seconds", gt=0)
+
+    @field_validator("params")
+    @classmethod
+    def _finite_params(cls, params: dict[str, Any]) -> dict[str, Any]:
+        return finite_params(params)
 
     @field_validator("domains")
     @classmethod

@@ -8,7 +8,6 @@ Every key's documentation lives on its field; this module only lays the fields o
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import sys
 import typing
@@ -22,7 +21,7 @@ from iga_ds.config.base import type_phrase
 from iga_ds.config.hook import HookConfig
 from iga_ds.config.run import RunConfig, TinyBaseConfig
 from iga_ds.files import atomic_write_text
-from iga_ds.methods import available_methods, method_class
+from iga_ds.methods import available_methods, method_class, method_parameters
 
 HEADER = """# Configuration reference
 
@@ -100,8 +99,8 @@ def _method_rows() -> list[str]:
     rows = ["| method | scope | parameters (default) | statistics it logs | reference |", "|---|---|---|---|---|"]
     for name in available_methods():
         cls = method_class(name)
-        params = [f"`{p.name}={json.dumps(p.default)}`" for p in inspect.signature(cls.__init__).parameters.values()
-                  if p.name not in ("self", "seed")]
+        # what the method accepts (the registry's check reads the same) and reports, no more
+        params = [f"`{p.name}={json.dumps(p.default)}`" for p in method_parameters(name).values() if p.name != "seed"]
         stats = ", ".join(f"`{s.name}`" if s.combine == "model" else f"`{s.name}` ({s.combine})"
                           for s in cls.statistics) or "-"
         rows.append(f"| `{name}` | {cls.scope} | {', '.join(params) or '-'} | {stats} | {cls.paper} |")

@@ -23,7 +23,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import PrivateAttr, field_validator, model_validator
 
-from iga_ds.config.base import Number, Section, config_problem, error_line, setting, validate_section
+from iga_ds.config.base import Number, Section, config_problem, error_line, finite_params, setting, validate_section
 from iga_ds.data.sources import is_hub_dataset_id
 from iga_ds.errors import ConfigError, UserError
 from iga_ds.files import read_yaml_file
@@ -256,7 +256,20 @@ class ScheduleConfig(Section):
 
 class MethodConfig(Section):
     name: str = setting("erm", "a method name (see `iga.method`)", expected="a method name", min_length=1)
-    params: dict[str, Any] = setting(dict, "keyword arguments of the method")
+    params: dict[str, Any] = setting(dict, "keyword arguments of the method (every number finite)")
+
+    @field_validator("params")
+    @classmethod
+    def _finite_params(cls, params: dict[str, Any]) -> dict[str, Any]:
+        return finite_params(params)
+
+
+# the settings that define a run: a checkpoint records them and a resume that changes one is
+# refused unless `checkpoint.allow_changes` names it; the optimizer's state fits no other optimizer
+RUN_IDENTITY = ("method.name", "method.params", "data.domains", "data.train", "lora.r", "lora.alpha", "lora.dropout",
+                "lora.target_modules", "lora.rslora", "model.name_or_path", "model.tiny", "model.dtype",
+                "schedule.optimizer")
+NEVER_CHANGED = ("schedule.optimizer",)
 
 
 class CheckpointConfig(Section):
@@ -268,6 +281,24 @@ class CheckpointConfig(Section):
     allow_schedule_change: bool = setting(False, "resume a checkpoint saved under another schedule (`schedule.*`, "
                                           "`data.groups_per_step`, the number of steps, `seed`) and continue under this "
                                           "run's; false: such a resume stops with a line naming each change")
+    allow_changes: list[str] = setting(list, "settings that define the run which a resume may change: any of "
+                                       + ", ".join(f"`{k}`" for k in RUN_IDENTITY if k not in NEVER_CHANGED)
+                                       + " (e.g. `[data.train]` to continue on other data). A checkpoint records "
+                                       "them; a resume that changes one not named here stops with a line naming "
+                                       "each change. `schedule.optimizer` never changes on a resume (its state fits "
+                                       "no other optimizer)", expected="a list of setting names")
+
+    @field_validator("allow_changes")
+    @classmethod
+    def _known_identity_keys(cls, keys: list[str]) -> list[str]:
+        for key in keys:
+            if key in NEVER_CHANGED:
+                raise config_problem(f"{key} cannot change on a resume: the checkpoint's optimizer state fits no "
+                                     "other optimizer")
+            if key not in RUN_IDENTITY:
+                raise config_problem(f"unknown setting {key!r}; expected any of "
+                                     + ", ".join(k for k in RUN_IDENTITY if k not in NEVER_CHANGED))
+        return keys
 
 
 # the trackers `logging.report_to` may name

@@ -476,9 +476,16 @@ def save_full_optimizer_state(engine, file: Path, rank: int) -> None:
     from safetensors.torch import save_file
 
     tensors = {}
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    # before the first optimizer step (every step so far skipped) torch has no state yet and
+    # DeepSpeed has not linked the parameters to it (its gather fails): the state is zeros then
+    stepped = bool(getattr(inner, "state", None))
     for name, param in _trainable(engine):
         for key in optimizer_moments(engine.optimizer):
-            full = safe_get_full_optimizer_state(param, key)
+            if not stepped and hasattr(param, "_hp_mapping"):
+                full = torch.zeros_like(param, dtype=torch.float32)
+            else:
+                full = safe_get_full_optimizer_state(param, key)
             if full is None:
                 return  # not a ZeRO-partitioned optimizer: its own checkpoint suffices
             if rank == 0:
@@ -521,9 +528,11 @@ def load_full_optimizer_state(engine, file: Path) -> None:
                 safe_set_full_optimizer_state(param, f.get_tensor(f"{name}/{key}").to(param.device), key)
 
 
-class GroupStepSGD(torch.optim.SGD):
-    """torch SGD with a step count in each param group, where DeepSpeed's elastic checkpoint reads
-    it (see :class:`GroupStepAdamW`)."""
+class GroupStepCount:
+    """Mixin: the optimizer's step count in each param group, where DeepSpeed's elastic ZeRO
+    checkpoint (the one that resumes at another world size) stores and restores it
+    (``param_groups[0]["step"]``, where DeepSpeed's own Adam keeps it); torch's optimizers keep
+    it per parameter (AdamW) or not at all (SGD), so the elastic save would drop it."""
 
     def __init__(self, params, **kwargs):
         super().__init__(params, **kwargs)
@@ -534,31 +543,23 @@ class GroupStepSGD(torch.optim.SGD):
     def step(self, closure=None):
         loss = super().step(closure)
         for group in self.param_groups:
-            group["step"] = int(group["step"]) + 1
+            group["step"] = self._steps_taken(group)
         return loss
 
 
-class GroupStepAdamW(torch.optim.AdamW):
-    """torch AdamW that also records the step count in each param group.
+class GroupStepAdamW(GroupStepCount, torch.optim.AdamW):
+    """torch AdamW that also records the step count in each param group."""
 
-    DeepSpeed's elastic ZeRO checkpoint (the one that resumes at another world size) stores
-    and restores the step from ``param_groups[0]["step"]``, where DeepSpeed's own Adam keeps
-    it; torch's AdamW keeps it per parameter only, so the elastic save would drop it.
-    """
+    def _steps_taken(self, group) -> int:
+        state = self.state.get(group["params"][0], {})
+        return int(state["step"]) if "step" in state else int(group["step"])
 
-    def __init__(self, params, **kwargs):
-        super().__init__(params, **kwargs)
-        for group in self.param_groups:
-            group.setdefault("step", 0)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = super().step(closure)
-        for group in self.param_groups:
-            state = self.state.get(group["params"][0], {})
-            if "step" in state:
-                group["step"] = int(state["step"])
-        return loss
+class GroupStepSGD(GroupStepCount, torch.optim.SGD):
+    """torch SGD (with momentum) that records the step count in each param group."""
+
+    def _steps_taken(self, group) -> int:
+        return int(group["step"]) + 1
 
 
 # -- DeepSpeed's ops, as `iga-ds selfcheck` reports them ------------------------------------------

@@ -55,7 +55,8 @@ def method_class(name: str) -> type[GradientMethod]:
 
 
 def method_parameters(name: str) -> dict[str, inspect.Parameter]:
-    """The keyword parameters a method accepts (for config validation)."""
+    """The keyword parameters a method accepts, every one it uses and no other (for config
+    validation and docs/CONFIG.md): its ``__init__``'s signature."""
     sig = inspect.signature(method_class(name).__init__)
     return {k: p for k, p in sig.parameters.items() if k != "self"}
 
@@ -72,6 +73,11 @@ def get_method(name: str, **params: Any) -> GradientMethod:
     allowed = method_parameters(name)
     unknown = sorted(set(params) - set(allowed))
     if unknown:
+        # a family of methods sharing options (IGA's) says why one of its options does not act here
+        explain = getattr(cls, "refusal", None)
+        why = explain(unknown[0], params[unknown[0]]) if explain is not None else None
+        if why is not None:
+            raise ValueError(why)
         raise ConfigError(
             f"method {name!r} has no parameter {unknown[0]!r}; expected some of: {', '.join(sorted(allowed)) or '(none)'}"
         )

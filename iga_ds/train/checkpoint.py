@@ -30,6 +30,15 @@ folder asks the same without a signal (``touch OUTPUT_DIR/STOP``): it reaches ra
 signal handler was replaced or whose signal got lost on the way, and the Slurm templates'
 USR1 trap writes it beside forwarding the signal. The run removes the file once its
 checkpoint is saved, and removes a file left over from an earlier run before it starts.
+
+A resume checks what it resumes before DeepSpeed reads anything: ``latest`` missing or naming
+a folder that is not there falls back to the newest ``step_*`` (said in the log); every file
+of the checkpoint is read through once (a truncated or corrupt one is named in one line);
+``meta.json`` holds the settings that define the run (``RUN_IDENTITY`` in the config), and a
+resume that changes one is refused unless ``checkpoint.allow_changes`` names it. A failed write
+(no space left, say) stops the run in one line naming what was being written; the staging
+folder is removed and the last complete checkpoint stays as it was. One run writes to an output
+folder at a time (:func:`lock_output_dir`).
 """
 from __future__ import annotations
 
@@ -37,14 +46,18 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import signal
+import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
+from iga_ds.config.run import NEVER_CHANGED
 from iga_ds.engine.internals import load_full_optimizer_state, save_full_optimizer_state
-from iga_ds.errors import ConfigError
-from iga_ds.files import atomic_write_json, atomic_write_text
+from iga_ds.errors import ConfigError, UserError
+from iga_ds.files import atomic_write_json, atomic_write_text, follow_umask
+from iga_ds.train.lock import RunLock
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +88,26 @@ def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
     return path if path.is_dir() else None
 
 
-def resolve_resume(resume: str, ckpt_dir: Path) -> Path | None:
-    """``auto``: the latest checkpoint if there is one; ``never``: none; else a folder."""
+def newest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
+    """The ``step_*`` folder of the highest step (complete by construction: see above), or None."""
+    steps = [p for p in Path(ckpt_dir).glob(f"{TAG_PREFIX}*") if p.is_dir() and re.fullmatch(r"step_\d+", p.name)]
+    return max(steps, key=lambda p: int(p.name[len(TAG_PREFIX):]), default=None)
+
+
+def resolve_resume(resume: str, ckpt_dir: Path, note: Callable[[str], None] = log.warning) -> Path | None:
+    """``auto``: the latest checkpoint if there is one (``latest`` missing or dangling: the newest
+    ``step_*``, and ``note`` says so); ``never``: none; else a folder."""
     if resume == "never":
         return None
     if resume == "auto":
-        return latest_checkpoint(ckpt_dir)
+        latest = latest_checkpoint(ckpt_dir)
+        newest = newest_checkpoint(ckpt_dir) if latest is None else None
+        if newest is not None:
+            tag_file = Path(ckpt_dir) / "latest"
+            why = (f"names {tag_file.read_text(encoding='utf-8', errors='replace').strip()!r}, which is not there"
+                   if tag_file.is_file() else "is missing")
+            note(f"resume: {tag_file} {why}; resuming from the newest complete checkpoint, {newest}")
+        return latest or newest
     path = Path(resume)
     if not path.is_dir():
         raise ConfigError(f"resume: expected auto, never or a checkpoint folder, got {resume!r} (not found)")
@@ -130,6 +157,87 @@ def _rng_file(path: Path, rank: int) -> Path:
     return path / f"rng_rank{rank:05d}.pt"
 
 
+# -- what a resume checks before it loads ----------------------------------------------------
+
+META_FILE = "meta.json"
+_RETRY = "resume from another checkpoint (resume: PATH) or start over (resume: never)"
+
+
+def read_checkpoint_meta(path: Path) -> dict[str, Any]:
+    """``meta.json`` of checkpoint ``path`` ({} for a checkpoint that has none), or one line on
+    what is wrong with it."""
+    meta_file = path / META_FILE
+    if not meta_file.is_file():
+        return {}
+    try:
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"resume: {meta_file}: not valid JSON, truncated or corrupt ({exc}); {_RETRY}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("world_size"), int):
+        raise ConfigError(f"resume: {meta_file}: expected an object with the world size, got {meta!r}; {_RETRY}")
+    return meta
+
+
+def check_checkpoint_files(path: Path) -> None:
+    """Every torch file (a zip archive: each member's CRC is checked) and safetensors file (its
+    header against its size) of checkpoint ``path`` reads whole, or one line naming the file."""
+    for file in sorted(path.iterdir()):
+        problem = _zip_problem(file) if file.suffix == ".pt" else \
+            _safetensors_problem(file) if file.suffix == ".safetensors" else None
+        if problem:
+            raise ConfigError(f"resume: {file}: {problem}; {_RETRY}")
+
+
+def _zip_problem(file: Path) -> str | None:
+    try:
+        with zipfile.ZipFile(file) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
+        return f"truncated or corrupt, not a whole torch file ({exc})"
+    return f"corrupt: {bad} fails its CRC check" if bad is not None else None
+
+
+def _safetensors_problem(file: Path) -> str | None:
+    size = file.stat().st_size
+    try:
+        with file.open("rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if not 0 < length <= size - 8:
+                return f"truncated or corrupt: a header of {length} bytes in a file of {size}"
+            header = json.loads(f.read(length))
+        ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, KeyError, TypeError, IndexError) as exc:
+        return f"truncated or corrupt: its header is not a safetensors header ({exc})"
+    expected = 8 + length + max(ends, default=0)
+    return f"truncated or corrupt: {size} bytes where its header says {expected}" if expected != size else None
+
+
+def identity_changes(saved: dict[str, Any] | None, current: dict[str, Any]) -> list[tuple[str, str]]:
+    """(key, ``old -> new``) for each setting that defines the run and differs from the one a
+    checkpoint was saved under (none for a checkpoint that recorded none, nor for a key it lacks)."""
+    saved = saved or {}
+    now = json.loads(json.dumps(current))  # tuples as lists, as the saved side reads them
+    return [(key, f"{saved[key]!r} -> {now[key]!r}") for key in now if key in saved and saved[key] != now[key]]
+
+
+def check_run_identity(path: Path, saved: dict[str, Any] | None, current: dict[str, Any],
+                       allowed: list[str]) -> list[str]:
+    """Refuse, in one line naming each change, to resume ``path`` as another run (the method, its
+    parameters, LoRA, the data, the base) unless ``allowed`` (``checkpoint.allow_changes``) names
+    the key; an optimizer change always. Returns the keys whose change is allowed."""
+    changes = identity_changes(saved, current)
+    said = "; ".join(f"{key} {change}" for key, change in changes)
+    if any(key in NEVER_CHANGED for key, _ in changes):
+        raise ConfigError(f"resume: {path} was saved with another optimizer ({said}); its state does not fit "
+                          "this one: resume=never to start over")
+    refused = [key for key, _ in changes if key not in allowed]
+    if refused:
+        raise ConfigError(f"resume: {path} was saved by another run ({said}); set "
+                          f"checkpoint.allow_changes=[{','.join(refused)}] to continue it under these settings, or "
+                          "resume=never to start over")
+    return [key for key, _ in changes]
+
+
 # -- the method's state ----------------------------------------------------------------------
 
 
@@ -146,6 +254,7 @@ def save_method_state(path: Path, rank: int, state: dict[str, Any]) -> None:
     target = _method_state_file(path, rank)
     tmp = target.with_suffix(".tmp")
     save_file({key: t.detach().cpu().contiguous() for key, t in state.items()}, str(tmp))
+    follow_umask(tmp)  # save_file makes it 0600
     os.replace(tmp, target)
 
 
@@ -174,10 +283,42 @@ def save_checkpoint(
     keep_last: int,
     save_adapter: Callable[[Path], None] | None = None,
     method_state: dict[str, Any] | None = None,
+    meta: dict[str, Any] | None = None,
 ) -> Path:
     """Save on every rank (DeepSpeed's call is collective); rank 0 also writes the adapter,
     puts the finished folder in place and prunes old checkpoints. ``method_state``: this rank's
-    share of the method's state (:func:`save_method_state`). Returns the checkpoint folder."""
+    share of the method's state (:func:`save_method_state`); ``meta``: more of ``meta.json``
+    (the run's identity). Returns the checkpoint folder. A failed write is one line naming it."""
+    staging = ckpt_dir / f"{PARTIAL_PREFIX}{tag_for(step)}"
+    try:
+        return _write_checkpoint(engine, ckpt_dir, step, client_state, rank, keep_last, save_adapter,
+                                 method_state, meta or {})
+    except (OSError, RuntimeError, UserError) as exc:  # UserError: the adapter's write, said already
+        if isinstance(exc, RuntimeError) and not is_write_failure(exc):
+            raise
+        shutil.rmtree(staging, ignore_errors=True)  # frees the space it took; the last checkpoint stays
+        kept = latest_checkpoint(ckpt_dir)
+        what = str(exc) if isinstance(exc, UserError) else \
+            f"writing the checkpoint of step {step} into {staging}: {write_failure(exc)}"
+        raise UserError(f"{what}; " + (f"the last complete checkpoint, {kept}, is intact" if kept else
+                                       "no earlier checkpoint")) from None
+
+
+def is_write_failure(exc: RuntimeError) -> bool:
+    """torch.save reports a failed write (a full disk) as a RuntimeError of its stream writer."""
+    return "PytorchStreamWriter" in str(exc) or "file write failed" in str(exc)
+
+
+def write_failure(exc: BaseException) -> str:
+    """What went wrong in a write, in words: ``No space left on device (FILE)``."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror + (f" ({exc.filename})" if exc.filename else "")
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def _write_checkpoint(engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], rank: int, keep_last: int,
+                      save_adapter: Callable[[Path], None] | None, method_state: dict[str, Any] | None,
+                      meta: dict[str, Any]) -> Path:
     import torch
     import torch.distributed as dist
 
@@ -198,7 +339,9 @@ def save_checkpoint(
     save_method_state(staging, rank, method_state or {})
     save_full_optimizer_state(engine, staging / FULL_OPTIMIZER_FILE, rank)
     if rank == 0:
-        atomic_write_json(staging / "meta.json", {"step": step, "world_size": _world_size()})
+        if (staging / FULL_OPTIMIZER_FILE).is_file():
+            follow_umask(staging / FULL_OPTIMIZER_FILE)  # safetensors' save_file makes it 0600
+        atomic_write_json(staging / META_FILE, {**meta, "step": step, "world_size": _world_size()})
         if save_adapter is not None:
             save_adapter(staging / "adapter")
     if dist.is_initialized():
@@ -258,8 +401,7 @@ def load_checkpoint(engine, path: Path, rank: int) -> dict[str, Any]:
     client state. A rank that did not exist when saving takes rank 0's random state."""
     import torch
 
-    meta_file = path / "meta.json"
-    saved_world = json.loads(meta_file.read_text())["world_size"] if meta_file.is_file() else _world_size()
+    saved_world = read_checkpoint_meta(path).get("world_size", _world_size())
     same_world = saved_world == _world_size()
     if not same_world and not engine.zero_elastic_checkpoint():
         raise ConfigError(
@@ -267,10 +409,16 @@ def load_checkpoint(engine, path: Path, rank: int) -> dict[str, Any]:
             "that needs zero_optimization.elastic_checkpoint true in the DeepSpeed config"
         )
     # frozen weights are not in the file, so the module load cannot be strict
-    load_path, client = engine.load_checkpoint(
-        str(path.parent), tag=path.name, load_module_strict=False, load_optimizer_states=same_world,
-        load_lr_scheduler_states=True,
-    )
+    try:
+        load_path, client = engine.load_checkpoint(
+            str(path.parent), tag=path.name, load_module_strict=False, load_optimizer_states=same_world,
+            load_lr_scheduler_states=True,
+        )
+    except (RuntimeError, KeyError, ValueError, IndexError, EOFError) as exc:
+        # a checkpoint older than the run record in meta.json, saved with other LoRA shapes (say)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ConfigError(f"resume: {path}: DeepSpeed cannot load it into this run ({type(exc).__name__}: "
+                          f"{first[:200]}); it was saved by another run, or is damaged; {_RETRY}") from None
     if load_path is None:
         raise ConfigError(f"resume: {path} is not a DeepSpeed checkpoint")
     if not same_world:
@@ -300,6 +448,9 @@ def check_schedule(path: Path, saved: dict[str, Any] | None, current: dict[str, 
     """Refuse, in one line, to resume ``path`` under another schedule unless ``allow``
     (``checkpoint.allow_schedule_change``); return the changes allowed."""
     changes = schedule_changes(saved, current)
+    if any(change.split(" ", 1)[0] in NEVER_CHANGED for change in changes):
+        raise ConfigError(f"resume: {path} was saved with another optimizer ({', '.join(changes)}); its state does "
+                          "not fit this one: resume=never to start over")
     if changes and not allow:
         raise ConfigError(f"resume: {path} was saved under another schedule ({', '.join(changes)}); set "
                           "checkpoint.allow_schedule_change=true to continue under the new one, or resume=never "
@@ -318,6 +469,29 @@ def adopt_schedule(engine, lr: float, betas, eps: float, weight_decay: float) ->
         scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
         scheduler.last_epoch -= 1
         scheduler.step()  # recomputes the lr of the step it is at, into the groups and get_last_lr()
+
+
+# -- one run per output folder ---------------------------------------------------------------
+
+
+def lock_output_dir(folder: Path, rank: int) -> RunLock | None:
+    """Rank 0 takes ``folder``'s lock (:class:`iga_ds.train.lock.RunLock`; returned, None on the
+    other ranks); when another run holds it, every rank stops with rank 0's one line."""
+    import torch.distributed as dist
+
+    lock, refusal = None, None
+    if rank == 0:
+        try:
+            lock = RunLock(folder).acquire()
+        except UserError as exc:
+            refusal = str(exc)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        shared = [refusal]
+        dist.broadcast_object_list(shared, src=0)  # all ranks agree, as on a stop request
+        refusal = shared[0]
+    if refusal is not None:
+        raise UserError(refusal)
+    return lock
 
 
 # -- stop signals ----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Iterable, Sequence
 
 from iga_ds.config.run import TinyBaseConfig
 from iga_ds.errors import ConfigError
-from iga_ds.files import atomic_write_json, make_dir
+from iga_ds.files import atomic_write_json, follow_umask, make_dir
 from iga_ds.models import EXPECTED, cache_root, load_auto_tokenizer, load_causal_lm
 from iga_ds.progress import progress as progress_of
 from iga_ds.train.attention import VARLEN_ATTENTION, register_varlen_attention
@@ -232,6 +232,7 @@ def save_model_files(model, folder: Path) -> None:
         seen.add(key)
         tensors[name] = tensor.detach().contiguous()
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    follow_umask(folder / "model.safetensors")  # save_file makes it 0600
 
 
 def ensure_tiny_base(

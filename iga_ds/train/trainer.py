@@ -12,9 +12,16 @@ variables. It reads as the script it is::
 and each micro-batch of a step is::
 
     with hook.micro_batch(domain_ids):
-        logits = engine(...).logits * hook.dummy_scale()   # the scale only for IRM
+        scale = hook.dummy_scale()         # IRM's dummy classifier scale; None for every other method
+        logits = engine(...).logits
+        if scale is not None:
+            logits = logits * scale
         engine.backward(hook.objective(sequence_losses, domain_ids, scale))
     engine.step()
+
+A run holds a lock on its output folder (:mod:`iga_ds.train.lock`); a resume checks the
+checkpoint it resumes (:mod:`iga_ds.train.checkpoint`); too many skipped steps in a row, or a
+non-finite adapter, stop it in one line (:mod:`iga_ds.train.divergence`).
 
 With ``data.padding_free`` a micro-batch is one row of its sequences back to back, and the hook
 also gets their lengths: ``hook.micro_batch(domain_ids, sequence_lengths)``.
@@ -43,8 +50,8 @@ from iga_ds.config.run import BUILTIN_TINY, RUN_CONFIG, RunConfig, TinyBaseConfi
 from iga_ds.data.groups import complete_groups
 from iga_ds.data.prompts import CHAT, PromptFormat, prompt_format, save_prompt_format
 from iga_ds.engine.hook import EngineHook, attach
-from iga_ds.errors import ConfigError, DataError
-from iga_ds.files import atomic_write_text, check_output_dir
+from iga_ds.errors import ConfigError, DataError, UserError
+from iga_ds.files import atomic_write_text, check_output_dir, follow_umask
 from iga_ds.lora.fused import fuse_lora_layers
 from iga_ds.lora.modules import find_lora_modules
 from iga_ds.train.attention import VARLEN_ATTENTION, require_varlen_attention
@@ -59,8 +66,10 @@ from iga_ds.train.batching import (
     tokenized_cache_root,
     unknown_words,
 )
-from iga_ds.train.checkpoint import (STOP_FILE, StopSignal, adopt_schedule, check_schedule, load_checkpoint,
-                                    read_method_state, resolve_resume, save_checkpoint)
+from iga_ds.train.checkpoint import (STOP_FILE, StopSignal, adopt_schedule, check_checkpoint_files, check_run_identity,
+                                    check_schedule, load_checkpoint, lock_output_dir, read_checkpoint_meta,
+                                    read_method_state, resolve_resume, save_checkpoint, write_failure)
+from iga_ds.train.divergence import SkippedSteps, check_finite_weights
 from iga_ds.train.distributed import init_distributed, resolve_dist
 from iga_ds.train.logbook import METRICS_FILE, Logbook, truncate_metrics
 from iga_ds.train.trackers import require_trackers
@@ -144,6 +153,13 @@ class Trainer:
     def run(self) -> TrainResult:
         t_start = time.perf_counter()
         s = self.setup()
+        try:
+            return self._train(s, t_start)
+        finally:
+            self._release_lock()  # also on an error or an interrupt: the folder is free again
+
+    def _train(self, s: Session, t_start: float) -> TrainResult:
+        """The loop over steps, then the final adapter."""
         book = Logbook(s.out, self.cfg.logging, s.start_step, s.total_steps, f"train {s.hook_config.method}",
                        active=s.dist.rank == 0, quiet=self.quiet)
         history: list[dict[str, Any]] = []
@@ -151,10 +167,14 @@ class Trainer:
         profiler = StepProfiler(s.out, self.cfg.logging.profile_steps, self.cfg.logging.profile_after, s.engine.device,
                                 active=s.dist.rank == 0, log=self._print, start_step=step, total_steps=s.total_steps)
         s.stop.install()
+        skipped = SkippedSteps(s.hook_config.max_skipped_steps if s.hook_config.skip_nonfinite else 0)
+        # fp16's loss scaler skips steps while it finds its scale: those are no divergence
+        deepspeed_skips_count = not s.engine.fp16_enabled()
         try:
             s.engine.train()
             last_end = time.perf_counter()
             while step < s.total_steps:
+                skipped_before = s.engine.skipped_steps  # the hook's skips and DeepSpeed's own
                 with profiler.step(step):  # logging.profile_steps: torch.profiler over a window of steps
                     record = self.train_step(s, step)
                 # end to end, as a trainer's callbacks see a step: the last step's logging and
@@ -166,6 +186,8 @@ class Trainer:
                 book.write(record)
                 if self.on_step_end is not None:
                     self.on_step_end(step, record)
+                # a diverged run stops here, its last checkpoint as it was
+                skipped.observe(record, deepspeed_skips_count and s.engine.skipped_steps > skipped_before)
                 if self.checkpoint_if_due(s, step) and step < s.total_steps:
                     status = "stopped"
                     break
@@ -215,6 +237,7 @@ class Trainer:
             check_halves(hook, cfg.data.groups_per_step)
             updates = UpdateNorms(engine.module)
             out = Path(cfg.output_dir)
+            self._lock_output(out)  # before the resume reads what another run could be writing
             start_step = self._resume(engine, hook, out, updates, total_steps)
             stop = StopSignal(out / STOP_FILE)
             if dist.rank == 0:
@@ -225,6 +248,7 @@ class Trainer:
                     "deepspeed_config": ds_dict, "iga": hook_config.to_dict()})
         except BaseException:
             hook.detach()
+            self._release_lock()
             raise
         self._print(f"training LoRA r={cfg.lora.r}: {counts[0]:,} trainable of {counts[1]:,} parameters; "
                     f"method {hook_config.method}; {len(groups)} groups, {total_steps} steps, "
@@ -331,10 +355,28 @@ class Trainer:
                                                config=ds_dict, dist_init_required=False)
         return engine, counts
 
+    def _lock_output(self, out: Path) -> None:
+        """One run per output folder: rank 0 holds its lock, and every rank stops when another run does."""
+        self.lock = lock_output_dir(out, self.dist.rank)
+
+    def _release_lock(self) -> None:
+        lock = getattr(self, "lock", None)
+        if lock is not None:
+            lock.release()
+            self.lock = None
+
     def _resume(self, engine, hook: EngineHook, out: Path, updates: UpdateNorms, total_steps: int) -> int:
-        resume_from = resolve_resume(self.cfg.resume, out / "checkpoints")
+        resume_from = resolve_resume(self.cfg.resume, out / "checkpoints", note=self._print)
         if resume_from is None:
+            if self.cfg.resume == "auto" and (out / RUN_CONFIG).is_file():
+                self._print(f"no checkpoint in {out / 'checkpoints'} to resume; starting at step 0")
             return 0
+        check_checkpoint_files(resume_from)  # a truncated or corrupt file: one line naming it
+        allowed = check_run_identity(resume_from, read_checkpoint_meta(resume_from).get("run"), self._identity(hook),
+                                     self.cfg.checkpoint.allow_changes)
+        if allowed:
+            self._print(f"resuming {resume_from} with changed settings (checkpoint.allow_changes): "
+                        f"{', '.join(allowed)}")
         client = load_checkpoint(engine, resume_from, self.dist.rank)
         try:  # a state the method does not take (another method or variance than the run saved)
             hook.load_method_state(read_method_state(resume_from))
@@ -350,6 +392,16 @@ class Trainer:
         self._print(f"resumed from {resume_from} at step {start_step}"
                     + (f", continuing under the new schedule: {', '.join(changes)}" if changes else ""))
         return start_step
+
+    def _identity(self, hook: EngineHook) -> dict[str, Any]:
+        """The resolved settings that define the run (config.run.RUN_IDENTITY): each checkpoint
+        records them and a resume compares them."""
+        cfg = self.cfg
+        return {"method.name": hook.config.method, "method.params": dict(hook.config.params),
+                "data.domains": list(hook.config.domains), "data.train": cfg.data.train,
+                **{f"lora.{key}": value for key, value in cfg.lora.to_dict().items()},
+                "model.name_or_path": self.base_model_dir or cfg.model.name_or_path, "model.tiny": cfg.model.tiny,
+                "model.dtype": cfg.model.dtype, "schedule.optimizer": cfg.schedule.optimizer}
 
     def _schedule(self, total_steps: int) -> dict[str, Any]:
         """The settings a run's steps follow, saved with each checkpoint; a resume compares them.
@@ -441,12 +493,13 @@ class Trainer:
         every = self.cfg.checkpoint.every_steps
         stopping = s.stop.requested(s.engine.device) or step == self.cfg.checkpoint.stop_at_step
         if stopping or step == s.total_steps or (every and step % every == 0):
+            check_finite_weights(s.engine.module, f"the checkpoint of step {step}")
             state = {"step": step, "world_size": s.dist.world_size, "total_steps": s.total_steps,
                      "update_path": s.updates.state(), "schedule": self._schedule(s.total_steps)}
             save_checkpoint(s.engine, s.out / "checkpoints", step, state, s.dist.rank, self.cfg.checkpoint.keep_last,
                             lambda path: save_adapter_atomic(s.engine.module, s.tokenizer, path, s.prompt_format,
                                                              self._portable(s, step)),
-                            method_state=s.hook.method_state())
+                            method_state=s.hook.method_state(), meta={"run": self._identity(s.hook)})
         if stopping and s.stop.reason is not None and s.dist.rank == 0:
             s.stop.consume()  # done: the next run must not stop on it
         if stopping and step < s.total_steps:
@@ -459,6 +512,7 @@ class Trainer:
         adapter_dir = None
         if status == "completed":
             adapter_dir = s.out / "adapter"
+            check_finite_weights(s.engine.module, f"the adapter {adapter_dir}")  # never "done" from NaN weights
             if s.dist.rank == 0:
                 save_adapter_atomic(s.engine.module, s.tokenizer, adapter_dir, s.prompt_format, self._portable(s))
                 s.updates.write(s.out, s.total_steps)
@@ -486,18 +540,29 @@ def save_adapter_atomic(peft_model, tokenizer, path: Path, fmt: PromptFormat | N
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    peft_model.save_pretrained(str(tmp), safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(tmp))
-    if fmt is not None:
-        save_prompt_format(tmp, fmt)
-    if finish is not None:
-        finish(tmp)
+    try:
+        _write_adapter_folder(peft_model, tokenizer, tmp, fmt, finish)
+    except OSError as exc:  # a full disk, say: one line naming what was being written
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"writing the adapter {path} (through {tmp}): {write_failure(exc)}") from None
     old = path.with_name(f".{path.name}.{os.getpid()}.old")
     if path.exists():
         os.rename(path, old)
     os.rename(tmp, path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_adapter_folder(peft_model, tokenizer, folder: Path, fmt: PromptFormat | None,
+                          finish: Callable[[Path], Any] | None) -> None:
+    """Everything an adapter folder holds, written into ``folder`` (the temporary one)."""
+    peft_model.save_pretrained(str(folder), safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))
+    if fmt is not None:
+        save_prompt_format(folder, fmt)
+    if finish is not None:
+        finish(folder)
+    follow_umask(folder)  # safetensors writes the weights 0600; the adapter is read like every other output
 
 
 def check_halves(hook: EngineHook, groups_per_step: int) -> None:

@@ -17,6 +17,9 @@ serve ``POST {base_url}/chat/completions``.
   only goes to the origin (scheme, host and port) of ``--base-url``: once a redirect leaves it,
   the key is not sent again for that request. A key sent over plain HTTP to a host that is not
   this machine is warned about once.
+- Credentials in ``--base-url`` (``http://user:password@host/v1``) go to the server as basic
+  auth and never into a message, a log line or the client's ``repr``: the URL is shown as
+  ``http://***@host/v1`` (:func:`redact_url`).
 """
 from __future__ import annotations
 
@@ -126,6 +129,24 @@ def server_message(body: bytes) -> str:
     return text if len(text) <= _MESSAGE_CHARS else text[:_MESSAGE_CHARS - 3] + "..."
 
 
+def redact_url(url: str | httpx.URL) -> str:
+    """``url`` as it may be shown: its user name and password (if any) replaced by ``***``."""
+    text = str(url)
+    try:
+        parsed = httpx.URL(text)
+    except (httpx.InvalidURL, TypeError, ValueError):
+        return _redact_userinfo_text(text)
+    return str(parsed.copy_with(userinfo=b"***")) if parsed.userinfo else text
+
+
+def _redact_userinfo_text(text: str) -> str:
+    """The ``user:password@`` part of a URL that does not parse, replaced by ``***@``."""
+    scheme, sep, rest = text.partition("://")
+    if not sep or "@" not in rest.split("/", 1)[0]:
+        return text
+    return f"{scheme}://***@{rest.split('@', 1)[1]}"
+
+
 def _refuses_json_mode(status: int, message: str) -> bool:
     text = message.lower()
     return status in (400, 422) and ("response_format" in text or "json_object" in text)
@@ -143,7 +164,7 @@ class OpenAIChatClient:
                  counters: Counters | None = None, sleep: Callable[[float], None] = time.sleep,
                  json_mode: bool = True):
         if not base_url.startswith(("http://", "https://")):
-            raise UserError(f"--base-url {base_url!r}: expected http://HOST:PORT/v1 or https://...")
+            raise UserError(f"--base-url {redact_url(base_url)!r}: expected http://HOST:PORT/v1 or https://...")
         # the command line checks its options; a library caller gets the same checks here, or a
         # negative max_retries would make no attempt at all and a negative backoff fail mid-build
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
@@ -155,6 +176,8 @@ class OpenAIChatClient:
                 raise ValueError(f"{name}={value!r}: expected a number >= 0")
         base = base_url.rstrip("/")
         self.url = httpx.URL(base if base.endswith("/chat/completions") else base + "/chat/completions")
+        self.shown_url = redact_url(self.url)  # what messages say: no credentials
+        self._userinfo = self.url.userinfo.decode("utf-8", "replace") if self.url.userinfo else ""
         self.model = model
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.temperature, self.max_tokens, self.timeout = temperature, max_tokens, timeout
@@ -171,7 +194,15 @@ class OpenAIChatClient:
                         "use an https:// --base-url", self.url.host)
 
     def __repr__(self) -> str:  # never show the key
-        return f"OpenAIChatClient(url={str(self.url)!r}, model={self.model!r})"
+        return f"OpenAIChatClient(url={self.shown_url!r}, model={self.model!r})"
+
+    def _scrub(self, text: object) -> str:
+        """``text`` with this URL's credentials, wherever they appear in it, replaced by ``***``."""
+        text = str(text)
+        for secret in (self._userinfo, self.url.password or ""):
+            if len(secret) >= 3:  # a one-letter password would blank out every such letter
+                text = text.replace(secret, "***")
+        return text
 
     def _http(self) -> httpx.Client:
         """This thread's httpx client: one keep-alive connection per thread. A pool shared by
@@ -213,7 +244,8 @@ class OpenAIChatClient:
             if (target.scheme, target.host, target.port) != (self.url.scheme, self.url.host, self.url.port):
                 headers = {}  # another origin: it gets no credentials, now or after a way back
             url = target
-        raise UserError(f"teacher server {self.url}: more than {MAX_REDIRECTS} redirects (last to {url})")
+        raise UserError(f"teacher server {self.shown_url}: more than {MAX_REDIRECTS} redirects (last to "
+                        f"{redact_url(url)})")
 
     def _wait(self, attempt: int, retry_after: str | None) -> None:
         delay = self.backoff * (2 ** attempt)
@@ -241,12 +273,12 @@ class OpenAIChatClient:
         try:
             response = self._post(self._payload(messages, use_json))
         except httpx.TimeoutException:
-            return None, f"no answer within {self.timeout:g} s from {self.url} (--timeout)", None
+            return None, f"no answer within {self.timeout:g} s from {self.shown_url} (--timeout)", None
         except httpx.ConnectError as exc:
-            reason = "connection refused" if "refused" in str(exc).lower() else f"cannot connect ({exc})"
-            return None, f"{reason} to {self.url}", None
+            reason = "connection refused" if "refused" in str(exc).lower() else f"cannot connect ({self._scrub(exc)})"
+            return None, f"{reason} to {self.shown_url}", None
         except httpx.TransportError as exc:
-            return None, f"{type(exc).__name__} from {self.url}: {exc}", None
+            return None, f"{type(exc).__name__} from {self.shown_url}: {self._scrub(exc)}", None
         status = response.status_code
         if 200 <= status < 300:
             return _first_choice_text(response.content), "", None
@@ -254,14 +286,17 @@ class OpenAIChatClient:
         if use_json and _refuses_json_mode(status, message):
             self.json_mode = False  # for the rest of the build: the server has no JSON mode
             self.counters.add("json_mode_refused")
-            log.warning("warning: %s refuses JSON mode (%s); asking without response_format", self.url, message)
+            log.warning("warning: %s refuses JSON mode (%s); asking without response_format", self.shown_url,
+                        self._scrub(message))
             return self._attempt(messages, json_reply)
         if status in FATAL_STATUS:
             detail = f": {message}" if message else ""
-            raise UserError(f"teacher server {self.url}: HTTP {status} {FATAL_STATUS[status]}{detail}")
+            raise UserError(f"teacher server {self.shown_url}: HTTP {status} {FATAL_STATUS[status]}"
+                            f"{self._scrub(detail)}")
+        message = self._scrub(message)  # a server may echo the URL it was asked
         if status not in RETRYABLE_STATUS:
-            raise TeacherRejected(status, message, str(self.url))
-        return None, f"HTTP {status} from {self.url}" + (f": {message}" if message else ""), \
+            raise TeacherRejected(status, message, self.shown_url)
+        return None, f"HTTP {status} from {self.shown_url}" + (f": {message}" if message else ""), \
             response.headers.get("Retry-After")
 
     def chat(self, messages: list[dict], json_reply: bool = False) -> str:

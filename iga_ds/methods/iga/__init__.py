@@ -1,6 +1,9 @@
 """Invariant Gradient Alignment, the whole method in one package.
 
-- ``common``: the options and input checks both paths share;
+- ``common``: the defaults and input checks both paths share, and which options act only
+  under another option's value;
+- ``options``: every option of the registered methods, declared once (:class:`IGAOptions`),
+  and how a method that does not take one refuses it;
 - ``reference``: the update of one module step by step (:func:`iga_update`), the reference;
 - ``rsvd``: truncated SVD, exact, randomized and single-pass;
 - ``sketch``: the Gaussian test matrices, keyed by (seed, step, module), drawn for many

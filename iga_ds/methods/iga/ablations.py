@@ -4,9 +4,14 @@ from __future__ import annotations
 import torch
 
 from iga_ds.methods.base import ModuleGrads, ModuleUpdate
-from iga_ds.methods.iga.common import DEFAULT_DAMPING, DEFAULT_FACTORS, DEFAULT_NORMALIZE, DEFAULT_PROJECTION
-from iga_ds.methods.iga.method import IGA, MaskedProjectionMethod
+from iga_ds.methods.iga.method import IGA, MASK_STATISTICS, MaskedProjectionMethod
+from iga_ds.methods.iga.options import OPTION_NAMES
 from iga_ds.methods.iga.reference import mask_stats, normalize_variance
+
+# the mask's own options, which every masked ablation takes
+MASK_OPTIONS = ("tau", "normalize", "variance", "variance_decay")
+# the batched path's switches, which only the methods that run it take
+BATCHED_OPTIONS = ("implementation", "precision")
 
 
 class IGABinaryMask(MaskedProjectionMethod):
@@ -15,6 +20,7 @@ class IGABinaryMask(MaskedProjectionMethod):
     name = "iga_binary"
     paper = "IGA ablation (Table 3: binary mask)"
     mask_kind = "binary"
+    takes = tuple(name for name in OPTION_NAMES if name not in BATCHED_OPTIONS)  # the reference path only
 
 
 class IGANoProjection(MaskedProjectionMethod):
@@ -23,26 +29,26 @@ class IGANoProjection(MaskedProjectionMethod):
 
     name = "iga_no_projection"
     paper = "IGA ablation (Table 3: no SVD projection)"
-    fixed_projection = "chain"
+    takes = MASK_OPTIONS
+    fixes = {"projection": "chain"}
 
 
 class MeanNoMask(IGA):
     """The reconstructed mean projected back to the factors, no mask: what IGA is at tau = 0.
 
-    With the default ``tangent`` projection this is ERM exactly; with ``projection: svd`` it
-    isolates what the rank-r truncation and the factor map do without the mask. It runs IGA's
-    paths (the fused one on GPUs) at tau = 0, where the mask is exactly one.
+    With the default ``tangent`` projection this is ERM exactly (so it takes no ``damping``);
+    with ``projection: svd`` it isolates what the rank-r truncation and the factor map do
+    without the mask. It runs IGA's paths (the fused one on GPUs) at tau = 0, where the mask
+    is exactly one.
     """
 
     name = "mean_no_mask"
     paper = "IGA ablation (tau -> 0 with the projection kept)"
     mask_kind = "none"
-
-    def __init__(self, rank: int | None = None, svd: str = "randomized", oversample: int = 10, power_iters: int = 2,
-                 seed: int = 0, implementation: str = "auto", precision: str = "auto", factors: str = DEFAULT_FACTORS,
-                 projection: str = DEFAULT_PROJECTION, damping: float = DEFAULT_DAMPING):
-        super().__init__(0.0, DEFAULT_NORMALIZE, rank, svd, oversample, power_iters, seed, implementation, precision,
-                         factors, projection, damping)
+    # no mask: nothing for the mask's options to act on, nor for the tangent projection's ridge
+    # (at tau = 0 it returns ERM's gradients whatever the damping)
+    takes = tuple(name for name in OPTION_NAMES if name not in (*MASK_OPTIONS, "damping"))
+    fixes = {"tau": 0.0}
 
 
 class IGALoRASpace(MaskedProjectionMethod):
@@ -50,7 +56,10 @@ class IGALoRASpace(MaskedProjectionMethod):
 
     name = "iga_lora_space"
     paper = "IGA ablation (Table 3: mask in LoRA space only)"
-    variances = ("batch",)  # its mask is of gA and gB themselves, not of reconstructions
+    # its mask is of gA and gB themselves: no reconstruction, no projection, this step's variance
+    takes = ("tau", "normalize")
+    fixes = {"variance": "batch"}
+    statistics = tuple(s for s in MASK_STATISTICS if s.name != "energy_kept")  # nothing is projected
 
     def combine_module(self, module: ModuleGrads, step: int) -> ModuleUpdate:
         out, masks, variances = [], [], []

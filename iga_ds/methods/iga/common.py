@@ -12,7 +12,8 @@ PROJECTIONS = ("tangent", "svd")
 # with the SVD: how the rank-r matrix becomes factor gradients, the paper's split or the chain rule
 FACTOR_MAPS = ("split", "chain_rule")
 
-# the one set of defaults: the registered method, iga_update and batched_iga all take these.
+# the one set of defaults: the registered methods (options.IGAOptions), iga_update and
+# batched_iga all take these.
 # tau: chosen by the rule of configs/experiments/shift_smollm2.yaml (in-distribution accuracy)
 DEFAULT_TAU = 1.0
 DEFAULT_NORMALIZE = "snr"
@@ -21,22 +22,50 @@ DEFAULT_FACTORS = "chain_rule"
 # the pseudo-inverse's ridge, relative to the factors' mean squared singular value: it bounds
 # the gain on directions that pass through a small factor (B starts at zero)
 DEFAULT_DAMPING = 0.1
+# the truncation's SVD (projection svd): HMT's randomized SVD with the paper's sketch settings
+DEFAULT_SVD = "randomized"
+DEFAULT_OVERSAMPLE = 10
+DEFAULT_POWER_ITERS = 2
+# the batched path's precision: bf16 for a bf16 run, else ieee (method.IGA.precision_for)
+DEFAULT_PRECISION = "auto"
+
+# options that act only under another option's value: (the options, that option, its values
+# where they act). One of them at another value than its default, where that option has another
+# value, is an error, not a setting silently ignored. Read by check_projection_options and by
+# the registered methods (options.IGAOptions).
+ACTS_ONLY_WITH = (
+    (("rank", "svd", "oversample", "power_iters", "factors"), "projection", ("svd",)),
+    (("damping",), "projection", ("tangent",)),
+    (("oversample", "power_iters"), "svd", ("randomized", "single_pass")),  # the exact SVD draws no sketch
+    (("variance_decay",), "variance", ("ema",)),
+    # the batched path's precision: no batched path under these
+    (("precision",), "implementation", ("auto", "fused")),
+    (("precision",), "variance", ("batch",)),
+    (("precision",), "svd", ("randomized", "single_pass")),
+)
+# the defaults those rules compare with
+ACTING_DEFAULTS = {"rank": None, "svd": DEFAULT_SVD, "oversample": DEFAULT_OVERSAMPLE,
+                   "power_iters": DEFAULT_POWER_ITERS, "factors": DEFAULT_FACTORS, "damping": DEFAULT_DAMPING,
+                   "variance_decay": None, "precision": DEFAULT_PRECISION}
 
 
-# options that act with one projection only, at their defaults: another value under the other
-# projection is an error, not a setting silently ignored
-SVD_ONLY = {"rank": None, "svd": "randomized", "oversample": 10, "power_iters": 2, "factors": DEFAULT_FACTORS}
-TANGENT_ONLY = {"damping": DEFAULT_DAMPING}
+def check_acting(settings: dict, given: dict, under: tuple[str, ...] | None = None) -> None:
+    """Options in ``given`` that act only under another option's value (:data:`ACTS_ONLY_WITH`)
+    keep their defaults where ``settings`` gives that option another value; ``under``: check
+    only the rules on these options."""
+    for options, other, values in ACTS_ONLY_WITH:
+        if under is not None and other not in under:
+            continue
+        changed = [f"{k}={given[k]!r}" for k in options if k in given and given[k] != ACTING_DEFAULTS[k]]
+        if changed and settings[other] not in values:
+            raise ValueError(f"{', '.join(changed)}: acts only with {other} {' or '.join(map(repr, values))}, "
+                             f"and {other} is {settings[other]!r}")
 
 
 def check_projection_options(projection: str, **given) -> None:
     """``given`` options that act only under another projection than ``projection`` must keep
     their defaults."""
-    for acting, needs in ((SVD_ONLY, "svd"), (TANGENT_ONLY, "tangent")):
-        changed = [f"{k}={given[k]!r}" for k in acting if k in given and given[k] != acting[k]]
-        if projection != needs and changed:
-            raise ValueError(f"{', '.join(changed)}: acts only with projection {needs!r}, and projection is "
-                             f"{projection!r}")
+    check_acting({"projection": projection}, given, under=("projection",))
 
 
 def check_choice(value: str, choices: tuple[str, ...], name: str) -> None:

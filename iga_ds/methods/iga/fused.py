@@ -1,7 +1,9 @@
 """IGA for many LoRA modules at once, without the N full-rank per-domain gradients.
 
-Same result as :func:`iga_ds.methods.iga.reference.iga_update` (continuous mask, randomized SVD
-projection), computed differently:
+Same result as :func:`iga_ds.methods.iga.reference.iga_update` with the continuous mask, under
+either projection: the ``tangent`` one (the default; :func:`tangent_stack`: the tile pass stores
+the masked matrices and takes ``masked @ A^T``, one more pass ``B^T @ masked``, no sketch), or
+the paper's randomized (or single-pass) SVD truncation (the stages below), computed differently:
 
 - Each per-domain reconstruction is a rank-2r product,
   ``G[n] = s * (gB[n] @ A + B @ gA[n]) = [s gB[n], s B] @ [A; gA[n]]``, so the mean Gbar and
@@ -56,8 +58,9 @@ import torch
 from iga_ds.methods.base import ModuleGrads
 from iga_ds.methods.iga import jacobi, triton_kernels
 from iga_ds.methods.iga.common import (
-    DEFAULT_DAMPING, DEFAULT_FACTORS, DEFAULT_NORMALIZE, DEFAULT_PROJECTION, DEFAULT_TAU, NORMALIZATIONS, SNR_EPS,
-    check_choice, check_module, check_options, check_projection_options,
+    DEFAULT_DAMPING, DEFAULT_FACTORS, DEFAULT_NORMALIZE, DEFAULT_OVERSAMPLE, DEFAULT_POWER_ITERS, DEFAULT_PROJECTION,
+    DEFAULT_SVD, DEFAULT_TAU, NORMALIZATIONS, SNR_EPS, check_choice, check_module, check_options,
+    check_projection_options,
 )
 from iga_ds.methods.iga.reference import tangent_from_products
 from iga_ds.methods.iga.rsvd import canonical_signs, single_pass_widths
@@ -750,21 +753,23 @@ def batched_iga(
     tau: float = DEFAULT_TAU,
     normalize: str = DEFAULT_NORMALIZE,
     rank: int | None = None,
-    oversample: int = 10,
-    power_iters: int = 2,
+    oversample: int = DEFAULT_OVERSAMPLE,
+    power_iters: int = DEFAULT_POWER_ITERS,
     generators: Sequence[SketchKey | torch.Generator | None],
     batch_bytes: int | str = "auto",
     tile_elements: int = DEFAULT_TILE_ELEMENTS,
     use_triton: bool | None = None,
     triton_precision: str = "ieee",
     factors: str = DEFAULT_FACTORS,
-    svd: str = "randomized",
+    svd: str = DEFAULT_SVD,
     projection: str = DEFAULT_PROJECTION,
     damping: float = DEFAULT_DAMPING,
 ) -> list[tuple[torch.Tensor, torch.Tensor, MutableMapping[str, float]]]:
     """IGA (continuous mask) for every module, in the order given, as
     :func:`iga_ds.methods.iga.reference.iga_update` with the same options (and defaults) and
-    each module's generator would; one ``(gA_new, gB_new, stats)`` per module, ``stats`` a
+    each module's generator would (``generators``: one per module, read by the ``svd``
+    projection only: the registered method passes None each under ``tangent``); one
+    ``(gA_new, gB_new, stats)`` per module, ``stats`` a
     :class:`iga_ds.methods.tensors.PendingStats` (its copy to the host queued, not waited for).
     ``projection="tangent"``: :func:`tangent_stack`; ``"svd"``: the randomized (or
     ``single_pass``) SVD of the stages above, its factors by ``factors``.

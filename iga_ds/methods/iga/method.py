@@ -5,26 +5,18 @@ Inter-environmental Gradient Alignment of Koyama and Yamaguchi, 2020).
 """
 from __future__ import annotations
 
-from typing import ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 
 from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, Statistic
-from iga_ds.methods.iga.common import (
-    DEFAULT_DAMPING, DEFAULT_FACTORS, DEFAULT_NORMALIZE, DEFAULT_PROJECTION, DEFAULT_TAU, check_choice, check_options,
-    check_projection_options,
-)
 from iga_ds.methods.iga.fused import batched_iga
-from iga_ds.methods.iga.reference import Normalize, masked_projection, mean_and_variance
-from iga_ds.methods.iga.rsvd import SVD_METHODS
+from iga_ds.methods.iga.options import OPTION_NAMES, make_options, option_signature
+from iga_ds.methods.iga.options import refusal as option_refusal
+from iga_ds.methods.iga.reference import masked_projection, mean_and_variance
 from iga_ds.methods.iga.sketch import sketch_key, sketch_keys
-from iga_ds.methods.iga.variance import (
-    DEFAULT_VARIANCE, VARIANCES, MovingAverages, check_variance_options, debiased_variance, split_halves,
-)
+from iga_ds.methods.iga.variance import DEFAULT_VARIANCE, MovingAverages, debiased_variance, split_halves
 from iga_ds.methods.tensors import TiledResults
-
-IMPLEMENTATIONS = ("auto", "reference", "fused")
-PRECISIONS = ("auto", "ieee", "tf32", "bf16")
 
 # what IGA and its ablations report per module, and how a whole model's figure is formed
 MASK_STATISTICS = (
@@ -32,13 +24,14 @@ MASK_STATISTICS = (
     Statistic("mask_frac_below_half", "mean", "share of elements the mask damps below 1/2"),
     Statistic("mask_min", "min", "smallest mask value"),
     Statistic("gir", "sum", "gradient invariance residual: the sum of the per-element variance V"),
-    Statistic("energy_kept", "mean", "share of the masked matrix's squared norm the rank-r truncation keeps"),
+    Statistic("energy_kept", "mean", "share of the masked matrix's squared norm the projection back to the "
+              "factors keeps: the update's reconstruction's (tangent), the rank-r truncation's (svd), 1 (chain)"),
 )
 
 
 class MaskedProjectionMethod(GradientMethod):
-    """IGA and the ablations that share its parameters; subclasses pick the mask and may fix
-    the projection.
+    """IGA and the ablations that share its options; subclasses pick the mask, the options they
+    take (``takes``, from :class:`~iga_ds.methods.iga.options.IGAOptions`) and those they fix.
 
     ``projection``: how the masked mean returns to the factors. ``tangent`` (default): ERM's
     factor gradients plus the pseudo-inverse of the reconstruction applied to what the mask
@@ -57,43 +50,38 @@ class MaskedProjectionMethod(GradientMethod):
     scope = "module"
     statistics = MASK_STATISTICS
     mask_kind: ClassVar[str] = "continuous"
-    fixed_projection: ClassVar[str | None] = None  # an ablation that replaces the projection
-    variances: ClassVar[tuple[str, ...]] = VARIANCES  # the variance estimators the subclass's mask takes
+    # the options a subclass takes (its signature), and those it fixes (e.g. the projection it replaces)
+    takes: ClassVar[tuple[str, ...]] = ()
+    fixes: ClassVar[dict[str, Any]] = {}
 
-    def __init__(
-        self,
-        tau: float = DEFAULT_TAU,
-        normalize: Normalize = DEFAULT_NORMALIZE,
-        rank: int | None = None,
-        svd: str = "randomized",
-        oversample: int = 10,
-        power_iters: int = 2,
-        seed: int = 0,
-        factors: str = DEFAULT_FACTORS,
-        projection: str = DEFAULT_PROJECTION,
-        damping: float = DEFAULT_DAMPING,
-        variance: str = DEFAULT_VARIANCE,
-        variance_decay: float | None = None,
-    ):
+    def __init_subclass__(cls, **kwargs):
+        """Give each subclass an ``__init__`` whose signature is the options it takes."""
+        super().__init_subclass__(**kwargs)
+        if "__init__" in vars(cls):
+            return
+
+        def __init__(self, *, seed: int = 0, **options):
+            MaskedProjectionMethod.__init__(self, seed=seed, **options)
+
+        __init__.__signature__ = option_signature(cls.takes)
+        __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+        __init__.__doc__ = f"{cls.name}: the options {', '.join(cls.takes) or '(none)'} and seed."
+        cls.__init__ = __init__
+
+    def __init__(self, *, seed: int = 0, **options):
         super().__init__(seed)
-        self.variance_decay = check_variance_options(variance, variance_decay)
-        if variance not in self.variances:
-            takes = " or ".join(map(repr, self.variances))
-            raise ValueError(f"variance={variance!r}: {self.name} takes variance {takes} only")
-        self.variance = variance
+        self.options = make_options(self.name, self.takes, self.fixes, options)
+        # the settings it runs with: the options, and what the method fixes
+        for name, value in {**vars(self.options), **self.fixes}.items():
+            setattr(self, name, value)
         # debiased: the hook gives gA, gB as 2N means, domain n's halves of the step's groups at n and N + n
-        self.domain_halves = variance == "debiased"
-        self._averages = MovingAverages(self.variance_decay) if variance == "ema" else None
-        check_options(normalize=normalize, projection=projection, factors=factors, tau=tau, damping=damping)
-        check_choice(svd, SVD_METHODS, "svd")
-        self.factors, self.damping = factors, float(damping)
-        if self.fixed_projection and projection != DEFAULT_PROJECTION:
-            raise ValueError(f"{self.name} fixes its projection ({self.fixed_projection}); projection cannot be set")
-        self.projection = self.fixed_projection or projection
-        check_projection_options(self.projection, rank=rank, svd=svd, oversample=oversample,
-                                 power_iters=power_iters, factors=factors, damping=damping)
-        self.tau, self.normalize, self.rank = float(tau), normalize, rank
-        self.svd, self.oversample, self.power_iters = svd, int(oversample), int(power_iters)
+        self.domain_halves = self.variance == "debiased"
+        self._averages = MovingAverages(self.variance_decay) if self.variance == "ema" else None
+
+    @classmethod
+    def refusal(cls, name: str, value: Any) -> str | None:
+        """Why this method refuses an option of the family it does not take (None: not one of them)."""
+        return option_refusal(cls.name, cls.takes, cls.fixes, name, value)
 
     def combine_module(self, module: ModuleGrads, step: int) -> ModuleUpdate:
         gen = None
@@ -155,25 +143,7 @@ class IGA(MaskedProjectionMethod):
 
     name = "iga"
     paper = "Invariant Gradient Alignment (IGA) for logical isomers (this package's paper)"
-
-    def __init__(self, tau: float = DEFAULT_TAU, normalize: Normalize = DEFAULT_NORMALIZE, rank: int | None = None,
-                 svd: str = "randomized", oversample: int = 10, power_iters: int = 2, seed: int = 0,
-                 implementation: str = "auto", precision: str = "auto", factors: str = DEFAULT_FACTORS,
-                 projection: str = DEFAULT_PROJECTION, damping: float = DEFAULT_DAMPING,
-                 variance: str = DEFAULT_VARIANCE, variance_decay: float | None = None):
-        super().__init__(tau, normalize, rank, svd, oversample, power_iters, seed, factors, projection, damping,
-                         variance, variance_decay)
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-        check_choice(implementation, IMPLEMENTATIONS, "implementation")
-        if implementation == "fused" and svd == "exact":
-            raise ValueError("implementation 'fused' needs a sketched svd, 'randomized' or 'single_pass' "
-                             "(the exact SVD has no fused form)")
-        if implementation == "fused" and variance != DEFAULT_VARIANCE:
-            raise ValueError(f"implementation 'fused' takes variance 'batch' only, got variance {variance!r} "
-                             "(use implementation 'auto' or 'reference')")
-        self.precision = precision
-        self.implementation = implementation
+    takes = OPTION_NAMES
 
     def _fused(self, modules: Sequence[ModuleGrads]) -> bool:
         if self.implementation == "auto":
@@ -191,7 +161,9 @@ class IGA(MaskedProjectionMethod):
     def combine(self, modules, step):
         if not self._fused(modules):
             return super().combine(modules, step)
-        gens = sketch_keys(self.seed, step, [m.index for m in modules])
+        # the tangent projection draws no sketch: keys only where the projection reads them
+        gens = (sketch_keys(self.seed, step, [m.index for m in modules]) if self.projection == "svd"
+                else [None] * len(modules))
         out = batched_iga(modules, tau=self.tau, normalize=self.normalize, rank=self.rank,
                           oversample=self.oversample, power_iters=self.power_iters, generators=gens,
                           triton_precision=self.precision_for(modules), factors=self.factors, svd=self.svd,

@@ -3,8 +3,11 @@
 PEFT layout: lora_A.weight is r x in, lora_B.weight is out x r, dW = s * B @ A. A step
 (dA, dB) changes dW, to first order, by s * (dB @ A + B @ dA); that is the reconstruction
 G[n] of a domain's factor gradients. (The paper's g^B A^T + B^T g^A does not type-check.)
-The update: mean Gbar and population variance V of the G[n], mask exp(-tau V'), rank-r
-truncation of Gbar * mask, factor gradients from the truncation.
+The update: mean Gbar and population variance V of the G[n], mask exp(-tau V'), then the
+``tangent`` projection (the default): ERM's factor gradients plus the pseudo-inverse of the
+reconstruction applied to what the mask removed, Gbar * (mask - 1), so that tau = 0 is ERM.
+The paper's rank-r truncation of Gbar * mask (``projection="svd"``) and the chain rule without
+one (the ``iga_no_projection`` ablation) are ablations, computed here too.
 """
 from __future__ import annotations
 
@@ -14,8 +17,8 @@ from typing import Literal
 import torch
 
 from iga_ds.methods.iga.common import (
-    DEFAULT_DAMPING, DEFAULT_FACTORS, DEFAULT_NORMALIZE, DEFAULT_PROJECTION, DEFAULT_TAU, NORMALIZATIONS, SNR_EPS,
-    check_module, check_options, check_projection_options,
+    DEFAULT_DAMPING, DEFAULT_FACTORS, DEFAULT_NORMALIZE, DEFAULT_OVERSAMPLE, DEFAULT_POWER_ITERS, DEFAULT_PROJECTION,
+    DEFAULT_SVD, DEFAULT_TAU, NORMALIZATIONS, SNR_EPS, check_module, check_options, check_projection_options,
 )
 from iga_ds.methods.iga.rsvd import truncated_svd
 from iga_ds.methods.iga.sketch import SketchKey
@@ -227,9 +230,9 @@ def iga_update(
     normalize: Normalize = DEFAULT_NORMALIZE,
     projection: Literal["tangent", "svd"] = DEFAULT_PROJECTION,
     damping: float = DEFAULT_DAMPING,
-    svd: Literal["randomized", "single_pass", "exact"] = "randomized",
-    oversample: int = 10,
-    power_iters: int = 2,
+    svd: Literal["randomized", "single_pass", "exact"] = DEFAULT_SVD,
+    oversample: int = DEFAULT_OVERSAMPLE,
+    power_iters: int = DEFAULT_POWER_ITERS,
     generator: SketchKey | torch.Generator | None = None,
     factors: Literal["split", "chain_rule"] = DEFAULT_FACTORS,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
