@@ -26,7 +26,7 @@ LAYERS = (
     ("engine",),
     ("cluster",),  # above engine: `iga-ds selfcheck` probes DeepSpeed's ops through engine.internals
     ("train", "evaluation"),
-    ("experiments",),
+    ("experiments", "integrations"),  # integrations: iga-ds inside other trainers (the HF Trainer)
     ("cli",),
     ("__main__",),
 )
