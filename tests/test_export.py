@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import shutil
 from pathlib import Path
 
@@ -143,6 +144,7 @@ def test_the_merged_model_reproduces_the_adapter_logits(run, tmp_path, capsys):
     card = (out / "README.md").read_text()
     assert "library_name: transformers" in card and "| steps | 3 |" in card and "`builtin:tiny`" in card
     assert not machine_paths(out, root, base, cache)
+    assert _modes(out) == {p.name: _new_file_mode() for p in out.iterdir()}  # weights not left 0600
     half = tmp_path / "bf16"
     assert main(["export", str(folder / "adapter"), "--out", str(half), "--dtype", "bfloat16", "--quiet"]) == 0
     merged16 = AutoModelForCausalLM.from_pretrained(str(half))
@@ -162,6 +164,7 @@ def test_adapter_only_from_the_run_keeps_the_built_in_name_and_the_runs_card(run
     card = (out / "README.md").read_text()
     assert "| steps | 2 of 3 |" in card and "| method | iga (tau=0.5) |" in card and "(step 2)" in card
     assert not machine_paths(out, root, base, cache)
+    assert _modes(out) == {p.name: _new_file_mode() for p in out.iterdir()}
     # from another working directory, through the name: the same base, the adapter loads on it
     monkeypatch.setenv("IGA_DS_CACHE", str(cache))
     monkeypatch.chdir(tmp_path)
@@ -300,3 +303,13 @@ def test_export_eval_and_diagnose_name_a_run_its_checkpoints_and_adapters_alike(
         assert (source.adapter, source.kind) == (adapter, "run"), given
     assert find_adapter(str(checkpoint)).step == 2 and find_adapter(str(folder)).step is None
     assert locate_adapter(tmp_path, "x") is None
+
+
+def _modes(folder):
+    return {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()}
+
+
+def _new_file_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask

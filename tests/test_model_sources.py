@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -368,6 +369,10 @@ def test_a_gguf_converts_once_into_a_folder_that_loads_as_the_file_does(gguf_fil
     assert out == f"{folder}\n"  # the folder, and nothing else, on stdout
     assert json.loads((folder / "source.json").read_text())["gguf_sha256"] == digest
     assert not json.loads((folder / "config.json").read_text()).get("quantization_config")
+    mask = os.umask(0)
+    os.umask(mask)  # a shared cache: the weights are readable as the rest (safetensors writes them 0600)
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()} == \
+        {p.name: 0o666 & ~mask for p in folder.iterdir()}
     with torch.no_grad():  # the same de-quantized weights: the same logits, to the bit
         assert torch.equal(load_base_model(str(folder))(IDS).logits, load_base_model(str(path))(IDS).logits)
     assert load_tokenizer(str(folder))("the x is 3")["input_ids"] == load_tokenizer(str(path))("the x is 3")["input_ids"]

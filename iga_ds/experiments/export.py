@@ -29,7 +29,7 @@ from typing import Callable
 from iga_ds.config.run import ADAPTER_CONFIG, RUN_CONFIG, locate_adapter
 from iga_ds.data.prompts import PROMPT_FORMAT_FILE, saved_prompt_format
 from iga_ds.errors import UserError
-from iga_ds.files import make_dir, read_json, read_yaml_file
+from iga_ds.files import follow_umask, make_dir, read_json, read_yaml_file
 from iga_ds.models import TOKENIZER_FILES, check_model_source, load_auto_tokenizer, load_causal_lm
 from iga_ds.train.model_card import (CARD_FILE, TINY_FILE, CardFacts, adapter_base,
                                      base_location, name_base, read_tiny, run_facts, set_base,
@@ -149,6 +149,7 @@ def write_merged(found: Found, location: str, folder: Path, dtype: str, trust_re
     tokenizer.save_pretrained(str(folder))
     if (found.adapter / PROMPT_FORMAT_FILE).is_file():
         shutil.copy2(found.adapter / PROMPT_FORMAT_FILE, folder / PROMPT_FORMAT_FILE)
+    follow_umask(folder)  # safetensors writes the weights 0600; the model is read like every other output
 
 
 def write_adapter(found: Found, spec: str, tiny: dict | None, folder: Path) -> str:
@@ -156,7 +157,9 @@ def write_adapter(found: Found, spec: str, tiny: dict | None, folder: Path) -> s
     skip = {CARD_FILE, TINY_FILE}
     shutil.copytree(found.adapter, folder, ignore=lambda _, names: [n for n in names if n in skip
                                                                     or n.endswith((".bin", ".pt", ".pth"))])
-    return set_base(folder, spec, tiny)
+    base = set_base(folder, spec, tiny)
+    follow_umask(folder)  # an adapter copied from a run of an earlier release may be 0600
+    return base
 
 
 def _replace(tmp: Path, out: Path) -> None:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from iga_ds.errors import UserError
-from iga_ds.files import atomic_write_json, make_dir, read_json
+from iga_ds.files import atomic_write_json, follow_umask, make_dir, read_json
 from iga_ds.models.packaged import (
     CONVERTED_FILES,
     SOURCE_FILE,
@@ -95,6 +95,7 @@ def _write_converted(gguf: Path, folder: Path, digest: str, origin: dict[str, An
         del model.config.quantization_config  # the weights are plain now: load them as such
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
+    follow_umask(folder)  # safetensors writes the weights 0600; a shared cache is read by everyone
     atomic_write_json(folder / SOURCE_FILE, {
         "format": CONVERT_FORMAT,
         "gguf_file": gguf.name,
