@@ -15,12 +15,14 @@ is an error naming the file and the line.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import os
+import socket
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from iga_ds.errors import ConfigError, DataError, UserError
 
@@ -320,3 +322,43 @@ def append_lines(path: str | os.PathLike, lines: Iterable[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class FolderLock:
+    """One writer at a time in a folder: an exclusive ``flock`` on ``folder/name``. The kernel
+    releases it when the holder exits, however it exits, so a killed holder leaves no stale lock;
+    the file keeps the last holder's pid and host for the one line a second writer gets,
+    ``refusal(folder, holder)``. ``flock`` holds across the processes of one host and, on most
+    cluster filesystems (NFS v4, Lustre mounted with ``flock``), across hosts."""
+
+    def __init__(self, folder: str | os.PathLike, name: str, refusal: Callable[[Path, str], str]):
+        self.folder = Path(folder)
+        self.path = self.folder / name
+        self._refusal = refusal
+        self._fd: int | None = None
+
+    def acquire(self) -> "FolderLock":
+        make_dir(self.folder)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 256).decode("utf-8", "replace").strip() or "a process that has not said which"
+            os.close(fd)
+            raise UserError(self._refusal(self.folder, holder)) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "FolderLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -181,7 +181,7 @@ def test_a_second_build_on_the_same_directory_is_refused(tmp_path, capsys):
         assert main(["data", "build", "--seeds", str(seeds), "--out", str(out), "--base-url",
                      "http://127.0.0.1:9/v1", "--model", "m", "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert f"{out}: another build (process {os.getpid()}) is writing here" in err and err.count("\n") == 1
+    assert f"{out}: another build (pid {os.getpid()} on host " in err and ") is writing here" in err and err.count("\n") == 1
     assert not (out / "isomers.jsonl").exists() and not (out / "dropped.jsonl").exists()
 
 

@@ -204,7 +204,7 @@ def test_merge_refuses_another_seeds_file_and_a_shard_being_built(shards, tmp_pa
     assert "seed 's029' is not in " + str(fewer) in capsys.readouterr().err
     with hold_output_dir(out / "shard-1-of-3"):
         assert merge(seeds, out) == 2
-    assert "shard-1-of-3: another build (process" in capsys.readouterr().err
+    assert "shard-1-of-3: another build (pid " in capsys.readouterr().err
 
 
 def test_the_template_header_opens_with_its_command_and_documents_its_variables():

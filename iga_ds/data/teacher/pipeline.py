@@ -39,9 +39,7 @@ records no group judged by the structure check yet may switch the check on resum
 """
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import queue
 import re
 import threading
@@ -56,8 +54,8 @@ from iga_ds.data.teacher.parse import Instance, MalformedOutput, parse_dag, pars
 from iga_ds.data.teacher.prompts import Prompts, Template
 from iga_ds.data.teacher.shards import SHARD_DIR, in_shard, parse_shard, shard_dir
 from iga_ds.errors import DataError, UserError
-from iga_ds.files import (append_lines, atomic_write_json, cut_torn_tail, iter_jsonl, jsonl_text, make_dir,
-                          torn_tail_start, write_jsonl)
+from iga_ds.files import (FolderLock, append_lines, atomic_write_json, cut_torn_tail, iter_jsonl, jsonl_text,
+                          make_dir, torn_tail_start, write_jsonl)
 from iga_ds.progress import progress as progress_of
 
 KEPT_FILE, DROPPED_FILE, STATS_FILE, SETTINGS_FILE = "isomers.jsonl", "dropped.jsonl", "stats.json", "build.json"
@@ -332,32 +330,12 @@ def _drop_repeats(out: Path, outcomes: Outcomes) -> None:
     outcomes.repeated = []
 
 
-class hold_output_dir:
-    """One build (or merge) at a time in an output directory: an exclusive ``flock`` on its
-    lock file, which the kernel releases when the process ends, killed or not."""
+class hold_output_dir(FolderLock):
+    """One build (or merge) at a time in an output directory (:class:`iga_ds.files.FolderLock`)."""
 
     def __init__(self, out: Path):
-        self.path = Path(out) / LOCK_FILE
-        self._fd: int | None = None
-
-    def __enter__(self) -> hold_output_dir:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise UserError(f"{self.path.parent}: another build (process {holder}) is writing here; "
-                            "wait for it to end or stop it") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._fd = fd
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        super().__init__(out, LOCK_FILE, lambda folder, holder: (
+            f"{folder}: another build ({holder}) is writing here; wait for it to end or stop it"))
 
 
 def reached_structure_check(outcomes: Outcomes) -> bool:
