@@ -33,6 +33,19 @@ def _save(fig, path: Path) -> str:
     return str(path)
 
 
+def _save_with_legend_right(fig, legend_axes, title: str, path: Path) -> str:
+    """Title, layout, one legend (``legend_axes``' entries) right of the axes, then save and close."""
+    plt = _pyplot()
+    handles, names = legend_axes.get_legend_handles_labels()
+    fig.suptitle(title)
+    fig.tight_layout()
+    # outside the axes, right of them: the saved figure's tight bounding box takes it in
+    fig.legend(handles, names, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    out = _save(fig, path)
+    plt.close(fig)
+    return out
+
+
 def ood_accuracy_figure(cells: Sequence[Cell], path: Path) -> str | None:
     main = [c for c in cells if not c.ablation]
     benches = benchmarks_of(main)
@@ -175,14 +188,7 @@ def cue_domain_figure(cells: Sequence[Cell], path: Path) -> str | None:
         ax.set_ylim(0, 105)
         ax.set_ylabel("wrong-cue OOD items answered as the cue (%)")
         ax.set_title(bench, fontsize=9)
-    handles, names = axes[0][0].get_legend_handles_labels()
-    fig.suptitle("Wrong-cue following per domain (mean ± std over seeds)")
-    fig.tight_layout()
-    # outside the axes, right of them: the saved figure's tight bounding box takes it in
-    fig.legend(handles, names, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    out = _save(fig, path)
-    plt.close(fig)
-    return out
+    return _save_with_legend_right(fig, axes[0][0], "Wrong-cue following per domain (mean ± std over seeds)", path)
 
 
 def _loss_lines(ax, rows: dict[str, list[Cell]], window: int) -> bool:
@@ -282,11 +288,4 @@ def diagnose_trajectory_figure(steps: Sequence[dict], path: Path) -> str | None:
     for ax in axes[1]:
         ax.set_xlabel("step")
         ax.xaxis.get_major_locator().set_params(integer=True)  # steps, not fractions of one
-    handles, names = axes[0][0].get_legend_handles_labels()
-    fig.suptitle("Kept task (solid) and cue (dashed) over training")
-    fig.tight_layout()
-    # outside the axes, right of them: the saved figure's tight bounding box takes it in
-    fig.legend(handles, names, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    out = _save(fig, path)
-    plt.close(fig)
-    return out
+    return _save_with_legend_right(fig, axes[0][0], "Kept task (solid) and cue (dashed) over training", path)
