@@ -80,3 +80,28 @@ def test_an_sgd_run_resumed_from_its_checkpoint_matches_the_uninterrupted_one(se
     assert [h["loss"] for h in cut.history + rest.history] == [h["loss"] for h in full.history]
     a, b = _tensors(full.adapter_dir / "adapter_model.safetensors"), _tensors(rest.adapter_dir / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_the_optimizer_built_is_torchs_with_the_run_yamls_settings(optimizer):
+    """One step of build_optimizer's optimizer equals torch's own, built by hand from the same
+    settings (a momentum or beta not passed through would differ from the second step on)."""
+    import torch
+
+    from iga_ds.config.run import ScheduleConfig
+    from iga_ds.train.optim import build_optimizer
+
+    settings = {"sgd": {"optimizer": "sgd", "lr": 0.1, "momentum": 0.7, "weight_decay": 0.01},
+                "adamw": {"lr": 0.1, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.01}}[optimizer]
+    schedule = ScheduleConfig(**settings)
+    built, plain = (torch.nn.Parameter(torch.arange(6, dtype=torch.float64).reshape(2, 3)) for _ in range(2))
+    ours = build_optimizer([built], schedule)
+    theirs = (torch.optim.SGD([plain], lr=0.1, momentum=0.7, weight_decay=0.01) if optimizer == "sgd" else
+              torch.optim.AdamW([plain], lr=0.1, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.01))
+    for step in range(3):
+        grad = torch.sin(torch.arange(6, dtype=torch.float64).reshape(2, 3) + step)
+        for p, opt in ((built, ours), (plain, theirs)):
+            p.grad = grad.clone()
+            opt.step()
+        assert torch.equal(built, plain), step
+    assert ours.param_groups[0]["step"] == 3  # where DeepSpeed's elastic checkpoint reads it
