@@ -263,7 +263,8 @@ def test_tau_zero_is_erm_exactly(variance):
     ({"variance": "ema", "variance_decay": -0.1}, r"variance_decay must be in \[0, 1\)"),
     ({"variance_decay": 0.5}, r"variance_decay=0.5: acts only with variance 'ema', and variance is 'batch'"),
     ({"variance": "debiased", "variance_decay": 0.5}, r"variance_decay=0.5: acts only with variance 'ema'"),
-    ({"variance": "ema", "implementation": "fused"}, r"implementation 'fused' takes variance 'batch' only"),
+    ({"variance": "debiased", "normalize": "mean", "implementation": "fused"},
+     r"implementation 'fused' has no form of variance 'debiased' with normalize 'mean'"),
 ])
 def test_invalid_variance_options_are_refused_in_one_line(params, message):
     with pytest.raises(ValueError, match=message):
@@ -278,13 +279,63 @@ def test_the_lora_space_ablation_takes_batch_only():
         get_method("iga_lora_space", variance="ema")
 
 
-def test_auto_takes_the_reference_path_for_the_departures():
-    method = get_method("iga", variance="ema")
-    cuda_like = [module(0)]
-    assert not method._fused(cuda_like)
+def test_auto_takes_the_fused_path_on_cuda_where_the_variance_has_a_fused_form():
+    on_cpu = [module(0)]
+    assert not get_method("iga", variance="ema")._fused(on_cpu)
     if torch.cuda.is_available():
-        cuda = [ModuleGrads("m", 0, *(t.cuda() for t in (m.A, m.B, m.gA, m.gB)), m.scaling) for m in cuda_like]
-        assert get_method("iga")._fused(cuda) and not method._fused(cuda)
+        cuda = [ModuleGrads("m", 0, *(t.cuda() for t in (m.A, m.B, m.gA, m.gB)), m.scaling) for m in on_cpu]
+        for params in ({}, {"variance": "ema"}, {"variance": "debiased"}):
+            assert get_method("iga", **params)._fused(cuda), params
+        assert not get_method("iga", variance="debiased", normalize="mean")._fused(cuda)
+
+
+# -- the fused path against the reference path -------------------------------------------------
+
+
+def mixed_modules(step, slots, dtype=F64):
+    """Four modules of two shapes (two stacks), new factors and gradients at every step."""
+    shapes = [(2, 5, 4), (3, 6, 7), (2, 5, 4), (3, 6, 7)]
+    out = []
+    for index, (r, d_in, d_out) in enumerate(shapes):
+        m = module(100 * step + index, slots=slots, index=index, r=r, d_in=d_in, d_out=d_out)
+        out.append(ModuleGrads(m.name, index, *(t.to(dtype) for t in (m.A, m.B, m.gA, m.gB)), 1.0 + 0.5 * index))
+    return out
+
+
+FUSED_CASES = [("ema", "snr", "tangent"), ("ema", "mean", "tangent"), ("ema", "none", "svd"),
+               ("ema", "snr", "svd"), ("debiased", "snr", "tangent"), ("debiased", "none", "svd")]
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("variance,normalize,projection", FUSED_CASES)
+def test_the_fused_path_equals_the_reference_path_over_steps(variance, normalize, projection, dtype):
+    params = dict(tau=TAU, normalize=normalize, variance=variance, seed=3,
+                  projection=projection, **({"svd": "randomized", "power_iters": 2} if projection == "svd" else {}))
+    ref, fused = (get_method("iga", implementation=impl, **params) for impl in ("reference", "fused"))
+    tol = 1e-9 if dtype == F64 else 2e-4
+    slots = 6 if variance == "debiased" else 3
+    for step in range(3):  # ema: averages behind the later steps
+        mods = mixed_modules(step, slots, dtype)
+        for a, b in zip(fused.combine(mods, step), ref.combine(mods, step)):
+            for got, want in ((a.gA, b.gA), (a.gB, b.gB)):
+                assert float((got.double() - want.double()).norm() / want.double().norm()) < tol
+            for key in ("mask_mean", "mask_min", "gir", "energy_kept"):
+                assert float(a.stats[key]) == pytest.approx(float(b.stats[key]), rel=tol, abs=1e-12), key
+    if variance == "ema":  # the same state, whichever path kept it
+        for key, value in ref.state_dict().items():
+            torch.testing.assert_close(fused.state_dict()[key], value, rtol=1e-12, atol=0)
+
+
+def test_the_fused_debiased_variance_is_clamped_and_summed_as_the_reference_sums_it():
+    """Shared-signal halves: much of the raw debiased V is negative, so the clamp and the tile-summed
+    gir are what the comparison exercises."""
+    mods = shared_signal_modules(3, spread=0.0, noise=0.5, d_in=12, d_out=9)
+    ref = get_method("iga", variance="debiased", implementation="reference").combine(mods, 0)
+    got = get_method("iga", variance="debiased", implementation="fused").combine(mods, 0)
+    for a, b in zip(got, ref):
+        assert float(a.stats["gir"]) == pytest.approx(b.stats["gir"], rel=1e-9)
+        assert float(a.stats["mask_mean"]) == pytest.approx(b.stats["mask_mean"], rel=1e-9)
+        torch.testing.assert_close(a.gA, b.gA, rtol=1e-9, atol=1e-12)
 
 
 def test_the_state_contract_defaults_to_none():
@@ -344,3 +395,26 @@ def test_the_hook_hands_the_method_its_state_by_module(engine):  # noqa: F811
         assert plain.method_state() == {} and plain.num_slots == 3
     finally:
         plain.detach()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variance", ["ema", "debiased"])
+def test_the_cuda_batched_path_equals_the_reference_path(variance):
+    params = dict(tau=TAU, variance=variance)
+    ref, auto = get_method("iga", implementation="reference", **params), get_method("iga", **params)
+    for step in range(3):
+        mods = [ModuleGrads(m.name, m.index, *(t.float().cuda() for t in (m.A, m.B, m.gA, m.gB)), m.scaling)
+                for m in mixed_modules(step, 6 if variance == "debiased" else 3)]
+        assert auto._fused(mods)
+        for a, b in zip(auto.combine(mods, step), ref.combine(mods, step)):
+            torch.testing.assert_close(a.gA, b.gA, rtol=2e-4, atol=1e-6)
+            torch.testing.assert_close(a.gB, b.gB, rtol=2e-4, atol=1e-6)
+
+
+def test_the_departures_compute_in_float32_in_a_bf16_run():
+    m = module(0)
+    trained_in_bf16 = [ModuleGrads("m", 0, m.A.float(), m.B.float(), m.gA.float(), m.gB.float(), 2.0, torch.bfloat16)]
+    assert get_method("iga").precision_for(trained_in_bf16) == "bf16"
+    for variance in ("ema", "debiased"):
+        assert get_method("iga", variance=variance).precision_for(trained_in_bf16) == "ieee"

@@ -38,7 +38,8 @@ ACTS_ONLY_WITH = (
     (("damping",), "projection", ("tangent",)),
     (("oversample", "power_iters"), "svd", ("randomized", "single_pass")),  # the exact SVD draws no sketch
     (("variance_decay",), "variance", ("ema",)),
-    # the batched path's precision: no batched path under these
+    # the batched path's precision: no batched path under these, and the departures' variances
+    # run its PyTorch tile pass in float32
     (("precision",), "implementation", ("auto", "fused")),
     (("precision",), "variance", ("batch",)),
     (("precision",), "svd", ("randomized", "single_pass")),

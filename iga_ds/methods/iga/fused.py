@@ -65,6 +65,7 @@ from iga_ds.methods.iga.common import (
 from iga_ds.methods.iga.reference import tangent_from_products
 from iga_ds.methods.iga.rsvd import canonical_signs, single_pass_widths
 from iga_ds.methods.iga.sketch import SketchKey, SketchKeys, gaussian, gaussian_stack
+from iga_ds.methods.iga.variance import DEFAULT_VARIANCE, VARIANCES
 from iga_ds.methods.tensors import StableModules, StatsTable, TiledResults, host_to_device, stacked_view
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -266,6 +267,46 @@ def stack_factors(st: Stack, dev_dtype: torch.dtype | None = None):
     return left_mean, right_mean, left_dev, right_dev
 
 
+@dataclass
+class VarianceTerms:
+    """What a departure's variance (``ema``, ``debiased``; :mod:`iga_ds.methods.iga.variance`)
+    changes in the tile pass: V = sum over terms t of ``weights[t] * (left_dev[t] @ right_dev[t])^2``
+    (clamped at zero where a weight is negative), and ``snr`` divides by the square of
+    ``spread[0] @ spread[1]`` (None: the step's mean, the masked one)."""
+
+    weights: tuple[float, ...]
+    spread: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def variance_terms(st: Stack, variance: str, averaged: Stack | None = None):
+    """Stage 2 for the departures: ``(left_mean, right_mean, left_dev, right_dev, terms)``, the
+    mean being this step's (the masked one) and the terms those of :class:`VarianceTerms`.
+
+    ``ema``: ``averaged`` holds the bias-corrected moving averages of the per-domain factor
+    gradients at the stack's positions; V and the ``snr`` mean are theirs, reconstructed at this
+    step's factors. ``debiased``: the stack holds 2N per-(domain, half) means, domain n's halves
+    at n and N + n; V is that of the domains' means less (N - 1) / (4 N^2) times the sum of
+    the reconstructed half differences squared (each domain's noise), clamped at zero."""
+    if variance == "ema":
+        left_mean, right_mean, _, _ = stack_factors(st)
+        spread_left, spread_right, left_dev, right_dev = stack_factors(averaged)
+        N = left_dev.shape[1]
+        return left_mean, right_mean, left_dev, right_dev, VarianceTerms((1.0 / N,) * N, (spread_left, spread_right))
+    if variance != "debiased":
+        raise ValueError(f"variance_terms: variance must be 'ema' or 'debiased', got {variance!r}")
+    N = st.gA.shape[1] // 2
+    h1A, h2A, h1B, h2B = st.gA[:, :N], st.gA[:, N:], st.gB[:, :N], st.gB[:, N:]
+    domains = dataclasses.replace(st, gA=(h1A + h2A) / 2, gB=(h1B + h2B) / 2)
+    left_mean, right_mean, left_dev, right_dev = stack_factors(domains)
+    # the half differences' factors: [s (h1B - h2B), s B] @ [A; h1A - h2A]
+    s = st.scaling.view(-1, 1, 1, 1)
+    left_diff = torch.cat([(h1B - h2B) * s, (st.B.unsqueeze(1) * s).expand(-1, N, -1, -1)], dim=-1)
+    right_diff = torch.cat([st.A.unsqueeze(1).expand(-1, N, -1, -1), h1A - h2A], dim=-2)
+    weights = (1.0 / N,) * N + (-(N - 1) / (4.0 * N * N),) * N
+    return (left_mean, right_mean, torch.cat([left_dev, left_diff], dim=1), torch.cat([right_dev, right_diff], dim=1),
+            VarianceTerms(weights))
+
+
 def mask_scales(left_mean, right_mean, left_dev, right_dev, numel: int, exact_var: bool = True,
                 exact_mean: bool = True):
     """Stage 3: per-module scalars the mask needs before the tile pass, float64, from r x r
@@ -303,7 +344,7 @@ def _masked_tile(G, var, normalize, tau, mean_var, mean_sq, dtype):
 
 
 def tile_pass_torch(left_mean, right_mean, left_dev, right_dev, omega, *, tau, normalize, mean_var,
-                    mean_sq, tile_elements, psi=None, precision="ieee"):
+                    mean_sq, tile_elements, psi=None, precision="ieee", terms: "VarianceTerms | None" = None):
     """Stage 4 in PyTorch: masked matrices, first sketch and mask statistics, one row tile at a time.
 
     Returns ``(masked M x out x in, sketch masked @ omega, stats, sum of masked^2 per module)``,
@@ -313,7 +354,10 @@ def tile_pass_torch(left_mean, right_mean, left_dev, right_dev, omega, *, tau, n
     accumulated tile by tile and returned in place of the masked matrices, which are then
     never stored. ``precision="bf16"`` is the Triton kernel's bf16 contract: factors rounded to
     bfloat16, arithmetic in float32, masked matrices stored and multiplied in bfloat16; any
-    other precision computes in the inputs' dtype."""
+    other precision computes in the inputs' dtype. ``terms`` (the departures' variances,
+    :func:`variance_terms`; not the kernel's contract): V as their weighted sum, clamped at zero
+    where a weight is negative, ``snr`` divided by their mean's square, and the ``gir``
+    statistic summed over the tiles."""
     M, N, d_out, _ = left_dev.shape
     d_in = right_mean.shape[-1]
     dtype, device = right_mean.dtype, right_mean.device
@@ -326,18 +370,28 @@ def tile_pass_torch(left_mean, right_mean, left_dev, right_dev, omega, *, tau, n
     else:
         co_sketch = torch.zeros(M, psi.shape[1], d_in, dtype=dtype, device=device)
     sketch = torch.empty(M, d_out, omega.shape[-1], dtype=dtype, device=device)
-    acc = torch.zeros(3, M, dtype=torch.float64, device=device)  # mask sum, count below 0.5, sum of masked^2
+    acc = torch.zeros(4, M, dtype=torch.float64, device=device)  # mask sum, count below 0.5, sum of masked^2, V
     mask_min = torch.full((M,), math.inf, dtype=torch.float64, device=device)
     rows = max(1, min(d_out, tile_elements // max(1, M * d_in)))
     for start in range(0, d_out, rows):
         sl = slice(start, min(d_out, start + rows))
         G = torch.bmm(left_mean[:, sl], right_mean)
         var = torch.zeros_like(G)
-        for n in range(N):
-            dev = torch.bmm(left_dev[:, n, sl], right_dev[:, n])
-            var.addcmul_(dev, dev)
-        var.div_(N)
-        mask = _masked_tile(G, var, normalize, tau, mean_var, mean_sq, dtype)
+        if terms is None:
+            for n in range(N):
+                dev = torch.bmm(left_dev[:, n, sl], right_dev[:, n])
+                var.addcmul_(dev, dev)
+            var.div_(N)
+            spread = G
+        else:
+            for n, weight in enumerate(terms.weights):
+                dev = torch.bmm(left_dev[:, n, sl], right_dev[:, n])
+                var.addcmul_(dev, dev, value=weight)
+            if min(terms.weights) < 0:
+                var.clamp_min_(0)
+            acc[3] += var.sum(dim=(1, 2), dtype=torch.float64)
+            spread = G if terms.spread is None else torch.bmm(terms.spread[0][:, sl], terms.spread[1])
+        mask = _masked_tile(spread, var, normalize, tau, mean_var, mean_sq, dtype)
         acc[0] += mask.sum(dim=(1, 2), dtype=torch.float64)
         acc[1] += (mask < 0.5).sum(dim=(1, 2)).double()
         mask_min = torch.minimum(mask_min, mask.amin(dim=(1, 2)).double())
@@ -355,6 +409,8 @@ def tile_pass_torch(left_mean, right_mean, left_dev, right_dev, omega, *, tau, n
         "mask_frac_below_half": acc[1] / numel,
         "mask_min": mask_min,
     }
+    if terms is not None:
+        stats["gir"] = acc[3]
     return (masked if psi is None else co_sketch), sketch, stats, acc[2]
 
 
@@ -566,10 +622,11 @@ class Projected:
 
 
 def project_stack(st: Stack, *, tau, normalize, rank, oversample, power_iters, tile_elements, use_triton,
-                  triton_precision, svd) -> Projected:
+                  triton_precision, svd, variance: str = DEFAULT_VARIANCE, averaged: Stack | None = None) -> Projected:
     """Stages 2 to 5 on one stack: factors, mask scales, tile pass (Triton with
     ``use_triton``), projection; what a stack costs up to the small SVD, which waits for
-    nothing on the host. Keywords as :func:`batched_iga`'s."""
+    nothing on the host. Keywords as :func:`batched_iga`'s; ``averaged``: ``ema``'s averages
+    stacked as ``st`` (:func:`variance_terms`)."""
     M, N, r, d_in = st.gA.shape
     d_out, numel = st.B.shape[1], st.B.shape[1] * d_in
     k = r if rank is None else int(rank)
@@ -580,8 +637,7 @@ def project_stack(st: Stack, *, tau, normalize, rank, oversample, power_iters, t
     # the bf16 kernel reads bfloat16 factors; "mean" scales the mask by the mean of V, whose
     # Grams want the factors in full precision
     low = use_triton and triton_precision == "bf16" and normalize != "mean"
-    left_mean, right_mean, left_dev, right_dev = _factors(st, use_triton, torch.bfloat16 if low else None)
-    mean_sq = mean_square(left_mean, right_mean, numel, exact=not low)
+    left_mean, right_mean, left_dev, right_dev, terms, mean_sq = _stage2(st, use_triton, low, variance, averaged)
     # elsewhere than "mean" the mean of V only gives the gir statistic: taken while the kernel runs
     mean_var = mean_variance(left_dev, right_dev, numel) if normalize == "mean" else None
     # the Triton tile kernel does not take the first sketch: its test matrices are drawn, like
@@ -589,20 +645,17 @@ def project_stack(st: Stack, *, tau, normalize, rank, oversample, power_iters, t
     after = use_triton and co_width == 0
     omega, psi = (None, None) if after else _draw_sketches(st.generators, d_in, width, dtype, device, d_out, co_width)
     kwargs = dict(tau=tau, normalize=normalize, mean_var=mean_var, mean_sq=mean_sq, psi=psi,
-                  precision=triton_precision)
+                  precision=triton_precision, **({} if terms is None else {"terms": terms}))
     if use_triton:
         masked, sketch, stats, energy_total = triton_kernels.tile_pass_triton(
             left_mean, right_mean, left_dev, right_dev, omega, **kwargs)
     else:
         masked, sketch, stats, energy_total = tile_pass_torch(
             left_mean, right_mean, left_dev, right_dev, omega, tile_elements=tile_elements, **kwargs)
-    if mean_var is None:
-        mean_var = mean_variance(left_dev, right_dev, numel, exact=False)
+    _set_gir(stats, mean_var, left_dev, right_dev, numel)
     if after:
         omega, _ = _draw_sketches(st.generators, d_in, width, dtype, device)
         sketch = triton_kernels.first_sketch(masked, omega)
-    # gir, the sum of V over the elements, is numel times the mean of V
-    stats["gir"] = mean_var * numel
     if psi is None:
         Q, small = project(masked, sketch, power_iters, tf32=use_triton and triton_precision == "tf32",
                            use_triton=use_triton)
@@ -616,6 +669,28 @@ def _factors(st: Stack, use_triton: bool, dev_dtype: torch.dtype | None):
     if use_triton and triton_kernels.factors_fit(st.A, st.B, st.gA, st.gB):
         return triton_kernels.stack_factors_triton(st.A, st.B, st.gA, st.gB, st.scaling, dev_dtype or st.A.dtype)
     return stack_factors(st, dev_dtype)
+
+
+def _stage2(st: Stack, use_triton: bool, low: bool, variance: str, averaged: Stack | None):
+    """Stage 2 and the mask's floor: ``(left_mean, right_mean, left_dev, right_dev, terms,
+    mean_sq)``, ``terms`` None for the paper's variance (:func:`variance_terms` otherwise)."""
+    if variance == DEFAULT_VARIANCE:
+        factors = _factors(st, use_triton, torch.bfloat16 if low else None)
+        terms = None
+    else:
+        *factors, terms = variance_terms(st, variance, averaged)
+    left_mean, right_mean = factors[:2]
+    spread = (left_mean, right_mean) if terms is None or terms.spread is None else terms.spread
+    return (*factors, terms, mean_square(*spread, st.B.shape[1] * st.A.shape[-1], exact=not low))
+
+
+def _set_gir(stats: dict, mean_var, left_dev, right_dev, numel: int) -> None:
+    """gir, the sum of V over the elements: numel times the mean of V, unless the tile pass
+    summed it (the departures' V, which a clamp takes out of the Grams' reach)."""
+    if "gir" not in stats:
+        if mean_var is None:
+            mean_var = mean_variance(left_dev, right_dev, numel, exact=False)
+        stats["gir"] = mean_var * numel
 
 
 def _factor_gradients(st: Stack, proj: Projected, small64: torch.Tensor, eig):
@@ -635,7 +710,8 @@ def _factor_gradients(st: Stack, proj: Projected, small64: torch.Tensor, eig):
     return gA_new, gB_new, energy_kept
 
 
-def tangent_stack(st: Stack, *, tau, normalize, damping, tile_elements, use_triton, triton_precision):
+def tangent_stack(st: Stack, *, tau, normalize, damping, tile_elements, use_triton, triton_precision,
+                  variance: str = DEFAULT_VARIANCE, averaged: Stack | None = None):
     """The ``tangent`` projection on one stack: the tile pass stores the masked matrices and
     takes ``masked @ A^T``; one more pass takes ``B^T @ masked``. What the mask removed is that
     minus the same products of Gbar, which come from the factors. Returns
@@ -646,20 +722,18 @@ def tangent_stack(st: Stack, *, tau, normalize, damping, tile_elements, use_trit
     M, N, r, d_in = st.gA.shape
     d_out, numel = st.B.shape[1], st.B.shape[1] * d_in
     low = use_triton and triton_precision == "bf16" and normalize != "mean"
-    left_mean, right_mean, left_dev, right_dev = _factors(st, use_triton, torch.bfloat16 if low else None)
-    mean_sq = mean_square(left_mean, right_mean, numel, exact=not low)
+    left_mean, right_mean, left_dev, right_dev, terms, mean_sq = _stage2(st, use_triton, low, variance, averaged)
     mean_var = mean_variance(left_dev, right_dev, numel) if normalize == "mean" else None
     omega = st.A.mT  # the "first sketch" of the tile pass is masked @ A^T
-    kwargs = dict(tau=tau, normalize=normalize, mean_var=mean_var, mean_sq=mean_sq, precision=triton_precision)
+    kwargs = dict(tau=tau, normalize=normalize, mean_var=mean_var, mean_sq=mean_sq, precision=triton_precision,
+                  **({} if terms is None else {"terms": terms}))
     if use_triton:
         masked, GAt, stats, energy_total = triton_kernels.tile_pass_triton(
             left_mean, right_mean, left_dev, right_dev, omega.contiguous(), **kwargs)
     else:
         masked, GAt, stats, energy_total = tile_pass_torch(
             left_mean, right_mean, left_dev, right_dev, omega, tile_elements=tile_elements, **kwargs)
-    if mean_var is None:
-        mean_var = mean_variance(left_dev, right_dev, numel, exact=False)
-    stats["gir"] = mean_var * numel
+    _set_gir(stats, mean_var, left_dev, right_dev, numel)
     work = st.A.dtype
     gA_mean, gB_mean = st.gA.mean(dim=1), st.gB.mean(dim=1)
     s = st.scaling.view(-1, 1, 1)
@@ -764,6 +838,8 @@ def batched_iga(
     svd: str = DEFAULT_SVD,
     projection: str = DEFAULT_PROJECTION,
     damping: float = DEFAULT_DAMPING,
+    variance: str = DEFAULT_VARIANCE,
+    averages: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor, MutableMapping[str, float]]]:
     """IGA (continuous mask) for every module, in the order given, as
     :func:`iga_ds.methods.iga.reference.iga_update` with the same options (and defaults) and
@@ -781,13 +857,21 @@ def batched_iga(
     ``tl.dot`` precision, "ieee", "tf32x3", "tf32" or "bf16" (masked matrices stored and
     multiplied in bfloat16, float32 accumulation; docs/PERFORMANCE.md has the precision rule).
     float16/bfloat16 inputs are computed in float32 and returned in their own dtype.
+    ``variance`` (:mod:`iga_ds.methods.iga.variance`): ``ema`` takes ``averages``, one
+    ``(gA, gB)`` pair of bias-corrected moving averages per module, shaped as its gA, gB;
+    ``debiased`` takes modules whose gA, gB hold 2N per-(domain, half) means and refuses
+    ``normalize="mean"`` (the clamped V's mean has no Gram form). Either runs the PyTorch tile
+    pass (:class:`VarianceTerms`; the Triton tile kernel computes the paper's V only).
     """
     _check(modules, generators, normalize, tau, factors, svd, triton_precision, projection, damping)
+    _check_variance(modules, normalize, variance, averages)
     device = modules[0].gA.device if modules else torch.device("cpu")
+    if variance != DEFAULT_VARIANCE:
+        use_triton = False
     if projection == "tangent":
         return _batched_tangent(modules, generators, tau=float(tau), normalize=normalize, damping=float(damping),
                                 batch_bytes=batch_bytes, tile_elements=int(tile_elements), use_triton=use_triton,
-                                triton_precision=triton_precision)
+                                triton_precision=triton_precision, variance=variance, averages=averages)
     # bf16 masked matrices take half the bytes: twice the modules per stack, half the launches
     element_bytes = triton_kernels.masked_dtype(triton_precision).itemsize
     stacks = _stacks(modules, generators, rank, resolve_batch_bytes(batch_bytes, device),
@@ -799,13 +883,39 @@ def batched_iga(
         projected.append(project_stack(
             st, tau=float(tau), normalize=normalize, rank=rank, oversample=int(oversample),
             power_iters=int(power_iters), tile_elements=int(tile_elements), use_triton=triton_ok,
-            triton_precision=triton_precision, svd=svd,
+            triton_precision=triton_precision, svd=svd, variance=variance, averaged=_averaged(st, averages),
         ))
     return _finish_stacks(modules, stacks, projected, factors)
 
 
+def _check_variance(modules: Sequence[ModuleGrads], normalize: str, variance: str, averages) -> None:
+    check_choice(variance, VARIANCES, "variance")
+    if variance == "ema" and (averages is None or len(averages) != len(modules)):
+        raise ValueError(f"variance 'ema' needs one (gA, gB) pair of averages per module: got "
+                         f"{'none' if averages is None else len(averages)} for {len(modules)} modules")
+    if variance != "ema" and averages is not None:
+        raise ValueError(f"averages act only with variance 'ema', and variance is {variance!r}")
+    if variance == "debiased":
+        if normalize == "mean":
+            raise ValueError("variance 'debiased' with normalize 'mean' has no fused form (the clamped V's mean "
+                             "needs a pass of its own): use the reference implementation")
+        for m in modules:
+            if m.num_domains % 2:
+                raise ValueError(f"variance 'debiased' needs 2N per-(domain, half) gradients, got {m.num_domains} "
+                                 f"for module {m.name}")
+
+
+def _averaged(st: Stack, averages) -> Stack | None:
+    """``ema``'s averages at the stack's positions, stacked as the stack (None without them)."""
+    if averages is None:
+        return None
+    work = st.A.dtype
+    return dataclasses.replace(st, gA=torch.stack([averages[i][0] for i in st.positions]).to(work),
+                               gB=torch.stack([averages[i][1] for i in st.positions]).to(work))
+
+
 def _batched_tangent(modules, generators, *, tau, normalize, damping, batch_bytes, tile_elements, use_triton,
-                     triton_precision) -> TiledResults:
+                     triton_precision, variance=DEFAULT_VARIANCE, averages=None) -> TiledResults:
     device = modules[0].gA.device if modules else torch.device("cpu")
     element_bytes = triton_kernels.masked_dtype(triton_precision).itemsize
     stacks = _stacks(modules, generators, None, resolve_batch_bytes(batch_bytes, device),
@@ -814,7 +924,8 @@ def _batched_tangent(modules, generators, *, tau, normalize, damping, batch_byte
     for st in stacks:
         triton_ok = _triton_wanted(use_triton, st.A.device) and st.A.dtype == torch.float32
         outs.append(tangent_stack(st, tau=tau, normalize=normalize, damping=damping, tile_elements=tile_elements,
-                                  use_triton=triton_ok, triton_precision=triton_precision))
+                                  use_triton=triton_ok, triton_precision=triton_precision, variance=variance,
+                                  averaged=_averaged(st, averages)))
     return _tangent_results(modules, stacks, outs)
 
 

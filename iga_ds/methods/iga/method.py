@@ -15,7 +15,7 @@ from iga_ds.methods.iga.options import OPTION_NAMES, make_options, option_signat
 from iga_ds.methods.iga.options import refusal as option_refusal
 from iga_ds.methods.iga.reference import masked_projection, mean_and_variance
 from iga_ds.methods.iga.sketch import sketch_key, sketch_keys
-from iga_ds.methods.iga.variance import DEFAULT_VARIANCE, MovingAverages, debiased_variance, split_halves
+from iga_ds.methods.iga.variance import MovingAverages, debiased_variance, split_halves
 from iga_ds.methods.tensors import TiledResults
 
 # what IGA and its ablations report per module, and how a whole model's figure is formed
@@ -125,9 +125,11 @@ class IGA(MaskedProjectionMethod):
     ``implementation``: ``reference`` runs :func:`~iga_ds.methods.iga.reference.masked_projection`
     module by module; ``fused`` runs :func:`~iga_ds.methods.iga.fused.batched_iga` (same result up
     to rounding, no N full-rank matrices, modules of equal shape batched); ``auto`` takes
-    ``fused`` on CUDA with ``variance: batch``: the batched path knows no other variance, so
-    ``auto`` takes the reference path for ``ema`` and ``debiased``, and ``fused`` refuses them.
-    ``precision`` (fused path): ``auto`` (default) is ``bf16`` when the gradients come from a
+    ``fused`` on CUDA, except for ``variance: debiased`` with ``normalize: mean``, which has no
+    fused form (``fused`` refuses it). ``ema`` and ``debiased`` run the batched PyTorch tile pass
+    (the Triton tile kernel computes the paper's variance only).
+    ``precision`` (fused path, ``variance: batch``; the departures compute in float32): ``auto``
+    (default) is ``bf16`` when the gradients come from a
     bfloat16 forward and backward (:attr:`ModuleGrads.trained_in`; a DeepSpeed bf16 run) and
     ``ieee`` otherwise: bf16 keeps the precision rule of docs/PERFORMANCE.md (its error a fifth
     of the bf16 training's own noise carried through the method, its rank-r error within 0.4%
@@ -147,7 +149,8 @@ class IGA(MaskedProjectionMethod):
 
     def _fused(self, modules: Sequence[ModuleGrads]) -> bool:
         if self.implementation == "auto":
-            return (self.svd != "exact" and self.variance == DEFAULT_VARIANCE and bool(modules)
+            no_fused_form = self.variance == "debiased" and self.normalize == "mean"
+            return (self.svd != "exact" and not no_fused_form and bool(modules)
                     and modules[0].gA.device.type == "cuda")
         return self.implementation == "fused"
 
@@ -156,6 +159,8 @@ class IGA(MaskedProjectionMethod):
         from the dtype their gradients were computed in."""
         if self.precision != "auto":
             return self.precision
+        if self.variance != "batch":  # the departures' PyTorch tile pass: bf16 rounding would buy no speed there
+            return "ieee"
         return "bf16" if modules and modules[0].trained_in == torch.bfloat16 else "ieee"
 
     def combine(self, modules, step):
@@ -164,8 +169,12 @@ class IGA(MaskedProjectionMethod):
         # the tangent projection draws no sketch: keys only where the projection reads them
         gens = (sketch_keys(self.seed, step, [m.index for m in modules]) if self.projection == "svd"
                 else [None] * len(modules))
+        # ema: this step's averages, bias-corrected, one pair per module (the reference path's update)
+        averages = ([self._averages.update(m.index, m.gA, m.gB) for m in modules] if self.variance == "ema"
+                    else None)
         out = batched_iga(modules, tau=self.tau, normalize=self.normalize, rank=self.rank,
                           oversample=self.oversample, power_iters=self.power_iters, generators=gens,
                           triton_precision=self.precision_for(modules), factors=self.factors, svd=self.svd,
-                          projection=self.projection, damping=self.damping)
+                          projection=self.projection, damping=self.damping, variance=self.variance,
+                          averages=averages)
         return TiledResults([ModuleUpdate(gA, gB, stats) for gA, gB, stats in out], out.bases)

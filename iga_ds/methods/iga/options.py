@@ -55,8 +55,8 @@ class IGAOptions:
         if self.implementation == "fused" and self.svd == "exact":
             raise ValueError("implementation 'fused' needs a sketched svd, 'randomized' or 'single_pass' "
                              "(the exact SVD has no fused form)")
-        if self.implementation == "fused" and self.variance != DEFAULT_VARIANCE:
-            raise ValueError(f"implementation 'fused' takes variance 'batch' only, got variance {self.variance!r} "
+        if self.implementation == "fused" and self.variance == "debiased" and self.normalize == "mean":
+            raise ValueError("implementation 'fused' has no form of variance 'debiased' with normalize 'mean' "
                              "(use implementation 'auto' or 'reference')")
         for name, kind in (("tau", float), ("damping", float), ("oversample", int), ("power_iters", int)):
             object.__setattr__(self, name, kind(getattr(self, name)))
