@@ -448,3 +448,48 @@ def test_architecture_doc_lists_the_layers_this_test_enforces():
     text = (REPO / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
     documented = {pkg: int(rank) for rank, pkg in re.findall(r"^\| (\d+) \| `(\w+)` \|", text, flags=re.M)}
     assert documented == {pkg: rank for pkg, rank in RANK.items() if pkg != "__main__"}
+
+
+# what a user of the hook needs, and what only the experiment workbench uses (docs/ARCHITECTURE.md)
+CORE = ("errors", "files", "progress", "metrics", "methods", "models", "data", "lora", "config", "engine",
+        "cluster", "train")
+WORKBENCH = ("iga_ds.data.teacher", "iga_ds.data.benchmarks", "iga_ds.evaluation", "iga_ds.experiments",
+             "iga_ds.integrations")
+
+
+def _in_workbench(module: str) -> bool:
+    return any(module == w or module.startswith(w + ".") for w in WORKBENCH)
+
+
+def _core_reach() -> dict[str, list[str]]:
+    """Each workbench module a core module reaches through its imports (at the top or inside a
+    function, one after another), with the chain that reaches it."""
+    graph = {m: sorted({e["target"] for e in edges if e["target"] in MODULES}) for m, edges in GRAPH.items()}
+    core = [m for m in MODULES if package_of(m) in CORE and not _in_workbench(m) and not m.endswith(".cli")]
+    reached: dict[str, list[str]] = {}
+    for start in core:
+        chains, seen = [[start]], {start}
+        while chains:
+            chain = chains.pop()
+            for nxt in graph[chain[-1]]:
+                if nxt in seen:
+                    continue
+                seen.add(nxt)
+                if _in_workbench(nxt):
+                    reached.setdefault(nxt, chain + [nxt])
+                else:
+                    chains.append(chain + [nxt])
+    return reached
+
+
+def test_the_core_imports_nothing_from_the_workbench():
+    """The hook's user (methods, LoRA capture, engine, config, trainer) needs no teacher pipeline,
+    benchmark loader, evaluation, grid, report or integration; the commands (``cli.py``) may."""
+    reached = _core_reach()
+    assert not reached, "core modules that reach the workbench:\n" + "\n".join(
+        " -> ".join(chain) for chain in reached.values())
+
+
+def test_the_core_reach_check_follows_chains(monkeypatch):
+    monkeypatch.setitem(GRAPH, "iga_ds.files", [*GRAPH["iga_ds.files"], {"target": "iga_ds.experiments.report"}])
+    assert _core_reach()["iga_ds.experiments.report"][-2:] == ["iga_ds.files", "iga_ds.experiments.report"]
