@@ -343,6 +343,24 @@ def _masked_tile(G, var, normalize, tau, mean_var, mean_sq, dtype):
     return torch.exp(-tau * vn)
 
 
+def _tile_variance(G, left_dev, right_dev, sl: slice, terms: "VarianceTerms | None"):
+    """One row tile's V and the mean ``snr`` divides by: the paper's (terms None), else the
+    weighted terms', clamped at zero where a weight is negative."""
+    var = torch.zeros_like(G)
+    if terms is None:
+        N = left_dev.shape[1]
+        for n in range(N):
+            dev = torch.bmm(left_dev[:, n, sl], right_dev[:, n])
+            var.addcmul_(dev, dev)
+        return var.div_(N), G
+    for n, weight in enumerate(terms.weights):
+        dev = torch.bmm(left_dev[:, n, sl], right_dev[:, n])
+        var.addcmul_(dev, dev, value=weight)
+    if min(terms.weights) < 0:
+        var.clamp_min_(0)
+    return var, (G if terms.spread is None else torch.bmm(terms.spread[0][:, sl], terms.spread[1]))
+
+
 def tile_pass_torch(left_mean, right_mean, left_dev, right_dev, omega, *, tau, normalize, mean_var,
                     mean_sq, tile_elements, psi=None, precision="ieee", terms: "VarianceTerms | None" = None):
     """Stage 4 in PyTorch: masked matrices, first sketch and mask statistics, one row tile at a time.
@@ -376,21 +394,9 @@ def tile_pass_torch(left_mean, right_mean, left_dev, right_dev, omega, *, tau, n
     for start in range(0, d_out, rows):
         sl = slice(start, min(d_out, start + rows))
         G = torch.bmm(left_mean[:, sl], right_mean)
-        var = torch.zeros_like(G)
-        if terms is None:
-            for n in range(N):
-                dev = torch.bmm(left_dev[:, n, sl], right_dev[:, n])
-                var.addcmul_(dev, dev)
-            var.div_(N)
-            spread = G
-        else:
-            for n, weight in enumerate(terms.weights):
-                dev = torch.bmm(left_dev[:, n, sl], right_dev[:, n])
-                var.addcmul_(dev, dev, value=weight)
-            if min(terms.weights) < 0:
-                var.clamp_min_(0)
+        var, spread = _tile_variance(G, left_dev, right_dev, sl, terms)
+        if terms is not None:
             acc[3] += var.sum(dim=(1, 2), dtype=torch.float64)
-            spread = G if terms.spread is None else torch.bmm(terms.spread[0][:, sl], terms.spread[1])
         mask = _masked_tile(spread, var, normalize, tau, mean_var, mean_sq, dtype)
         acc[0] += mask.sum(dim=(1, 2), dtype=torch.float64)
         acc[1] += (mask < 0.5).sum(dim=(1, 2)).double()
@@ -856,18 +862,13 @@ def batched_iga(
     Triton for float32 CUDA tensors when it imports. ``triton_precision``: the kernels'
     ``tl.dot`` precision, "ieee", "tf32x3", "tf32" or "bf16" (masked matrices stored and
     multiplied in bfloat16, float32 accumulation; docs/PERFORMANCE.md has the precision rule).
-    float16/bfloat16 inputs are computed in float32 and returned in their own dtype.
-    ``variance`` (:mod:`iga_ds.methods.iga.variance`): ``ema`` takes ``averages``, one
-    ``(gA, gB)`` pair of bias-corrected moving averages per module, shaped as its gA, gB;
-    ``debiased`` takes modules whose gA, gB hold 2N per-(domain, half) means and refuses
-    ``normalize="mean"`` (the clamped V's mean has no Gram form). Either runs the PyTorch tile
-    pass (:class:`VarianceTerms`; the Triton tile kernel computes the paper's V only).
-    """
+    float16/bfloat16 inputs are computed in float32 and returned in their own dtype. ``variance``:
+    ``ema`` takes ``averages`` (one ``(gA, gB)`` pair per module), ``debiased`` 2N per-(domain,
+    half) means; both run the PyTorch tile pass (:class:`VarianceTerms`)."""
     _check(modules, generators, normalize, tau, factors, svd, triton_precision, projection, damping)
     _check_variance(modules, normalize, variance, averages)
     device = modules[0].gA.device if modules else torch.device("cpu")
-    if variance != DEFAULT_VARIANCE:
-        use_triton = False
+    use_triton = use_triton if variance == DEFAULT_VARIANCE else False
     if projection == "tangent":
         return _batched_tangent(modules, generators, tau=float(tau), normalize=normalize, damping=float(damping),
                                 batch_bytes=batch_bytes, tile_elements=int(tile_elements), use_triton=use_triton,
