@@ -10,6 +10,12 @@ same records, token ids, batches and schedule:
   (the shipped ``ds_configs/zero2.json`` on a GPU, the package's default fp32
   ``zero2_fp32.json`` on the CPU), SDPA attention; needs ``accelerate`` (skipped with the
   reason where it is absent);
+- ``sft_trainer_iga``: TRL's ``SFTTrainer`` as an iga-ds run of IGA
+  (``iga_ds.integrations.sft.IGASFTTrainer``), given ``iga_ds.integrations.recipe``'s run of
+  ``iga_ds_iga``'s run YAML: the same model, adapters, token rows, groups, optimizer and schedule,
+  so that beside ``iga_ds_iga`` it shows what the integration costs; timed as ``hf_trainer`` is,
+  logging every step as ``iga-ds train`` does; needs ``trl`` and ``accelerate`` (skipped with the
+  reason where either is absent);
 - ``iga_ds_erm`` and ``iga_ds_iga``: ``python -m iga_ds train --config RUN.yaml`` with a run YAML
   written here (method ``erm``, then ``iga`` with its defaults), and ``iga_ds_erm_packed`` and
   ``iga_ds_iga_packed``, the same with ``data.padding_free: true``, and ``iga_ds_erm_captured``,
@@ -108,12 +114,13 @@ from iga_ds.train.optim import lr_lambda
 from iga_ds.train.pretrain import corpus_texts, generator_words
 from iga_ds.train.profiling import PROFILE_JSON, PROFILE_TXT, StepProfiler
 
-VARIANTS = ("torch", "torch_no_cudnn", "hf_trainer", "iga_ds_erm", "iga_ds_iga", "iga_ds_erm_packed",
-            "iga_ds_iga_packed", "iga_ds_erm_captured", "iga_ds_erm_liger", "iga_ds_iga_liger",
+VARIANTS = ("torch", "torch_no_cudnn", "hf_trainer", "sft_trainer_iga", "iga_ds_erm", "iga_ds_iga",
+            "iga_ds_erm_packed", "iga_ds_iga_packed", "iga_ds_erm_captured", "iga_ds_erm_liger", "iga_ds_iga_liger",
             "iga_ds_erm_packed_liger", "iga_ds_iga_packed_liger", "iga_ds_erm_unfused", "iga_ds_iga_unfused",
             "iga_ds_erm_packed_liger_unfused", "iga_ds_iga_packed_liger_unfused")
 LABELS = {"torch": "PyTorch + PEFT loop", "torch_no_cudnn": "PyTorch + PEFT loop, cuDNN attention off",
           "hf_trainer": "HF Trainer + PEFT + DeepSpeed",
+          "sft_trainer_iga": "TRL SFTTrainer + iga-ds IGA (IGASFTTrainer)",
           "iga_ds_erm": "iga-ds train, ERM", "iga_ds_iga": "iga-ds train, IGA",
           "iga_ds_erm_packed": "iga-ds train, ERM, padding-free",
           "iga_ds_iga_packed": "iga-ds train, IGA, padding-free",
@@ -125,6 +132,7 @@ LABELS = {"torch": "PyTorch + PEFT loop", "torch_no_cudnn": "PyTorch + PEFT loop
           "iga_ds_iga_unfused": "iga-ds train, IGA, PEFT's LoRA forward",
           "iga_ds_erm_packed_liger_unfused": "iga-ds train, ERM, padding-free, liger-kernel, PEFT's LoRA forward",
           "iga_ds_iga_packed_liger_unfused": "iga-ds train, IGA, padding-free, liger-kernel, PEFT's LoRA forward"}
+TRAINER_VARIANTS = ("hf_trainer", "sft_trainer_iga")  # through the Hugging Face Trainer (and accelerate)
 # the variants' name parts: data.padding_free on, model.liger_kernel on, model.fused_lora off
 PACKED, LIGER, UNFUSED = "_packed", "_liger", "_unfused"
 # shapes with random weights: Hugging Face LLaMA config fields (SmolLM2-135M-Instruct's
@@ -272,6 +280,42 @@ def run_hf_trainer(spec: dict) -> dict:
             "attn_implementation": "sdpa", "dtype": "bf16 (DeepSpeed)" if cuda else "float32"}
 
 
+def run_sft_trainer_iga(spec: dict) -> dict:
+    """IGASFTTrainer of the recipe of ``iga_ds_iga``'s run YAML (see the module docstring)."""
+    from transformers import TrainerCallback
+    from trl import SFTConfig
+
+    from iga_ds.integrations.hf import IsomerCollator, pad_token_id
+    from iga_ds.integrations.recipe import run_recipe
+    from iga_ds.integrations.sft import IGASFTTrainer
+
+    cuda = spec["device"] == "cuda"
+    if not cuda and not os.environ.get("IGA_DS_CPU_SHM_OP"):
+        disable_cpu_shm_comm_op()  # as iga-ds train does on the CPU
+    out = Path(spec["work"]) / "runs" / "sft_trainer_iga"
+    config = Path(spec["work"]) / "sft_trainer_iga.yaml"
+    atomic_write_text(config, run_yaml(spec, "iga", str(out)))
+    recipe = run_recipe(str(config))
+    fed: list[int] = []  # each micro-batch's tokens (no padding), as the Trainer's loop takes them
+    collate = IsomerCollator(pad_token_id(recipe.tokenizer), recipe.iga.num_domains)
+
+    def counting(features):
+        batch = collate(features)
+        fed.append(int(batch["attention_mask"].sum()))
+        return batch
+
+    clock = StepClock(torch.device(spec["device"]), TrainerCallback)
+    args = recipe.training_arguments(str(out), SFTConfig, logging_steps=1, disable_tqdm=True)
+    trainer = IGASFTTrainer(args=args, data_collator=counting, callbacks=[clock.callback], **recipe.trainer_kwargs())
+    trainer.train()
+    accum = recipe.accumulation_steps
+    return {"step_times_s": clock.times, "step_tokens": [sum(fed[i * accum:(i + 1) * accum]) for i in
+                                                          range(recipe.total_steps)],
+            "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
+            "attn_implementation": recipe.config.model.attn_implementation,
+            "dtype": "bf16 (DeepSpeed)" if cuda else "float32"}
+
+
 class StepClock:
     """A ``TrainerCallback`` timing each optimizer step from the end of the one before (the
     first from its ``on_step_begin``), the device synchronized at each reading."""
@@ -367,7 +411,7 @@ def worker(variant: str, spec_path: str, result_path: str) -> int:
         result.update(rc=rc, dtype="bf16 (DeepSpeed)" if spec["device"] == "cuda" else "float32")
     else:
         result = {"torch": run_torch, "torch_no_cudnn": lambda s: run_torch(s, cudnn=False),
-                  "hf_trainer": run_hf_trainer}[variant](spec)
+                  "hf_trainer": run_hf_trainer, "sft_trainer_iga": run_sft_trainer_iga}[variant](spec)
         result["rc"] = 0
     cuda = spec["device"] == "cuda"
     result["peak_memory_bytes"] = torch.cuda.max_memory_allocated() if cuda else None
@@ -377,8 +421,10 @@ def worker(variant: str, spec_path: str, result_path: str) -> int:
 
 def skip_reason(variant: str, spec: dict) -> str | None:
     """Why ``variant`` cannot run here, or None."""
-    if variant == "hf_trainer" and importlib.util.find_spec("accelerate") is None:
+    if variant in TRAINER_VARIANTS and importlib.util.find_spec("accelerate") is None:
         return "accelerate is not installed (the Hugging Face Trainer needs it: pip install accelerate)"
+    if variant == "sft_trainer_iga" and importlib.util.find_spec("trl") is None:
+        return "trl is not installed (IGASFTTrainer needs it: pip install 'iga-ds[trl]')"
     if LIGER in variant:
         try:
             require_liger_kernel()  # the trainer's own check
@@ -403,7 +449,7 @@ def run_variant(variant: str, spec: dict, spec_path: Path, timeout_s: float) -> 
     env = dict(os.environ)
     if spec["device"] == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
-    if variant == "hf_trainer":  # one rank for accelerate's DeepSpeed state
+    if variant in TRAINER_VARIANTS:  # one rank for accelerate's DeepSpeed state
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(free_port()))
     command = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--spec", str(spec_path),
@@ -603,7 +649,8 @@ def earlier_rows(path: str, settings: dict, card: str) -> dict[str, dict]:
 # (variant, baseline) step-time ratios paired by step: the method's cost, each layout's, the anchors
 PAIRS = (("iga_ds_iga", "iga_ds_erm"), ("iga_ds_iga_packed", "iga_ds_erm_packed"), ("iga_ds_erm_packed", "iga_ds_erm"),
          ("iga_ds_erm_captured", "iga_ds_erm"), ("iga_ds_erm", "torch"), ("iga_ds_iga", "torch"),
-         ("iga_ds_erm", "hf_trainer"), ("iga_ds_iga", "hf_trainer"), ("torch_no_cudnn", "torch"),
+         ("iga_ds_erm", "hf_trainer"), ("iga_ds_iga", "hf_trainer"), ("sft_trainer_iga", "iga_ds_iga"),
+         ("sft_trainer_iga", "hf_trainer"), ("torch_no_cudnn", "torch"),
          ("iga_ds_erm", "torch_no_cudnn"), ("iga_ds_iga", "torch_no_cudnn"), ("iga_ds_erm_liger", "iga_ds_erm"),
          ("iga_ds_iga_liger", "iga_ds_iga"), ("iga_ds_iga_liger", "iga_ds_erm_liger"),
          ("iga_ds_iga_packed_liger", "iga_ds_erm_packed_liger"), ("iga_ds_erm_packed_liger", "iga_ds_erm_liger"),
@@ -824,15 +871,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def resolve_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with ``--small``'s settings or the defaults where it gives none."""
     args = build_parser().parse_args(argv)
-    if args.worker:
-        return worker(args.worker, args.spec, args.result)
     defaults = SMALL if args.small else DEFAULTS
     for key, value in defaults.items():
         if getattr(args, key) is None and not (key == "shape" and args.model):
             setattr(args, key, value)
     args.alpha = 2 * args.rank
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = resolve_args(argv)
+    if args.worker:
+        return worker(args.worker, args.spec, args.result)
     try:
         return drive(args)
     except UserError as exc:  # a bad option or input: one line

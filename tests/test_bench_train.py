@@ -17,25 +17,28 @@ import torch
 import bench_train
 
 REPO = Path(__file__).resolve().parents[1]
+# sft_trainer_iga starts trl as well (seconds of imports more than hf_trainer): it runs in
+# tests/test_integration_equivalence.py's worker, whose process has them loaded already
+SMOKE_VARIANTS = [v for v in bench_train.VARIANTS if v != "sft_trainer_iga"]
 
 
 @pytest.mark.slow
 def test_small_run_measures_every_variant_on_the_same_tokens(tmp_path):
     out = tmp_path / "bench_train.json"
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "bench_train.py"), "--small", "--profile",
-                           "--out", str(out)],
+                           "--variants", ",".join(SMOKE_VARIANTS), "--out", str(out)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
     rows = report["variants"]
-    assert [row["variant"] for row in rows] == list(bench_train.VARIANTS)
+    assert [row["variant"] for row in rows] == SMOKE_VARIANTS
     assert report["card"] == "CPU" and report["peak_flops"] is None
     ran = [row for row in rows if "skipped" not in row]
     assert all(row["skipped"].strip() for row in rows if row not in ran)  # a skip says why
     # the anchors that need nothing beyond the package's own dependencies always run; liger-kernel needs a GPU
     gpu_only = {v for v in bench_train.VARIANTS if bench_train.LIGER in v}
-    assert set(bench_train.VARIANTS) - {"hf_trainer"} - gpu_only <= {row["variant"] for row in ran}
+    assert set(SMOKE_VARIANTS) - {"hf_trainer"} - gpu_only <= {row["variant"] for row in ran}
     assert all("CUDA" in row["skipped"] for row in rows if row["variant"] in gpu_only)
     assert report["settings"]["model_dir"] == "WORK_DIR/model"  # no path of this machine in the JSON
     steps, warmup = report["settings"]["steps"], report["settings"]["warmup_steps"]
@@ -79,7 +82,8 @@ def test_small_run_measures_every_variant_on_the_same_tokens(tmp_path):
     assert "card: CPU" in proc.stdout and "median step s" in proc.stdout
     # the paired step ratios of every pair that ran, each printed under the table
     pairs = {(p["variant"], p["baseline"]) for p in report["paired"]}
-    assert {pair for pair in bench_train.PAIRS if not {"hf_trainer", *gpu_only} & set(pair)} <= pairs
+    assert {pair for pair in bench_train.PAIRS
+            if set(pair) <= set(SMOKE_VARIANTS) and not {"hf_trainer", *gpu_only} & set(pair)} <= pairs
     assert "iga_ds_iga / iga_ds_erm: step time " in proc.stdout
     # --resume, round by round and with other settings: test_rounds_alternate_the_order_and_resume_round_by_round
 
@@ -93,6 +97,14 @@ def test_a_missing_accelerate_skips_the_hf_trainer_with_the_reason(monkeypatch):
     row = bench_train.measure("hf_trainer", spec, Path("unused"), argparse.Namespace(), [], None)
     assert row["variant"] == "hf_trainer" and "accelerate" in row["skipped"]
     assert "skipped: accelerate" in bench_train.table([row], "CPU")
+
+
+def test_a_missing_trl_skips_the_sft_trainer_variant_with_the_reason(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl" else real(name, *a))
+    spec = {"packed_attn": "default"}
+    assert "trl is not installed" in bench_train.skip_reason("sft_trainer_iga", spec)
+    assert bench_train.skip_reason("hf_trainer", spec) is None
 
 
 def test_torch_varlen_without_its_kernel_skips_the_padding_free_variants(monkeypatch):

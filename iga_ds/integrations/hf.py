@@ -12,7 +12,11 @@ isomer groups ``iga-ds train`` gives it; :class:`IsomerCollator` keeps each row'
 Trainer's logs gain ``loss.<domain>`` (every run, ERM included) and ``hook.<statistic>`` (the
 method's, averaged over the logging window), and so do its ``report_to`` trackers. Checkpoints
 are the Trainer's own; a method with state across steps (IGA's ``variance: ema``) also writes
-each rank's share into the checkpoint folder and reads them back on resume. All of it is
+each rank's share into the checkpoint folder and reads them back on resume. As in ``iga-ds
+train``, ``iga.max_skipped_steps`` skipped steps in a row (a non-finite loss or gradient) stop
+the run in one line naming the first non-finite quantity. ``schedule=`` (the run YAML's
+``schedule:``) replaces the Trainer's optimizer and learning-rate schedule with ``iga-ds
+train``'s (:mod:`iga_ds.integrations.recipe` builds the rest of an ``iga-ds train`` run). All of it is
 :class:`IGATrainerMixin`, which :class:`IGATrainer` puts before ``Trainer`` and
 ``iga_ds.integrations.sft.IGASFTTrainer`` before TRL's ``SFTTrainer``.
 """
@@ -28,15 +32,20 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from iga_ds.config.base import validate_section
 from iga_ds.config.hook import HookConfig
+from iga_ds.config.run import ScheduleConfig
 from iga_ds.engine.hook import attach
 from iga_ds.engine.internals import GroupStepAdamW
 from iga_ds.errors import ConfigError, DataError, UserError
 from iga_ds.integrations.hf_data import COLUMNS, DOMAIN_IDS, GROUP_INDEX, isomer_dataset
 from iga_ds.train.batching import IGNORE_INDEX, GroupSampler, sequence_losses
 from iga_ds.train.checkpoint import read_method_state, save_method_state
+from iga_ds.train.divergence import DivergedRun, SkippedSteps
+from iga_ds.train.optim import build_optimizer, lr_lambda
 
-__all__ = ["IGATrainer", "IGATrainerMixin", "IsomerCollator", "GroupStepSampler", "isomer_dataset", "hook_config"]
+__all__ = ["IGATrainer", "IGATrainerMixin", "IsomerCollator", "GroupStepSampler", "isomer_dataset", "hook_config",
+           "schedule_config"]
 
 
 def hook_config(iga: HookConfig | dict | None) -> HookConfig:
@@ -47,6 +56,14 @@ def hook_config(iga: HookConfig | dict | None) -> HookConfig:
         raise ConfigError("IGATrainer: iga: expected the method's settings, e.g. "
                           "{'method': 'iga', 'params': {'tau': 0.5}, 'domains': [...]}")
     return HookConfig.from_dict(iga, where="iga")
+
+
+def schedule_config(schedule: ScheduleConfig | dict | None) -> ScheduleConfig | None:
+    """``iga-ds train``'s optimizer and schedule: a :class:`ScheduleConfig`, or the run YAML's
+    ``schedule:`` block as a dict; None leaves the Trainer's own."""
+    if schedule is None or isinstance(schedule, ScheduleConfig):
+        return schedule
+    return validate_section(ScheduleConfig, schedule, "schedule")
 
 
 # -- data -------------------------------------------------------------------------------------
@@ -162,15 +179,22 @@ class DomainLosses:
         self.sums.index_add_(0, ids, sequence_losses.detach().double())
         self.sums.index_add_(0, ids + n, torch.ones_like(ids, dtype=torch.float64))
 
-    def pop(self, reduce) -> dict[str, float]:
+    def pop(self, reduce, overall: bool = False) -> dict[str, float]:
         """``loss.<domain>``: each domain's mean sequence loss over the window, on every rank
-        (``reduce`` sums a tensor over the ranks); {} where nothing was added."""
+        (``reduce`` sums a tensor over the ranks), and with ``overall`` the mean over all
+        sequences as ``loss``; {} where nothing was added."""
         if self.sums is None:
             return {}
         totals, self.sums = reduce(self.sums).cpu(), None
         n = len(self.domains)
-        return {f"loss.{d}": float(totals[i] / totals[n + i]) for i, d in enumerate(self.domains)
-                if totals[n + i] > 0}
+        out = {f"loss.{d}": float(totals[i] / totals[n + i]) for i, d in enumerate(self.domains)
+               if totals[n + i] > 0}
+        if overall:
+            out["loss"] = float(totals[:n].sum() / totals[n:].sum().clamp(min=1))
+        return out
+
+    def clear(self) -> None:
+        self.sums = None
 
 
 class StepStatistics:
@@ -192,6 +216,32 @@ class StepStatistics:
         out = {f"hook.{k}": v / self.steps for k, v in self.sums.items()} if self.steps else {}
         self.sums, self.steps = {}, 0
         return out
+
+
+class SkippedStepLimit:
+    """``iga.max_skipped_steps`` as ``iga-ds train`` enforces it (:mod:`iga_ds.train.divergence`):
+    that many optimizer steps in a row skipped for a non-finite loss or gradient (by the hook or
+    by DeepSpeed's own check) stop the run, naming the first non-finite quantity of the row."""
+
+    def __init__(self, config: HookConfig):
+        self.limit = config.max_skipped_steps if config.skip_nonfinite else 0
+        self.in_a_row = SkippedSteps(0)  # counts and remembers the row's first; the limit is checked here
+        self.step_losses = DomainLosses(list(config.domains))  # this step's, read where it was skipped
+
+    def observe(self, step: int, skipped: bool, reduce, grad_norm) -> None:
+        """After optimizer step ``step`` (1-based); every rank skips a step together, so the sums
+        over ranks (``reduce``) of a skipped step's losses are a collective each rank reaches."""
+        record: dict = {"step": step, "hook.skipped": skipped}
+        if skipped:
+            record.update(self.step_losses.pop(reduce, overall=True), grad_norm=grad_norm)
+        self.step_losses.clear()
+        self.in_a_row.observe(record)
+        if self.limit and self.in_a_row.in_a_row >= self.limit:
+            first, what = self.in_a_row.first
+            raise DivergedRun(f"IGATrainer: step {step}: {self.in_a_row.in_a_row} optimizer steps in a row skipped "
+                              f"for a non-finite loss or gradient, the first at step {first} ({what}); the run has "
+                              "diverged: lower the learning rate or look at the data (iga.max_skipped_steps sets "
+                              "the limit)")
 
 
 class PlainObjective:
@@ -246,12 +296,15 @@ class IGATrainerMixin:
     """What makes a ``transformers.Trainer`` (or a subclass: TRL's ``SFTTrainer``) run an iga-ds
     run of ``iga``'s method (see the module docstring); put it first among the bases."""
 
-    def __init__(self, *args, iga: HookConfig | dict | None = None, **kwargs):
+    def __init__(self, *args, iga: HookConfig | dict | None = None, schedule: ScheduleConfig | dict | None = None,
+                 **kwargs):
         if importlib.util.find_spec("accelerate") is None:  # the Trainer's own engine
             raise UserError("IGATrainer needs accelerate: pip install 'iga-ds[hf]'")
         self.iga_config = hook_config(iga)
+        self.iga_schedule = schedule_config(schedule)
         super().__init__(*args, **kwargs)
         n = self.iga_config.num_domains
+        check_clipping(self.iga_schedule, self.args.max_grad_norm)
         if self.args.remove_unused_columns:
             raise ConfigError("TrainingArguments.remove_unused_columns: expected False (IGATrainer needs the "
                               f"{DOMAIN_IDS!r} and {GROUP_INDEX!r} columns in every batch)")
@@ -270,6 +323,7 @@ class IGATrainerMixin:
         self.resume_dir: Path | None = None
         self.domain_losses = DomainLosses(list(self.iga_config.domains))
         self.step_statistics = StepStatistics()
+        self.skip_limit = SkippedStepLimit(self.iga_config)
         self.add_callback(MethodStateCallback(self))
 
     # -- data ---------------------------------------------------------------------------------
@@ -284,13 +338,32 @@ class IGATrainerMixin:
     def create_optimizer(self, *args, **kwargs):
         """The Trainer's optimizer; its torch AdamW as one that also keeps its step count where
         DeepSpeed's elastic ZeRO checkpoint (the shipped JSONs' ``elastic_checkpoint``) saves and
-        restores it, else a resume from the Trainer's checkpoint fails in DeepSpeed's load."""
+        restores it, else a resume from the Trainer's checkpoint fails in DeepSpeed's load. With
+        ``schedule``: ``iga-ds train``'s, one group of every trainable parameter."""
+        if self.iga_schedule is not None:
+            if self.optimizer is None:
+                model = (args[0] if args else kwargs.get("model")) or self.model
+                self.optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], self.iga_schedule)
+            return self.optimizer
         optimizer = super().create_optimizer(*args, **kwargs)
         if type(optimizer) is torch.optim.AdamW:
             keep = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "fused")
             groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
             self.optimizer = GroupStepAdamW(groups, **{k: v for k, v in optimizer.defaults.items() if k in keep})
         return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """The Trainer's schedule; with ``schedule``: ``iga-ds train``'s (linear warm-up from
+        ``lr / warm-up steps``, cosine decay to ``lr x min_lr_ratio``) over the Trainer's steps."""
+        if self.iga_schedule is None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        if self.lr_scheduler is None:
+            s = self.iga_schedule
+            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+                optimizer if optimizer is not None else self.optimizer,
+                lr_lambda(num_training_steps, s.warmup_ratio, s.min_lr_ratio))
+            self._created_lr_scheduler = True  # the Trainer makes it anew at its next train()
+        return self.lr_scheduler
 
     # -- the run ------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
@@ -337,10 +410,23 @@ class IGATrainerMixin:
         check_whole_groups(inputs[GROUP_INDEX].cpu(), self.iga_config.num_domains)
         domain_ids = inputs[DOMAIN_IDS].cpu()  # the hook reads them on the host
         halves = inputs["halves"].cpu() if hook.domain_halves else None
+        engine = getattr(hook, "engine", None)  # None without DeepSpeed: nothing is skipped there
+        skipped_before = engine.skipped_steps if engine is not None else 0
         with hook.micro_batch(domain_ids, halves=halves):
             loss = super().training_step(model, inputs, num_items_in_batch)
-        self.step_statistics.add(hook.pop_stats())
+        stats = hook.pop_stats()
+        if stats:  # the step's boundary ran inside this micro-batch's backward
+            self.step_ended(stats, engine, skipped_before)
         return loss
+
+    def step_ended(self, stats: dict, engine, skipped_before: int) -> None:
+        """The hook's statistics kept for the next log; a skipped step (the hook's verdict, or
+        DeepSpeed's own check) counted toward ``iga.max_skipped_steps``."""
+        self.step_statistics.add(stats)
+        skipped = bool(stats.get("skipped")) or engine.skipped_steps > skipped_before
+        norm = engine.get_global_grad_norm()
+        self.skip_limit.observe(self.state.global_step + 1, skipped, self.sum_over_ranks,
+                                float(norm) if norm is not None else None)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The method's objective of per-sequence losses (mean token cross-entropy of each
@@ -358,6 +444,7 @@ class IGATrainerMixin:
             loss = losses.mean()
         else:
             self.domain_losses.add(losses, domain_ids)
+            self.skip_limit.step_losses.add(losses, domain_ids)
             loss = hook.objective(losses, domain_ids, scale)
         return (loss, outputs) if return_outputs else loss
 
@@ -378,6 +465,14 @@ class IGATrainer(IGATrainerMixin, Trainer):
     """A ``transformers.Trainer`` whose run is an iga-ds run of ``iga``'s method; ``train_dataset``
     comes from :func:`isomer_dataset`, ``per_device_train_batch_size`` is whole groups (a multiple
     of the domains)."""
+
+
+def check_clipping(schedule: ScheduleConfig | None, max_grad_norm: float | None) -> None:
+    """With ``schedule``, the Trainer's clipping is ``iga-ds train``'s (under DeepSpeed the
+    Trainer hands ``max_grad_norm`` to the engine as its ``gradient_clipping``)."""
+    if schedule is not None and float(max_grad_norm or 0.0) != float(schedule.gradient_clipping):
+        raise ConfigError(f"TrainingArguments.max_grad_norm: expected {schedule.gradient_clipping} (the schedule's "
+                          f"gradient_clipping, as iga-ds train clips), got {max_grad_norm}")
 
 
 def pad_token_id(tokenizer) -> int:
