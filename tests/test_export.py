@@ -140,7 +140,8 @@ def test_the_merged_model_reproduces_the_adapter_logits(run, tmp_path, capsys):
     merged = AutoModelForCausalLM.from_pretrained(str(out))
     want = logits_of(adapter_model(base, folder / "adapter"), ids)
     torch.testing.assert_close(logits_of(merged, ids), want, rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(logits_of(AutoModelForCausalLM.from_pretrained(str(base)), ids), want)
+    plain = logits_of(AutoModelForCausalLM.from_pretrained(str(base)), ids)
+    assert not torch.allclose(plain, want)
     card = (out / "README.md").read_text()
     assert "library_name: transformers" in card and "| steps | 3 |" in card and "`builtin:tiny`" in card
     assert not machine_paths(out, root, base, cache)
@@ -149,7 +150,12 @@ def test_the_merged_model_reproduces_the_adapter_logits(run, tmp_path, capsys):
     assert main(["export", str(folder / "adapter"), "--out", str(half), "--dtype", "bfloat16", "--quiet"]) == 0
     merged16 = AutoModelForCausalLM.from_pretrained(str(half))
     assert next(merged16.parameters()).dtype == torch.bfloat16
-    torch.testing.assert_close(logits_of(merged16, ids), want, rtol=0.05, atol=0.1)
+    # held to the adapter's own effect on the logits (bf16 rounding costs a few percent of it): a
+    # fixed tolerance near that effect passed a merge of half the adapter
+    effect = (want - plain).abs().max().item()
+    error = (logits_of(merged16, ids) - want).abs().max().item()
+    assert error < 0.15 * effect, f"the bf16 merge is off by {error:.4f} where the adapter moves the logits by " \
+                                  f"{effect:.4f}"
 
 
 # -- adapter only -----------------------------------------------------------------------------
@@ -240,7 +246,7 @@ def test_the_commands_of_docs_export_md_run_on_a_run(run, tmp_path, monkeypatch,
               tmp_path / "runs" / "my_run" / "checkpoints" / "step_00000200")
     (tmp_path / "runs" / "my_run" / "eval").mkdir()  # an evaluation under the run, as a grid's cell has
     (tmp_path / "runs" / "my_run" / "eval" / "synthetic.json").write_text(json.dumps(
-        {"benchmark": "synthetic", "accuracy": 0.5, "id_accuracy": 0.625, "ood_accuracy": 0.375, "n_scored": 16}))
+        {"benchmark": "synthetic", "accuracy": 50.0, "id_accuracy": 62.5, "ood_accuracy": 37.5, "n_scored": 16}))
     monkeypatch.chdir(tmp_path)
     for line in lines:
         assert main(shlex.split(line)[1:]) == 0, line

@@ -383,6 +383,34 @@ def test_a_full_disk_while_checkpointing_names_what_was_written_and_keeps_the_la
 # -- security -------------------------------------------------------------------------------------
 
 
+class _RunsCode:
+    """Pickled as a call of ``open(path, "w")``: what unpickling it does is create ``path``."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (str(self.path), "w")
+
+
+@pytest.mark.parametrize("name", ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"])
+def test_a_checkpoint_file_that_would_run_code_is_refused_unrun(setup, tmp_path, name):
+    """DeepSpeed's loader unpickled its files (torch.load weights_only=False): a file carrying an
+    object whose unpickling runs code ran it on resume. The checkpoint's own files still load
+    (the resume of the row above), this one is refused in one line naming it and what it asked for."""
+    import torch
+
+    tmp, data, base, stopped = setup
+    out = _copy_run(stopped, tmp_path, "planted")
+    file, ran = _ckpt(out, 2) / name, tmp_path / "it-ran"
+    state = torch.load(file, weights_only=False)
+    state["planted"] = _RunsCode(ran)
+    torch.save(state, file)
+    _refused(lambda: _train(tmp, data, base, out), f"resume: {file}: refused to unpickle io.open",
+             "resume only checkpoints that training wrote")
+    assert not ran.exists()
+
+
 def test_checkpoint_and_adapter_files_follow_the_umask(setup):
     _, _, _, stopped = setup
     want = 0o666 & ~_umask()

@@ -43,6 +43,7 @@ from iga_ds.engine.internals import (
     unfuse_gradient_checks,
     unwrap_step,
     wrap_step,
+    written_gradient_lost,
 )
 from iga_ds.engine.layout import build_layout
 from iga_ds.errors import ConfigError
@@ -53,6 +54,10 @@ from iga_ds.methods.tensors import StableModules, TiledResults, flat_span, host_
 from iga_ds.metrics.mask import aggregate_module_stats
 
 log = logging.getLogger(__name__)
+
+# what iga.check_every_steps defaults to: the write of the method's gradient is read back at the
+# first step the hook writes, then every this many (about a norm of the LoRA gradients each time)
+CHECK_EVERY_STEPS = 100
 
 
 class EngineHook:
@@ -81,6 +86,8 @@ class EngineHook:
         self._loss_finite: torch.Tensor | None = None  # device flag: no host sync per micro-batch
         self.skipped_last_step = False
         self.skipped_steps = 0
+        self.writes = 0  # optimizer steps whose gradient the hook wrote
+        self.check_every_steps = int(getattr(config, "check_every_steps", CHECK_EVERY_STEPS))
         self._micro_batch_seconds = 0.0
         self.comm = Collectives(timeout_s=config.timeout_s)
         self.capture: DomainGradientCapture | None = None
@@ -218,7 +225,7 @@ class EngineHook:
         else:
             if combined is not None and combined.updates is not None:
                 with record_function("boundary/write_grads"):
-                    self._writer.write([g for pair in combined.updates for g in pair])
+                    self._write(combined.updates, step)
             with record_function("boundary/deepspeed_step"):
                 result = self._original_step(*args, **kwargs)
         stats: dict = {"step": step}
@@ -235,6 +242,26 @@ class EngineHook:
         self._micro_batch_seconds = 0.0
         self._stats = stats
         return result
+
+    def _write(self, updates: list, step: int) -> None:
+        """The method's gradient into the optimizer's; at the first write and every
+        ``check_every_steps`` after (0: the first only), read back from where the optimizer's step
+        reads it, on every rank: any rank's difference stops every rank with one line."""
+        every = self.check_every_steps
+        check = self.writes == 0 or (every > 0 and self.writes % every == 0)
+        self.writes += 1
+        result = self._writer.write([g for pair in updates for g in pair], check=check)
+        if result is None:
+            return
+        difference, tolerance = result
+        # every rank's difference in its own slot, so that each can name the ranks that differ
+        slots = torch.zeros(self.comm.world_size, dtype=torch.float32, device=self.device)
+        slots[self.comm.rank] = torch.where(difference > tolerance, difference, 0.0)
+        if self.comm.world_size > 1:
+            slots = self.comm.all_reduce_max(slots)
+        apart = {rank: value for rank, value in enumerate(slots.tolist()) if value > 0}
+        if apart:
+            raise written_gradient_lost(self.engine.optimizer, step + 1, list(apart), max(apart.values()))
 
     def _any_rank_bad(self, flags: list[torch.Tensor], failed: bool) -> bool:
         """Whether any rank saw a non-finite loss, sum or result: the device flags folded into

@@ -5,7 +5,9 @@
   A missing or changed one stops the run with one line naming the installed DeepSpeed and the
   attribute, never a quieter path that would train something else;
 - the optimizer's ``step`` wrapped by the hook, and restored;
-- writing a full gradient into ZeRO's partitions, leaving the LoRA factors' gradients out of
+- writing a full gradient into ZeRO's partitions, and reading back, from where the optimizer's
+  step reads it, that the step will use what was written (:meth:`FullGradWriter.write`'s check,
+  a test by behaviour where the attach check sees names only); leaving the LoRA factors' gradients out of
   backward, skipping a step as DeepSpeed's own overflow path does, and DeepSpeed's per-tensor
   gradient checks as multi-tensor kernels;
 - optimizer state that does not depend on the world size (for resuming at another size), and
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -74,6 +77,10 @@ BF16_STEP = ("step", "zero_grad", "overflow", "clear_hp_grads")
 PARAM_LINK = "_hp_mapping"
 IN_PARTITION = "_index_in_param_group"
 FRAGMENT = ("lp_fragment_address", "get_lp_grad_fragment")
+# where each kind's step reads the gradients it steps with: the lists of them per param group, and
+# the parameters those lists follow (the write's check reads there, not through the fragment link)
+READ_BACK = {"zero": ("averaged_gradients", "params_in_partition"), "bf16": ("fp32_groups_gradient_dict",
+                                                                           "bf16_groups")}
 
 
 def optimizer_kind(optimizer) -> str:
@@ -106,6 +113,8 @@ def required_internals(engine, params: list[torch.nn.Parameter], owns_gradients:
                                                          "deepspeed.runtime.zero.utils.get_norm_dtype")]
     elif kind == "bf16":
         found += [(optimizer, n, f"{label}.{n}") for n in BF16_STEP]
+    if kind != "plain" and params:
+        found += [(optimizer, n, f"{label}.{n}") for n in READ_BACK[kind]]
     if kind != "plain":
         for p in params:
             found.append((p, PARAM_LINK, f"the LoRA parameter's {PARAM_LINK}"))
@@ -194,8 +203,11 @@ class FullGradWriter:
 
     def __init__(self, params: list[torch.nn.Parameter], optimizer):
         self.params = list(params)
-        self.fragments = optimizer_kind(optimizer) != "plain"
+        self.optimizer = optimizer
+        self.kind = optimizer_kind(optimizer)
+        self.fragments = self.kind != "plain"
         self._plan: list[tuple] | None = None
+        self._places: dict[int, tuple[int, int]] | None = None  # id(param) -> (group, index), for the check
 
     def _target(self, param) -> tuple:
         """(how, param, mapping, index, start, numel): ``fragment`` (one multi-tensor copy),
@@ -208,22 +220,94 @@ class FullGradWriter:
         address = mapping.lp_fragment_address
         return ("fragment", param, mapping, param._index_in_param_group, address.start, address.numel)
 
-    def write(self, values: list[torch.Tensor]) -> None:
+    def write(self, values: list[torch.Tensor], check: bool = False) -> tuple[torch.Tensor, float] | None:
+        """Write ``values`` (one full gradient per parameter). ``check``: also return, as a device
+        scalar, how far what the optimizer's step will read is from what was written, and the
+        tolerance (:meth:`written_difference`); None otherwise."""
         if self._plan is None:
             self._plan = [self._target(p) for p in self.params]
-        fragments, pieces = [], []
+        fragments, pieces, written = [], [], []
         for (how, param, mapping, index, start, numel), value in zip(self._plan, values, strict=True):
             if how == "fragment":
                 fragments.append(mapping.get_lp_grad_fragment(index))
                 # a parameter cut by the partition boundary: its part in this rank's partition
                 pieces.append(value if numel == value.numel() else value.reshape(-1).narrow(0, start, numel))
+                written.append((param, pieces[-1]))
             elif how == "grad":
                 if param.grad is None:
                     param.grad = value.to(param.dtype).clone()
                 else:
                     param.grad.copy_(value)
+                written.append((param, value))
         if fragments:
             copy_all(fragments, pieces)
+        return self.written_difference(written) if check else None
+
+    # -- the write checked by behaviour: what the step reads is what was written -------------------
+    #
+    # The attach check finds every attribute by name; it cannot see a DeepSpeed whose fragment link
+    # still answers but no longer hands out the tensors its step reads (a copy, say): the method's
+    # gradient would land nowhere and the run would train on zeros. So the check reads each
+    # parameter's gradient where the step reads it (:data:`READ_BACK`), found by the parameter's own
+    # place in the optimizer's groups, never through the link the write went through.
+
+    def written_difference(self, written: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> tuple[torch.Tensor, float]:
+        """(||read - written|| / ||written|| over this rank's parameters, as a float32 device scalar
+        read with no wait for the device; how far a correct write may be): the difference is
+        infinite where a gradient the step reads is missing or of another size, 0 where nothing is
+        written. The tolerance is the rounding of the step's gradient dtype (ZeRO's accumulation
+        dtype may be bf16: a float32 value then rounds to it)."""
+        device = written[0][1].device if written else torch.device("cpu")
+        read = [self._read_back(param) for param, _ in written]
+        if any(r is None or r.numel() != w.numel() for r, (_, w) in zip(read, written)):
+            return torch.full((), float("inf"), device=device), 0.0
+        if not written:
+            return torch.zeros((), device=device), 0.0
+        wanted = [w.reshape(-1).float() for _, w in written]
+        differences = torch._foreach_sub([r.reshape(-1).float() for r in read], wanted)
+        apart = torch.stack(torch._foreach_norm(differences)).norm()
+        size = torch.stack(torch._foreach_norm(wanted)).norm()
+        # a write of zeros read back as zeros is the same gradient: 0 / 0 counts as 0
+        difference = torch.where(size > 0, apart / size.clamp(min=torch.finfo(torch.float32).tiny), apart)
+        return difference, 2 * max(torch.finfo(r.dtype).eps for r in read)
+
+    def _read_back(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """``param``'s gradient (this rank's part of it) where the optimizer's step reads it."""
+        if self.kind == "plain":
+            return param.grad
+        if self._places is None:
+            groups = getattr(self.optimizer, READ_BACK[self.kind][1])
+            self._places = {id(p): (i, j) for i, group in enumerate(groups) for j, p in enumerate(group)}
+        place = self._places.get(id(param))
+        if place is None:
+            return None
+        i, j = place
+        grads = getattr(self.optimizer, READ_BACK[self.kind][0]).get(i)
+        if grads is None or j >= len(grads):
+            return None
+        # DeepCompile's pre-flattened partition (newer releases), where ZeRO's step then reads instead
+        flat = getattr(grads, "flat_partition", None)
+        if flat is None:
+            return grads[j]
+        start = sum(g.numel() for g in grads[:j])
+        return flat.view(-1).narrow(0, start, grads[j].numel())
+
+
+def written_gradient_lost(optimizer, step: int, ranks: list[int], difference: float) -> UserError:
+    """The one line that stops a run whose optimizer would step with another gradient than the one
+    the hook wrote at optimizer ``step`` (1 the first; :meth:`FullGradWriter.written_difference`),
+    naming the installed DeepSpeed and the ``ranks`` where it differs."""
+    import deepspeed
+
+    low, high = map(_dotted, TESTED_DEEPSPEED)
+    kind, label = optimizer_kind(optimizer), type(optimizer).__name__
+    where = f"{label}.{READ_BACK[kind][0]}" if kind != "plain" else "param.grad"
+    on = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    return UserError(
+        f"deepspeed {deepspeed.__version__}: optimizer step {step}: the gradient {label} would step with is not the "
+        f"one the engine hook wrote (read back from {where} on {on}, it differs by {difference:.3g} of its norm): "
+        f"the write through {PARAM_LINK}.get_lp_grad_fragment no longer reaches what the step reads; install a "
+        f"deepspeed iga-ds is tested with ({low} to {high})")
 
 
 def copy_all(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
@@ -526,6 +610,59 @@ def load_full_optimizer_state(engine, file: Path) -> None:
         for name, param in _trainable(engine):
             for key in keys:
                 safe_set_full_optimizer_state(param, f.get_tensor(f"{name}/{key}").to(param.device), key)
+
+
+# -- DeepSpeed's checkpoint files, read without running their code -------------------------------
+#
+# DeepSpeed's loader unpickles (``torch.load(weights_only=False)``): a checkpoint folder from
+# someone else could run any code on resume. Its files hold tensors, plain values and these of
+# its classes (ZeRO's loss scaler, stage and fragment addresses), which torch's weights-only
+# unpickler is allowed to rebuild; anything else a file names is refused.
+
+CHECKPOINT_CLASSES = ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                      "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+                      "deepspeed.runtime.zero.config.ZeroStageEnum",
+                      "deepspeed.utils.tensor_fragment.fragment_address")
+
+
+def load_checkpoints_without_pickle(engine) -> None:
+    """Make ``engine``'s checkpoint loader read every file as ``torch.load(weights_only=True)``
+    with :data:`CHECKPOINT_CLASSES` allowed; a file naming anything else stops the resume with one
+    line naming the file and the object (:class:`ConfigError`). Nothing changes for a checkpoint
+    engine other than DeepSpeed's torch one (a warning says that it unpickles)."""
+    import importlib
+    import logging
+    import pickle
+
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    checkpoint_engine = getattr(engine, "checkpoint_engine", None)
+    if checkpoint_engine is None or not hasattr(checkpoint_engine, "load"):
+        raise deepspeed_mismatch(f"{type(engine).__name__}.checkpoint_engine.load (to resume without unpickling)")
+    if not isinstance(checkpoint_engine, TorchCheckpointEngine):
+        logging.getLogger(__name__).warning("resume: %s unpickles the checkpoint's files: resume only checkpoints "
+                                            "you trust", type(checkpoint_engine).__name__)
+        return
+    allowed = []
+    for dotted in CHECKPOINT_CLASSES:
+        module, _, name = dotted.rpartition(".")
+        found = getattr(importlib.import_module(module), name, None)
+        if found is None:
+            raise deepspeed_mismatch(f"{dotted} (a class its checkpoints hold)")
+        allowed.append(found)
+    torch.serialization.add_safe_globals(allowed)
+
+    def load(path, map_location=None):  # DeepSpeed's signature
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            named = re.search(r"GLOBAL ([\w.]+)", str(exc))  # torch names what the file asked for
+            refused = named.group(1) if named else "an object"
+            raise ConfigError(f"resume: {path}: refused to unpickle {refused}, which no DeepSpeed checkpoint holds "
+                              "(loading it would run what the file says); resume only checkpoints that training "
+                              "wrote") from None
+
+    checkpoint_engine.load = load
 
 
 class GroupStepCount:

@@ -39,6 +39,11 @@ resume that changes one is refused unless ``checkpoint.allow_changes`` names it.
 (no space left, say) stops the run in one line naming what was being written; the staging
 folder is removed and the last complete checkpoint stays as it was. One run writes to an output
 folder at a time (:func:`lock_output_dir`).
+
+Nothing of a checkpoint is unpickled: iga-ds's own files are safetensors, JSON and
+``torch.load(weights_only=True)``, and DeepSpeed's loader is made to read its files the same
+way (:func:`iga_ds.engine.internals.load_checkpoints_without_pickle`), so a file that names any
+other object than tensors, plain values and DeepSpeed's few checkpoint classes is refused.
 """
 from __future__ import annotations
 
@@ -54,7 +59,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from iga_ds.config.run import NEVER_CHANGED
-from iga_ds.engine.internals import load_full_optimizer_state, save_full_optimizer_state
+from iga_ds.engine.internals import (load_checkpoints_without_pickle, load_full_optimizer_state,
+                                     save_full_optimizer_state)
 from iga_ds.errors import ConfigError, UserError
 from iga_ds.files import atomic_write_json, atomic_write_text, follow_umask
 from iga_ds.train.lock import RunLock
@@ -408,6 +414,7 @@ def load_checkpoint(engine, path: Path, rank: int) -> dict[str, Any]:
             f"resume: {path} was saved by {saved_world} ranks and this run has {_world_size()}; "
             "that needs zero_optimization.elastic_checkpoint true in the DeepSpeed config"
         )
+    load_checkpoints_without_pickle(engine)  # a checkpoint from elsewhere cannot run code
     # frozen weights are not in the file, so the module load cannot be strict
     try:
         load_path, client = engine.load_checkpoint(
@@ -498,11 +505,33 @@ def lock_output_dir(folder: Path, rank: int) -> RunLock | None:
 
 
 STOP_FILE = "STOP"  # in the output folder: a stop request that needs no signal
+# a stop signal before the first step: nothing to save yet, the run ends at once
+EXIT_STOPPED_IN_SETUP = 5
+
+
+class SetupInterrupted(BaseException):
+    """Raised by a stop signal during setup. A BaseException, as KeyboardInterrupt is, so that no
+    library's ``except Exception`` around a model load swallows it; the trainer turns it into
+    :meth:`as_error`."""
+
+    def __init__(self, signum: int, phase: str):
+        super().__init__(signum, phase)
+        self.signum, self.phase = signum, phase
+
+    def as_error(self) -> UserError:
+        return UserError(f"stopped by {signal.Signals(self.signum).name} while {self.phase}, before the first step: "
+                         "no step ran and nothing was saved (the last checkpoint, if any, is as it was); run the same "
+                         "command again to continue", exit_code=EXIT_STOPPED_IN_SETUP)
 
 
 class StopSignal:
     """Remembers SIGUSR1/SIGTERM and watches ``stop_file``; ``requested()`` is collective so all
-    ranks stop together, and ``reason`` says which request it was."""
+    ranks stop together, and ``reason`` says which request it was.
+
+    Installed with a ``setup_phase`` (what setup is doing, kept up to date in :attr:`phase`), a
+    stop signal, SIGINT too, raises :class:`SetupInterrupted` at once instead: there is nothing to
+    save before the first step, and waiting for a model load to end could take minutes.
+    :meth:`training` ends that."""
 
     SIGNALS = tuple(s for s in (getattr(signal, "SIGUSR1", None), signal.SIGTERM) if s is not None)
 
@@ -510,10 +539,12 @@ class StopSignal:
         self.received: int | None = None
         self.stop_file = Path(stop_file) if stop_file is not None else None
         self.reason: str | None = None
+        self.phase: str | None = None
         self._previous: dict[int, Any] = {}
 
-    def install(self) -> "StopSignal":
-        for sig in self.SIGNALS:
+    def install(self, setup_phase: str | None = None) -> "StopSignal":
+        self.phase = setup_phase
+        for sig in dict.fromkeys(self.SIGNALS + ((signal.SIGINT,) if setup_phase is not None else ())):
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread: signals stay with their old handlers
@@ -521,7 +552,16 @@ class StopSignal:
         return self
 
     def _handle(self, signum, frame) -> None:
+        if self.phase is not None:
+            raise SetupInterrupted(signum, self.phase)
         self.received = signum
+
+    def training(self) -> None:
+        """Setup is done: from here a stop signal asks for a checkpoint at the next step boundary,
+        and SIGINT has its own handler back."""
+        self.phase = None
+        if signal.SIGINT not in self.SIGNALS and signal.SIGINT in self._previous:
+            signal.signal(signal.SIGINT, self._previous.pop(signal.SIGINT))
 
     def uninstall(self) -> None:
         """The old handlers back; after a stop request, SIGUSR1 ignored instead. The process is on

@@ -66,9 +66,10 @@ from iga_ds.train.batching import (
     tokenized_cache_root,
     unknown_words,
 )
-from iga_ds.train.checkpoint import (STOP_FILE, StopSignal, adopt_schedule, check_checkpoint_files, check_run_identity,
-                                    check_schedule, load_checkpoint, lock_output_dir, read_checkpoint_meta,
-                                    read_method_state, resolve_resume, save_checkpoint, write_failure)
+from iga_ds.train.checkpoint import (STOP_FILE, SetupInterrupted, StopSignal, adopt_schedule, check_checkpoint_files,
+                                    check_run_identity, check_schedule, load_checkpoint, lock_output_dir,
+                                    read_checkpoint_meta, read_method_state, resolve_resume, save_checkpoint,
+                                    write_failure)
 from iga_ds.train.divergence import SkippedSteps, check_finite_weights
 from iga_ds.train.distributed import init_distributed, resolve_dist
 from iga_ds.train.logbook import METRICS_FILE, Logbook, truncate_metrics
@@ -152,10 +153,17 @@ class Trainer:
 
     def run(self) -> TrainResult:
         t_start = time.perf_counter()
-        s = self.setup()
+        # a stop signal during setup ends the run at once, in one line (the default action was a
+        # silent death); once training runs, it asks for a checkpoint at the next step boundary
+        stop = StopSignal(Path(self.cfg.output_dir) / STOP_FILE).install(setup_phase="starting")
         try:
+            s = self.setup(stop)
+            stop.training()
             return self._train(s, t_start)
+        except SetupInterrupted as interrupted:
+            raise interrupted.as_error() from None
         finally:
+            stop.uninstall()
             self._release_lock()  # also on an error or an interrupt: the folder is free again
 
     def _train(self, s: Session, t_start: float) -> TrainResult:
@@ -166,7 +174,6 @@ class Trainer:
         status, step = "completed", s.start_step
         profiler = StepProfiler(s.out, self.cfg.logging.profile_steps, self.cfg.logging.profile_after, s.engine.device,
                                 active=s.dist.rank == 0, log=self._print, start_step=step, total_steps=s.total_steps)
-        s.stop.install()
         skipped = SkippedSteps(s.hook_config.max_skipped_steps if s.hook_config.skip_nonfinite else 0)
         # fp16's loss scaler skips steps while it finds its scale: those are no divergence
         deepspeed_skips_count = not s.engine.fp16_enabled()
@@ -197,7 +204,6 @@ class Trainer:
             raise
         finally:
             profiler.close()
-            s.stop.uninstall()
             book.close()
             s.hook.detach()
         adapter_dir = self.finish(s, status)
@@ -206,28 +212,29 @@ class Trainer:
 
     # -- setup -------------------------------------------------------------------------------------
 
-    def setup(self) -> Session:
+    def setup(self, stop: StopSignal | None = None) -> Session:
+        """Everything the loop needs; ``stop`` (installed for setup, see :meth:`run`) is told what
+        setup is doing, for the line a stop signal ends it with."""
         cfg = self.cfg
+        stop = stop or StopSignal(Path(cfg.output_dir) / STOP_FILE)
+        stop.phase = "starting the process group"
         self.dist = dist = resolve_dist(self.local_rank)
         init_distributed(dist)
         if not os.environ.get("IGA_DS_VERBOSE"):
             logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-        check_output_dir(cfg.output_dir, "output_dir")  # before anything loads
-        require_trackers(cfg.logging)
-        if cfg.model.liger_kernel:
-            require_liger_kernel()
-        if cfg.model.attn_implementation == VARLEN_ATTENTION:
-            require_varlen_attention()
+        self._check_requirements()
         accum = check_batch_layout(cfg.data.groups_per_step, cfg.data.groups_per_micro_batch, dist.world_size)
         ds_dict, hook_config = build_ds_config(cfg, load_ds_json(cfg.deepspeed), dist.world_size, accum,
                                                cfg.deepspeed, run_source=cfg.source, check_model=True)
         self.peers = PeerWatch(dist, hook_config.timeout_s).start()  # a lost rank gets a name, not a hang
+        stop.phase = "reading the data"
         records, groups = self._load_groups(list(hook_config.domains))
         sampler = GroupSampler(len(groups), cfg.data.groups_per_step, cfg.seed)
         total_steps = cfg.schedule.max_steps or max(1, math.ceil(cfg.schedule.epochs * sampler.steps_per_epoch))
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
+        stop.phase = "loading the model"
         base_dir = self._resolve_base(records)
         tokenizer, fmt = self._load_tokenizer(base_dir, records)
         batches = self._tokenize(tokenizer, groups, fmt)
@@ -238,8 +245,9 @@ class Trainer:
             updates = UpdateNorms(engine.module)
             out = Path(cfg.output_dir)
             self._lock_output(out)  # before the resume reads what another run could be writing
+            stop.phase = "looking for a checkpoint to resume"
             start_step = self._resume(engine, hook, out, updates, total_steps)
-            stop = StopSignal(out / STOP_FILE)
+            stop.phase = "preparing the output folder"
             if dist.rank == 0:
                 self._prepare_output(out, stop, start_step, {
                     "base_model_dir": str(base_dir), "world_size": dist.world_size, "total_steps": total_steps,
@@ -255,6 +263,16 @@ class Trainer:
                     f"world size {dist.world_size}")
         return Session(dist, engine, hook, hook_config, tokenizer, batches, sampler, total_steps, start_step, out, stop,
                        updates, fmt)
+
+    def _check_requirements(self) -> None:
+        """What the run needs that no file can give, before anything loads."""
+        cfg = self.cfg
+        check_output_dir(cfg.output_dir, "output_dir")
+        require_trackers(cfg.logging)
+        if cfg.model.liger_kernel:
+            require_liger_kernel()
+        if cfg.model.attn_implementation == VARLEN_ATTENTION:
+            require_varlen_attention()
 
     def _load_groups(self, domains: list[str]) -> tuple[list[dict], list[list[dict]]]:
         train = self.cfg.data.train
