@@ -29,12 +29,37 @@ from iga_ds.train import cli as train_cli
 SUBCOMMAND_MODULES = (config_cli, data_cli, models_cli, train_cli, evaluation_cli, experiments_cli, cluster_cli)
 
 
+OVERRIDES_METAVAR = "KEY=VALUE"  # the positional of a command's config overrides (``iga-ds train``)
+
+
 class Parser(argparse.ArgumentParser):
     """A usage error is one line like every other error (with where to find the usage), not the
-    usage block and the error; every sub-command's parser is one of these too."""
+    usage block and the error; every sub-command's parser is one of these too. ``KEY=VALUE``
+    overrides may stand anywhere on a command line, before, between or after its options."""
 
     def error(self, message: str):
         self.exit(2, f"iga-ds: error: {message} (see '{self.prog} --help')\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        dest = self._overrides_dest()
+        if dest is not None and extras:
+            # argparse gives a positional one run of words: overrides after an option come
+            # back as extras, in their order, after the run it took
+            later = [a for a in extras if is_override(a)]
+            setattr(namespace, dest, list(getattr(namespace, dest) or []) + later)
+            extras = [a for a in extras if not is_override(a)]
+        return namespace, extras
+
+    def _overrides_dest(self) -> str | None:
+        """The destination of this parser's ``KEY=VALUE`` positional, if it has one."""
+        return next((a.dest for a in self._actions
+                     if not a.option_strings and a.metavar == OVERRIDES_METAVAR and a.nargs == "*"), None)
+
+
+def is_override(word: str) -> bool:
+    """A ``KEY=VALUE`` word of a command line (not an option, not an option's ``--opt=value``)."""
+    return not word.startswith(("-", "=")) and "=" in word
 
 
 def build_parser() -> argparse.ArgumentParser:

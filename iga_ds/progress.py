@@ -6,8 +6,10 @@ one rule. When the stream (stderr unless given) is a terminal, a tqdm bar is red
 Anywhere else (a file, a pipe, a Slurm log) there is one plain line each time another tenth of
 the total is done or 30 seconds have passed since the last line, whichever comes first, and a
 last line when the loop ends early; a loop of 1000 updates writes about 10 lines, not 1000
-redraws. Disabled (``enabled=False``: ``logging.progress: false``, ``--no-progress``,
-``iga-ds demo --quiet``), it writes nothing.
+redraws. In a loop that shows figures (a loss) a due line waits for the ``set_postfix`` that
+follows its ``update`` (tqdm's order), so that it shows that update's figures. Disabled
+(``enabled=False``: ``logging.progress: false``, ``--no-progress``, ``iga-ds demo --quiet``), it
+writes nothing.
 
 tqdm is imported only when a bar is drawn (a command line's start-up loads no third-party
 library).
@@ -32,8 +34,9 @@ class Progress:
     def update(self, n: int = 1) -> None:
         self.n += n
 
-    def set_postfix(self, **values: Any) -> None:
-        """Figures shown beside the count (a loss, counts of kept and dropped)."""
+    def set_postfix(self, refresh: bool = True, **values: Any) -> None:
+        """Figures shown beside the count (a loss, counts of kept and dropped), as tqdm's: called
+        right after ``update``, they are that update's; ``refresh`` is tqdm's, not a figure."""
 
     def close(self) -> None:
         """End the display (the last line, or the bar's final state)."""
@@ -57,6 +60,7 @@ class LineProgress(Progress):
         self.initial = self.last_n = initial
         self.mark = self._fraction_mark(initial)
         self.postfix = ""
+        self.pending = False  # a line is due and waits for the figures of its update
         self.closed = False
 
     def _fraction_mark(self, n: int) -> int:
@@ -66,16 +70,24 @@ class LineProgress(Progress):
         return int(n / self.total / self.every_fraction + 1e-9)
 
     def update(self, n: int = 1) -> None:
+        if self.pending:  # its figures never came: the line as it stood
+            self._write(time.monotonic())
         self.n += n
         now = time.monotonic()
         if self._fraction_mark(self.n) > self.mark or now - self.last_time >= self.every_seconds:
-            self._write(now)
+            # a loop that shows figures sets this update's right after it (tqdm's order), so
+            # the line waits for them rather than showing the previous update's
+            self.pending = bool(self.postfix)
+            if not self.pending:
+                self._write(now)
 
-    def set_postfix(self, **values: Any) -> None:
+    def set_postfix(self, refresh: bool = True, **values: Any) -> None:
         self.postfix = "".join(f", {key}={value}" for key, value in values.items())
+        if self.pending:
+            self._write(time.monotonic())
 
     def close(self) -> None:
-        if not self.closed and self.n != self.last_n:
+        if not self.closed and (self.pending or self.n != self.last_n):
             self._write(time.monotonic())
         self.closed = True
 
@@ -91,6 +103,7 @@ class LineProgress(Progress):
         self.stream.write(f"{self.desc}: {count}, {timing}{self.postfix}\n")
         self.stream.flush()
         self.last_time, self.last_n, self.mark = now, self.n, self._fraction_mark(self.n)
+        self.pending = False
 
 
 class BarProgress(Progress):
@@ -106,8 +119,8 @@ class BarProgress(Progress):
         self.n += n
         self.bar.update(n)
 
-    def set_postfix(self, **values: Any) -> None:
-        self.bar.set_postfix(values)
+    def set_postfix(self, refresh: bool = True, **values: Any) -> None:
+        self.bar.set_postfix(values, refresh=refresh)
 
     def close(self) -> None:
         self.bar.close()

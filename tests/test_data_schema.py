@@ -1,6 +1,8 @@
 """Validation of isomer files: a corpus of bad files, each rejected with FILE:LINE and field."""
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -86,7 +88,52 @@ def test_validate_domains_option(capsys):
     good = str(FIXTURES / "good_isomers.jsonl")
     assert main(["data", "validate", good, "--domains", "math,legal"]) == 0
     assert main(["data", "validate", good, "--domains", "math,legal,science"]) == 2
-    assert "--domains asks for legal, math, science" in capsys.readouterr().err
+    assert capsys.readouterr().err == (f"iga-ds: error: {good}:1: field 'domain': group 'g1' lacks science (--domains "
+                                       "asks for math, legal, science; every group needs each once)\n")
+    assert main(["data", "validate", good, "--domains", "math"]) == 2  # a domain the run does not train on
+    assert f"{good}:2: field 'domain': 'legal' (group 'g1') is not one of the domains --domains asks for, math" in \
+        capsys.readouterr().err
+
+
+def _groups(path: Path, domains_of_groups: list[list[str]]) -> Path:
+    """An isomer file: one group per entry, with those domains, in order."""
+    lines = [json.dumps({"group_id": f"g{g}", "seed_id": f"s{g}", "domain": d, "problem": f"p {g} {d}",
+                         "cot": "c", "answer": "yes"})
+             for g, domains in enumerate(domains_of_groups) for d in domains]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+FOUR = ["math", "medical", "legal", "science"]
+
+
+def test_a_file_whose_only_group_lacks_a_domain_fails_against_the_runs_domains(tmp_path, capsys):
+    """Its one group agrees with itself, so only the run's domains can show what is missing:
+    validated alone it passes with a note naming the default domains; with --domains it is one
+    line naming the file, the line and the group."""
+    path = _groups(tmp_path / "one.jsonl", [["math", "medical", "legal"]])
+    assert main(["data", "validate", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "OK  1 groups" in out and f"note: {path}: its domains are legal, math, medical" in out, out
+    assert main(["data", "validate", str(path), "--domains", ",".join(FOUR)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"iga-ds: error: {path}:1: field 'domain': group 'g0' lacks science ") and \
+        err.count("\n") == 1, err
+    assert main(["data", "validate", str(path), "--domains", "math,medical,legal"]) == 0
+
+
+def test_the_odd_group_is_named_against_the_files_majority(tmp_path):
+    """Against the domains most groups have: a group with a domain the others lack is the one
+    named (the union of all domains blamed every other group for lacking it)."""
+    path = _groups(tmp_path / "odd.jsonl", [FOUR, FOUR, FOUR + ["art"], FOUR])
+    with pytest.raises(DataError) as info:
+        read_isomer_jsonl(path)
+    assert str(info.value) == (f"{path}:9: field 'domain': group 'g2' has art (3 of the file's 4 groups have "
+                               "legal, math, medical, science; every group needs each once)")
+    short = _groups(tmp_path / "short.jsonl", [FOUR, FOUR[:3], FOUR])
+    with pytest.raises(DataError, match=rf"^{re.escape(str(short))}:5: field 'domain': group 'g1' lacks science "):
+        read_isomer_jsonl(short)
+    assert len(read_isomer_jsonl(_groups(tmp_path / "fine.jsonl", [FOUR, FOUR]))) == 8
 
 
 @pytest.mark.parametrize("answer, kind", [

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import sys
 import types
 from pathlib import Path
 
 import pytest
+import yaml
 
 from iga_ds.errors import ConfigError
 from test_train_support import DOMAINS, run_config_dict, tiny_base, write_isomer_jsonl
@@ -173,7 +175,7 @@ def test_a_precision_mismatch_with_a_shipped_config_points_at_the_shipped_bf16_o
     fp32 = default_ds_config()
     bf16 = _one_line_error(_run(**{"model.dtype": "bfloat16"}), load_ds_json(fp32), source=fp32)
     assert bf16.endswith(f"point deepspeed (or --deepspeed) at the shipped bf16 config, "
-                         f"{shipped_file('ds_configs/zero2.json')}, or model.dtype: float32"), bf16
+                         f"{shipped_file('ds_configs/zero2.json')}, or model.dtype: float32 in run.yaml"), bf16
     fp16 = _one_line_error(_run(**{"model.dtype": "float16", "method.name": "erm"}), load_ds_json(fp32), source=fp32)
     assert "(iga-ds init DIR) and set fp16.enabled" in fp16 and f"in {fp32}" not in fp16
 
@@ -200,11 +202,64 @@ def test_fp16_with_a_method_that_captures_gradients_is_refused_when_read():
 
 def test_half_precision_on_the_cpu_names_where_it_came_from():
     text = _one_line_error(_run(**{"model.dtype": "bfloat16"}), {"bf16": {"enabled": "auto"}}, cpu=True)
-    assert text == ('ds.json: bf16 is enabled ("auto": run.yaml sets model.dtype: bfloat16) but this run is on the '
-                    'CPU; set model.dtype: float32 in run.yaml')
+    assert text == ('model.dtype: run.yaml sets model.dtype: bfloat16 (which turns bf16.enabled "auto" in ds.json '
+                    'on), but this run is on the CPU, where only fp32 trains; use model.dtype: float32 in run.yaml')
+    from iga_ds.config.run import shipped_file
+
+    fp32 = shipped_file("ds_configs/zero2_fp32.json")
     assert _one_line_error(_run(), {"bf16": {"enabled": True}}, cpu=True) == (
-        "ds.json: bf16 is enabled but this run is on the CPU; use ds_configs/zero2_fp32.json")
+        "ds.json: bf16.enabled: true, but this run is on the CPU, where only fp32 trains; point deepspeed (or "
+        f"--deepspeed) at the shipped fp32 config, {fp32}, or set bf16.enabled: false in ds.json")
     assert _build(_run(), {"bf16": {"enabled": "auto"}}, cpu=True)[0]["bf16"]["enabled"] is False
+
+
+def _on_the_cpu(run, raw) -> str:
+    """The one line the CPU gives, and that a fix it suggests is one the CPU accepts."""
+    text = _one_line_error(run, raw, cpu=True)
+    assert "this run is on the CPU, where only fp32 trains" in text and "bf16 config" not in text, text
+    assert "use bf16" not in text, text
+    return text
+
+
+@pytest.mark.parametrize("dtype, raw", [
+    ("float32", {"fp16": {"enabled": True}}),  # fp16 with IGA: it said "use bf16", which the CPU refuses too
+    ("float16", {"fp16": {"enabled": "auto"}}),
+    ("bfloat16", {}),  # it pointed at the shipped bf16 config, which the CPU refuses too
+    ("bfloat16", {"bf16": {"enabled": True}}),
+])
+def test_on_the_cpu_a_half_precision_is_refused_with_fixes_that_train_there(dtype, raw):
+    """Each fix the line names, done as it says, gives a config the CPU accepts."""
+    from iga_ds.config.deepspeed import load_ds_json
+
+    text = _on_the_cpu(_run(**{"model.dtype": dtype}), raw)
+    if "use model.dtype: float32 in run.yaml" in text:
+        dtype = "float32"
+    shipped = re.search(r"at the shipped fp32 config, (\S+?\.json)", text)
+    if shipped:
+        raw = load_ds_json(shipped.group(1))
+    assert dtype == "float32" and (shipped or all(b["enabled"] == "auto" for b in raw.values())), text
+    _build(_run(**{"model.dtype": dtype}), raw, cpu=True)  # no error
+
+
+def test_a_model_dtype_given_on_the_command_line_is_named_as_such(tmp_path):
+    """Not blamed on the run YAML, which may not set it at all."""
+    from iga_ds.config.run import load_run_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"method": {"name": "iga"}, "data": {"groups_per_step": 4,
+                                                                         "groups_per_micro_batch": 2}}))
+    run = load_run_config(path, ["model.dtype=bfloat16"])
+    cpu = _on_the_cpu(run, {})
+    assert cpu.startswith("model.dtype: the command line sets model.dtype: bfloat16, but ") and \
+        cpu.endswith("; use model.dtype=float32 on the command line"), cpu
+    gpu = _one_line_error(run, {}, cpu=False)
+    assert gpu.startswith("model.dtype: the command line sets model.dtype: bfloat16 but ds.json enables neither"), gpu
+    assert str(path) not in gpu and "run.yaml" not in gpu
+    from_file = load_run_config(path, ["model={dtype: bfloat16}", "seed=1"])  # a mapping above the key counts
+    assert "the command line sets model.dtype" in _one_line_error(from_file, {}, cpu=True)
+    path.write_text(yaml.safe_dump({"model": {"dtype": "bfloat16"}}))
+    assert _one_line_error(load_run_config(path, ["seed=1"]), {}, cpu=True, run_source=str(path)).startswith(
+        f"model.dtype: {path} sets model.dtype: bfloat16, but ")
 
 
 # -- what the engine hook cannot run --------------------------------------------------------------

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 
@@ -112,3 +113,60 @@ def test_the_demo_says_how_to_reach_iga_ds(monkeypatch):
     assert "pip install -e ." in path_hint() and "iga-ds" in path_hint()
     monkeypatch.setattr("shutil.which", lambda name: "/somewhere/bin/iga-ds")
     assert path_hint().startswith("next: iga-ds --help")
+
+
+def _shown(log: str) -> list[tuple[int, str | None]]:
+    """(count, the loss shown beside it or None) of each plain line."""
+    out = []
+    for line in log.splitlines():
+        loss = re.search(r"loss=([\d.]+)", line)
+        out.append((int(re.search(r": (\d+)/", line).group(1)), loss.group(1) if loss else None))
+    return out
+
+
+@pytest.mark.parametrize("total", [20, 10])
+def test_each_line_shows_the_figures_of_the_update_it_counts(total):
+    """The trainer's order (tqdm's): update, then that step's loss. A line shows the loss of the
+    step it counts (it showed the previous step's); only a loop's first update, before it has
+    shown any figure, has none to wait for."""
+    losses = [f"{1.0 / (step + 2):.4f}" for step in range(total)]  # a different loss each step
+    log = io.StringIO()
+    with progress(total, "train iga", "step", stream=log) as bar:
+        for loss in losses:
+            bar.update(1)
+            bar.set_postfix(loss=loss)
+    shown = _shown(log.getvalue())
+    assert [count for count, _ in shown] == list(range(total // 10, total + 1, total // 10))
+    want = [(count, losses[count - 1]) for count, _ in shown]
+    if total == 10:  # the first update is the first line: no figure yet
+        want[0] = (1, None)
+    assert shown == want
+
+
+def test_a_loop_without_figures_writes_each_line_at_its_update(monkeypatch):
+    """No figures: nothing waits (a slow loop's log stays current)."""
+    log = io.StringIO()
+    bar = progress(10, "diagnose", "method", stream=log)
+    for done in range(1, 11):
+        bar.update(1)
+        assert len(log.getvalue().splitlines()) == done  # written before the next update comes
+    bar.close()
+    assert len(log.getvalue().splitlines()) == 10
+
+
+def test_figures_that_never_come_leave_the_line_as_it_stood_and_refresh_is_no_figure():
+    log = io.StringIO()
+    with progress(4, "build", "seed", stream=log) as bar:
+        bar.update(1)
+        bar.set_postfix(kept=1, refresh=False)  # tqdm's keyword: not shown
+        bar.update(1)  # due, waits for figures that do not come this time
+        bar.update(2)
+    lines = log.getvalue().splitlines()
+    assert [c for c, _ in _shown(log.getvalue())] == [1, 2, 4], lines
+    assert lines[1].endswith(", kept=1") and "refresh" not in log.getvalue(), lines
+    term = FakeTerminal()
+    bar = progress(3, "build", "seed", stream=term)
+    bar.update(3)
+    bar.set_postfix(kept=3, refresh=False)
+    bar.close()
+    assert "kept=3" in term.getvalue() and "refresh" not in term.getvalue()

@@ -260,3 +260,34 @@ def test_the_iga_row_compared_is_the_one_at_the_shipped_defaults_and_labels_foll
     report = build_report(load_results(tmp_path))
     assert "| IGA (tau as shipped) against ERM-SFT |" in report
     assert f"| IGA (tau: {DEFAULT_TAU / 2}) |" in report  # from the recorded parameters
+
+
+def test_a_runs_mask_figure_says_what_each_panel_measures(tmp_path, monkeypatch):
+    """A training run's figure (`iga-ds report RUN`): each panel titled with what it measures
+    (not the log's key) and a y axis label, no "mean over seeds" for its one seed, and each line
+    the statistic's trailing average (it had raw keys for titles and no y labels)."""
+    from iga_ds.experiments import figures
+    from iga_ds.experiments.results import Cell
+
+    mean = [0.9, 0.7, 0.6, 0.55, 0.5, 0.52]
+    metrics = [{"step": s + 1, "loss": 1.0, "hook.mask_mean": v, "hook.mask_min": 0.0,
+                "hook.mask_frac_below_half": 1.0 - v} for s, v in enumerate(mean)]
+    drawn = {}
+
+    def keep(fig, path):  # what the figure holds, read before it is closed
+        drawn["suptitle"] = fig._suptitle.get_text()
+        drawn["panels"] = [(ax.get_title(), ax.get_ylabel(), [line.get_ydata().tolist() for line in ax.lines])
+                           for ax in fig.axes]
+        return str(path)
+
+    monkeypatch.setattr(figures, "_save", keep)
+    cell = Cell("run", "iga", 0, None, "IGA (tau: 0.5)", {}, metrics=metrics)
+    assert figures.run_mask_figure(cell, tmp_path / "mask_stats.png", window=2) is not None
+    assert "IGA (tau: 0.5)" in drawn["suptitle"] and "seeds" not in drawn["suptitle"], drawn["suptitle"]
+    titles = [title for title, _, _ in drawn["panels"]]
+    assert len(titles) == 3 and not any("mask_" in t or "hook." in t for t in titles), titles
+    assert all(ylabel for _, ylabel, _ in drawn["panels"]), drawn["panels"]
+    trailing = [mean[0]] + [(mean[i - 1] + mean[i]) / 2 for i in range(1, len(mean))]
+    plotted = dict(zip(("frac_below_half", "mean", "min"), (lines[0] for _, _, lines in drawn["panels"])))
+    assert max(abs(a - b) for a, b in zip(plotted["mean"], trailing)) < 1e-12
+    assert max(abs(a - (1 - b)) for a, b in zip(plotted["frac_below_half"], trailing)) < 1e-12

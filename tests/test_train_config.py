@@ -107,7 +107,7 @@ def test_ds_config_batch_sizes_and_one_home_for_the_method(tmp_path):
         build_ds_config(cfg, {**raw, "train_batch_size": 64}, world_size=2, accum=2, cpu=True)
     with pytest.raises(ConfigError, match="'optimizer'"):
         build_ds_config(cfg, {**raw, "optimizer": {"type": "Adam"}}, world_size=2, accum=2, cpu=True)
-    with pytest.raises(ConfigError, match="bf16 is enabled"):
+    with pytest.raises(ConfigError, match="bf16.enabled: true, but this run is on the CPU"):
         build_ds_config(cfg, {**raw, "bf16": {"enabled": True}}, world_size=2, accum=2, cpu=True)
 
 

@@ -304,8 +304,31 @@ def base_model_hidden_size(run: RunConfig) -> tuple[int | None, str]:
 def _resolve_precision(ds: dict[str, Any], run: RunConfig, hook: HookConfig, source: str, run_source: str,
                        cpu: bool) -> None:
     """``bf16.enabled`` / ``fp16.enabled``: ``"auto"`` from ``model.dtype``; then the two files
-    checked against each other, against the method and against the CPU."""
+    checked against each other, against the CPU (before anything that would suggest a half
+    precision there) and against the method. ``model.dtype`` is named where it was given: on the
+    command line or in ``run_source``."""
     dtype = run.model.dtype
+    enabled, auto = _precision_blocks(ds, dtype, source)
+    on = [key for key, value in enabled.items() if value]
+    if len(on) > 1:
+        raise ConfigError(f"{source}: {on[0]}.enabled and {on[1]}.enabled are both true; enable one at most")
+    have = on[0] if on else None
+    dtype_from = "the command line" if run.set_on_command_line("model.dtype") else run_source
+    if cpu:
+        _check_cpu_precision(have, bool(have and auto[have]), dtype, dtype_from, source)
+    want = PRECISION_OF_DTYPE.get(dtype)
+    if want is not None and (have or "").replace("bfloat16", "bf16") != want:
+        got = f"sets {have}.enabled: true" if have else "enables neither bf16 nor fp16"
+        raise ConfigError(f"model.dtype: {dtype_from} sets model.dtype: {dtype} but {source} {got}; "
+                          f"{_precision_fix(want, source)}, or {_dtype_fix(dtype_from)}")
+    if have == "fp16" and hook.build_method().needs_domain_gradients:
+        raise ConfigError(f"{source}: fp16.enabled: the engine hook supports bf16 and fp32 with method "
+                          f"{hook.method!r} (dynamic loss scaling is not handled); use bf16")
+
+
+def _precision_blocks(ds: dict[str, Any], dtype: str, source: str) -> tuple[dict[str, bool], dict[str, bool]]:
+    """({block: enabled}, {block: whether it was "auto"}) of the JSON's precision blocks, "auto"
+    resolved from ``dtype`` and written back into ``ds``."""
     enabled, auto = {}, {}
     for key in ("bf16", "bfloat16", "fp16"):  # "bfloat16": DeepSpeed's older name of the bf16 block
         if key not in ds:
@@ -318,22 +341,32 @@ def _resolve_precision(ds: dict[str, Any], run: RunConfig, hook: HookConfig, sou
         elif not isinstance(value, bool):
             raise ConfigError(f"{source}: {key}.enabled: expected true, false or \"auto\", got {value!r}")
         block["enabled"] = enabled[key] = value
-    on = [key for key, value in enabled.items() if value]
-    if len(on) > 1:
-        raise ConfigError(f"{source}: {on[0]}.enabled and {on[1]}.enabled are both true; enable one at most")
-    want = PRECISION_OF_DTYPE.get(dtype)
-    have = on[0] if on else None
-    if want is not None and (have or "").replace("bfloat16", "bf16") != want:
-        got = f"sets {have}.enabled: true" if have else "enables neither bf16 nor fp16"
-        raise ConfigError(f"model.dtype: {run_source} sets model.dtype: {dtype} but {source} {got}; "
-                          f"{_precision_fix(want, source)}, or model.dtype: float32")
-    if have == "fp16" and hook.build_method().needs_domain_gradients:
-        raise ConfigError(f"{source}: fp16.enabled: the engine hook supports bf16 and fp32 with method "
-                          f"{hook.method!r} (dynamic loss scaling is not handled); use bf16")
-    if have and cpu:
-        why = f" (\"auto\": {run_source} sets model.dtype: {dtype})" if auto[have] else ""
-        fix = f"set model.dtype: float32 in {run_source}" if auto[have] else f"use {DEFAULT_DEEPSPEED}"
-        raise ConfigError(f"{source}: {have} is enabled{why} but this run is on the CPU; {fix}")
+    return enabled, auto
+
+
+def _dtype_fix(dtype_from: str) -> str:
+    """How to give ``model.dtype: float32`` where the current value came from."""
+    return "model.dtype=float32 on the command line" if dtype_from == "the command line" else \
+        f"model.dtype: float32 in {dtype_from}"
+
+
+def _check_cpu_precision(have: str | None, auto: bool, dtype: str, dtype_from: str, source: str) -> None:
+    """On the CPU only fp32 trains: a half ``model.dtype`` or an enabled bf16/fp16 block is
+    refused with what to change (both, where both are half), nothing that the CPU refuses too."""
+    half_dtype, block_on = dtype in PRECISION_OF_DTYPE, bool(have) and not auto
+    if not (half_dtype or block_on):
+        return
+    shipped = _shipped_name(source) is not None
+    config_fix = (f"point deepspeed (or --deepspeed) at the shipped fp32 config, {default_ds_config()}"
+                  + ("" if shipped else f", or set {have}.enabled: false in {source}"))
+    cpu = "but this run is on the CPU, where only fp32 trains"
+    if not half_dtype:
+        raise ConfigError(f"{source}: {have}.enabled: true, {cpu}; {config_fix}")
+    what = f"{dtype_from} sets model.dtype: {dtype}"
+    what += f" (which turns {have}.enabled \"auto\" in {source} on)" if auto and have else ""
+    what += f" and {source} sets {have}.enabled: true" if block_on else ""
+    raise ConfigError(f"model.dtype: {what}, {cpu}; use {_dtype_fix(dtype_from)}"
+                      + (f" and {config_fix}" if block_on else ""))
 
 
 def _shipped_name(path: str) -> str | None:

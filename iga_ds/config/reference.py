@@ -129,7 +129,7 @@ def render() -> str:
         "### `model.tiny`: the built-in base",
         "",
         "With `model.name_or_path: builtin:tiny` only. Each setting is a base of its own in the cache "
-        "(`$IGA_DS_CACHE/tiny-base/<hash>`, default `~/.cache/iga-ds`).",
+        "(`$IGA_DS_CACHE/tiny-base/<hash>`, default `$XDG_CACHE_HOME/iga-ds`, else `~/.cache/iga-ds`).",
         "",
         _table(TinyBaseConfig, "model.tiny."),
         "",

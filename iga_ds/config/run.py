@@ -376,12 +376,20 @@ class RunConfig(Section):
     seed: int = setting(0, "LoRA initialization, data order and the random state")
     resume: str = setting("auto", "`auto` (the latest checkpoint in output_dir, if any), `never`, or a checkpoint "
                           "folder")
-    # the file it was read from, for messages that name it
+    # the file it was read from, and the command line's overrides, for messages that name them
     _source: str = PrivateAttr("the run YAML")
+    _overrides: tuple[str, ...] = PrivateAttr(())
 
     @property
     def source(self) -> str:
         return self._source
+
+    def set_on_command_line(self, dotted: str) -> str | None:
+        """The command-line override that gave ``dotted`` (a key such as ``model.dtype``) its
+        value (the last one setting it or a mapping above it), else None: the run YAML's."""
+        key = dotted.split(".")
+        return next((text for text in reversed(self._overrides)
+                     if key[:len(path := parse_override(text)[0])] == path), None)
 
     @model_validator(mode="after")
     def _shipped_deepspeed(self) -> "RunConfig":
@@ -533,6 +541,7 @@ def load_run_config(path: str | os.PathLike | None, overrides: list[str] | None 
         raise ConfigError(f"{where}: {exc}" if where else str(exc)) from None
     if path is not None:
         cfg._source = str(path)
+    cfg._overrides = tuple(overrides)
     return cfg
 
 

@@ -24,6 +24,7 @@ import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from iga_ds.data.dag import DagError, check_dag
 from iga_ds.data.sources import RecordSource, iter_source, resolve_source
@@ -103,27 +104,16 @@ def _as_source(path: str | Path | RecordSource) -> RecordSource:
 
 
 def check_groups(records: list[dict], lines: list[int], path: str | Path | RecordSource,
-                 allow_partial: bool = False) -> None:
-    """Every group has each domain exactly once, one seed and one answer type; all groups
-    have the same domain set (unless ``allow_partial``: instance-level splits cut groups).
-    ``lines``: each record's position in ``path`` (a line number, or a row index of a source
-    read through ``datasets``)."""
+                 allow_partial: bool = False, domains: Sequence[str] | None = None) -> None:
+    """Every group has each domain exactly once, one seed and one answer type. The domains a
+    group needs: ``domains`` where given (``--domains``; then no record may have another), else
+    the domain set most of the file's groups have (on a tie the larger one), so that the odd
+    group is the one named. ``allow_partial``: groups may miss domains (instance-level splits
+    cut groups). ``lines``: each record's position in ``path`` (a line number, or a row index of
+    a source read through ``datasets``)."""
     src = _as_source(path)
-    idx = GroupIndex()
-    seen: dict[tuple[str, str], int] = {}
-    for rec, line in zip(records, lines):
-        g, d = rec["group_id"], rec["domain"]
-        key = (g, d)
-        if key in seen:
-            raise DataError(f"{src.where(line)}: field 'domain': group {g!r} already has a {d!r} "
-                            f"instance ({src.ref(seen[key])})")
-        seen[key] = line
-        idx.domains[g].append(d)
-        idx.answer_types[g].add(answer_type(rec["answer"]))
-        idx.seeds[g].add(rec["seed_id"])
-        idx.first_line.setdefault(g, line)
-    all_domains = sorted({d for ds in idx.domains.values() for d in ds})
-    for g, ds in idx.domains.items():
+    idx = _index_groups(records, lines, src, domains)
+    for g in idx.domains:
         where = src.where(idx.first_line[g])
         if len(idx.seeds[g]) > 1:
             raise DataError(f"{where}: field 'seed_id': group {g!r} mixes seeds "
@@ -131,10 +121,48 @@ def check_groups(records: list[dict], lines: list[int], path: str | Path | Recor
         if len(idx.answer_types[g]) > 1:
             raise DataError(f"{where}: field 'answer': group {g!r} mixes answer types "
                             f"{', '.join(sorted(idx.answer_types[g]))}; its instances share one answer")
-        if not allow_partial and len(ds) != len(all_domains):
-            missing = sorted(set(all_domains) - set(ds))
-            raise DataError(f"{where}: field 'domain': group {g!r} lacks {', '.join(missing)} "
-                            f"(the file has domains {', '.join(all_domains)}; every group needs each once)")
+    if allow_partial:
+        return
+    if domains is not None:
+        _check_complete(idx, src, list(domains), "--domains asks for")
+        return
+    counts = Counter(tuple(sorted(ds)) for ds in idx.domains.values())
+    want = min(counts, key=lambda ds: (-counts[ds], -len(ds), ds))  # the most groups', on a tie the larger set
+    verb = "has" if counts[want] == 1 else "have"
+    _check_complete(idx, src, list(want), f"{counts[want]} of the file's {len(idx.domains)} groups {verb}")
+
+
+def _index_groups(records: list[dict], lines: list[int], src: RecordSource,
+                  domains: Sequence[str] | None) -> GroupIndex:
+    """Each group's domains, answer types, seeds and first line; a domain twice in one group,
+    or one outside ``domains`` (when given), is an error at its record's line."""
+    idx = GroupIndex()
+    seen: dict[tuple[str, str], int] = {}
+    for rec, line in zip(records, lines):
+        g, d = rec["group_id"], rec["domain"]
+        if domains is not None and d not in domains:
+            raise DataError(f"{src.where(line)}: field 'domain': {d!r} (group {g!r}) is not one of the domains "
+                            f"--domains asks for, {', '.join(domains)}")
+        if (g, d) in seen:
+            raise DataError(f"{src.where(line)}: field 'domain': group {g!r} already has a {d!r} "
+                            f"instance ({src.ref(seen[(g, d)])})")
+        seen[(g, d)] = line
+        idx.domains[g].append(d)
+        idx.answer_types[g].add(answer_type(rec["answer"]))
+        idx.seeds[g].add(rec["seed_id"])
+        idx.first_line.setdefault(g, line)
+    return idx
+
+
+def _check_complete(idx: GroupIndex, src: RecordSource, want: list[str], reference: str) -> None:
+    """Every group has exactly the domains ``want`` (``reference`` says whose they are)."""
+    for g, ds in idx.domains.items():
+        missing, extra = [d for d in want if d not in ds], sorted(set(ds) - set(want))
+        if missing or extra:
+            what = " and ".join(x for x in (f"lacks {', '.join(missing)}" if missing else "",
+                                             f"has {', '.join(extra)}" if extra else "") if x)
+            raise DataError(f"{src.where(idx.first_line[g])}: field 'domain': group {g!r} {what} ({reference} "
+                            f"{', '.join(want)}; every group needs each once)")
 
 
 def read_isomer_jsonl(path: str | Path, check_group_structure: bool = True,

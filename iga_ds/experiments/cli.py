@@ -154,10 +154,14 @@ def run_experiment(args: argparse.Namespace) -> int:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from iga_ds.experiments.report import write_report
+    from iga_ds.experiments.report import headline_table, write_report
+    from iga_ds.experiments.tables import plain_table
 
     out = write_report(args.dir, out=args.out, figures=not args.no_figures, title=args.title,
                        discussion=args.discussion, names=args.name, against=args.against)
+    table = headline_table(out.read_text(encoding="utf-8"))  # the report's leading table, as written
+    if table is not None:
+        print(plain_table(table))
     print(f"wrote {out}")
     return 0
 

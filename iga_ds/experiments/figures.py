@@ -13,7 +13,7 @@ from iga_ds.experiments.results import (
     labels_in_order, row_order,
 )
 from iga_ds.metrics.accuracy import mean_std
-from iga_ds.metrics.mask import mask_keys, metric_series
+from iga_ds.metrics.mask import describe_mask_key, mask_keys, metric_series
 
 
 def _pyplot():
@@ -115,6 +115,8 @@ def _seed_mean_series(cells: Sequence[Cell], key: str, window: int) -> tuple[lis
 
 
 def mask_figure(cells: Sequence[Cell], path: Path, window: int = 25) -> str | None:
+    """A grid's mask statistics over training: a panel per statistic, a line per row (the mean
+    over its seeds)."""
     keys = mask_keys(row for c in cells for row in c.metrics)
     if not keys:
         return None
@@ -125,10 +127,7 @@ def mask_figure(cells: Sequence[Cell], path: Path, window: int = 25) -> str | No
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys) + 3, 3.2), squeeze=False)
     for ax, key in zip(axes[0], keys):
-        for label, group in rows.items():
-            xs, ys = _seed_mean_series(group, key, window)
-            if xs:
-                ax.plot(xs, ys, label=label, linewidth=1.2)
+        _mask_lines(ax, rows, key, window)
         ax.set_xlabel("step")
         ax.set_title(key.removeprefix("hook."))
     handles, labels = axes[0][0].get_legend_handles_labels()
@@ -138,6 +137,35 @@ def mask_figure(cells: Sequence[Cell], path: Path, window: int = 25) -> str | No
     out = _save(fig, path)
     plt.close(fig)
     return out
+
+
+def run_mask_figure(cell: Cell, path: Path, window: int = 5) -> str | None:
+    """One training run's mask statistics over training: a panel per statistic, each titled
+    with what it measures and its y axis labelled; the run's label in the title, no legend."""
+    keys = mask_keys(cell.metrics)[:4]
+    if not keys:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        _mask_lines(ax, {cell.label: [cell]}, key, window)
+        title, ylabel = describe_mask_key(key)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+    fig.suptitle(f"Mask statistics over training: {cell.label}, {window}-step moving average")
+    fig.tight_layout()
+    out = _save(fig, path)
+    plt.close(fig)
+    return out
+
+
+def _mask_lines(ax, rows: dict[str, list[Cell]], key: str, window: int) -> None:
+    """The statistic ``key`` per step on ``ax``: a line per row, the mean over its cells."""
+    for label, group in rows.items():
+        xs, ys = _seed_mean_series(group, key, window)
+        if xs:
+            ax.plot(xs, ys, label=label, linewidth=1.2)
 
 
 def accuracy_vs_time_figure(cells: Sequence[Cell], path: Path) -> str | None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from iga_ds.errors import UserError
-from iga_ds.experiments.figures import demo_figure, loss_figure, make_figures, mask_figure
+from iga_ds.experiments.figures import demo_figure, loss_figure, make_figures, run_mask_figure
 from iga_ds.experiments.paired import check_against, paired_section, selection_section
 from iga_ds.experiments.tables import DASH, Stat, column, group_rows, markdown
 from iga_ds.experiments.update_size import UPDATE_SIZE_NOTE, update_size_table
@@ -493,6 +493,8 @@ def _selection(root: Path) -> dict | None:
 # -- a single training run and the demo's folder ------------------------------------------------
 
 DEFAULT_TITLE = "IGA results"
+# the sections whose table `iga-ds report` prints: the first of them a report has
+HEADLINE_SECTIONS = ("Accuracy in and out of distribution", "Main results", "Evaluation", "Training loss")
 
 
 def _num(value: Any, digits: int = 3) -> str:
@@ -640,7 +642,7 @@ def build_demo_report(demo: Demo, figure: str | None = None, title: str | None =
 def _run_figures(run: Run, out: Path) -> dict[str, str]:
     folder = out.parent / "figures"
     made = {"Training loss": loss_figure([run.cell], folder / "loss.png"),
-            "Mask statistics over training": mask_figure([run.cell], folder / "mask_stats.png", window=5)}
+            "Mask statistics over training": run_mask_figure(run.cell, folder / "mask_stats.png", window=5)}
     return {caption: os.path.relpath(path, out.parent) for caption, path in made.items() if path}
 
 
@@ -669,6 +671,25 @@ def _write_single(kind: str, root: Path, out: str | Path | None, figures: bool, 
         report = build_run_report(run, _run_figures(run, out) if figures else None, given, text)
     atomic_write_text(out, report)
     return out
+
+
+def headline_table(report: str) -> str | None:
+    """The Markdown table a report leads with: the first table under the first of
+    :data:`HEADLINE_SECTIONS` it has (the demo's table, a grid's main results, a training run's
+    evaluation, else its loss), or None."""
+    lines = report.splitlines()
+    for name in HEADLINE_SECTIONS:
+        start = next((i for i, line in enumerate(lines)
+                      if line.startswith("#") and line.lstrip("#").strip().startswith(name)), None)
+        table: list[str] = []
+        for line in lines[start + 1:] if start is not None else []:
+            if line.startswith("#") or (table and not line.startswith("|")):
+                break
+            if line.startswith("|"):
+                table.append(line)
+        if table:
+            return "\n".join(table)
+    return None
 
 
 def write_report(root: str | os.PathLike | Sequence[str | os.PathLike], out: str | Path | None = None,

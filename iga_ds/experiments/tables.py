@@ -2,6 +2,7 @@
 over rows (best in bold), and the Markdown table."""
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from typing import Callable, Sequence
 
@@ -53,4 +54,29 @@ def column(
 def markdown(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + [":---:"] * (len(header) - 1)) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in body]
+    return "\n".join(lines)
+
+
+def markdown_rows(table: str) -> list[list[str]]:
+    """The rows of a Markdown table (as :func:`markdown` writes it), header first, without the
+    alignment row; ``\\|`` is a bar inside an entry, ``**`` (bold) is dropped."""
+    rows = []
+    for line in table.strip().splitlines():
+        cells = re.split(r"(?<!\\)\|", line.strip()[1:-1])  # between the outer bars
+        cells = [c.strip().replace("\\|", "|").replace("**", "") for c in cells]
+        if all(re.fullmatch(r":?-{3,}:?", c) for c in cells):
+            continue  # the alignment row
+        rows.append(cells)
+    return rows
+
+
+def plain_table(table: str) -> str:
+    """A Markdown table as aligned columns for a terminal: the first left, the rest right."""
+    rows = markdown_rows(table)
+    if not rows:
+        return ""
+    widths = [max(len(r[i]) if i < len(r) else 0 for r in rows) for i in range(max(map(len, rows)))]
+    lines = ["  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)).rstrip()
+             for r in rows]
+    lines.insert(1, "-" * max(map(len, lines)))
     return "\n".join(lines)

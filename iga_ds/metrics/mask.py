@@ -4,7 +4,8 @@ The paper's mask M = exp(-tau V) is 1 to many digits at LLM gradient scale when 
 (see the normalization options of the IGA method), so a run should show its mask statistics.
 ``mask_statistics`` summarizes one mask; ``aggregate_module_stats`` combines per-module
 statistics into one line per step (weighted by module size); ``metric_series`` and
-``mask_keys`` read a training log's rows back for plots.
+``mask_keys`` read a training log's rows back for plots, and ``describe_mask_key`` says what
+each statistic measures.
 """
 from __future__ import annotations
 
@@ -29,6 +30,24 @@ def mask_statistics(mask: "torch.Tensor") -> dict[str, float]:
         "mask_frac_below_tenth": float((m < 0.1).double().mean()),
         "mask_frac_above_099": float((m > 0.99).double().mean()),
     }
+
+
+# what each statistic of :func:`mask_statistics` measures: (a figure panel's title, its y axis)
+MASK_STATISTICS = {
+    "mask_mean": ("Mean mask value", "mean of M over elements"),
+    "mask_min": ("Smallest mask value", "min of M"),
+    "mask_max": ("Largest mask value", "max of M"),
+    "mask_frac_below_half": ("Elements damped below 1/2", "fraction of elements, M < 0.5"),
+    "mask_frac_below_tenth": ("Elements damped below 1/10", "fraction of elements, M < 0.1"),
+    "mask_frac_above_099": ("Elements passed as they are", "fraction of elements, M > 0.99"),
+}
+
+
+def describe_mask_key(key: str) -> tuple[str, str]:
+    """(title, y label) of a logged mask statistic (``hook.mask_mean`` as ``mask_mean``); a key
+    of no known statistic is its own title, with the y label "value"."""
+    name = key.rsplit(".", 1)[-1]
+    return MASK_STATISTICS.get(name, (name, "value"))
 
 
 def combine_rule(key: str) -> str:

@@ -17,9 +17,14 @@ PACKAGED_PREFIX = "packaged:"  # model.name_or_path: packaged:NAME
 
 
 def cache_root() -> Path:
-    """Where iga-ds keeps what it builds once: ``$IGA_DS_CACHE``, by default ``~/.cache/iga-ds``
-    (the built-in tiny base under ``tiny-base/``, converted models under ``models/``)."""
-    return Path(os.environ.get("IGA_DS_CACHE") or Path.home() / ".cache" / "iga-ds")
+    """Where iga-ds keeps what it builds once: ``$IGA_DS_CACHE``, else ``$XDG_CACHE_HOME/iga-ds``,
+    by default ``~/.cache/iga-ds`` (the built-in tiny base under ``tiny-base/``, converted models
+    under ``models/``). A container given ``XDG_CACHE_HOME`` for its caches keeps this one there too."""
+    if os.environ.get("IGA_DS_CACHE"):
+        return Path(os.environ["IGA_DS_CACHE"])
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    # the XDG rule: a relative XDG_CACHE_HOME is ignored
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "iga-ds"
 
 
 MODELS_FOLDER = "models"  # under the cache root

@@ -28,6 +28,7 @@ from typing import Any
 from iga_ds.config.run import ADAPTER_CONFIG, BUILTIN_TINY, RUN_CONFIG, TinyBaseConfig
 from iga_ds.errors import UserError
 from iga_ds.files import atomic_write_json, atomic_write_text, iter_jsonl, read_json, read_yaml_file
+from iga_ds.metrics.accuracy import format_percent
 from iga_ds.models.packaged import PACKAGED, PACKAGED_PREFIX
 from iga_ds.train.logbook import METRICS_FILE
 from iga_ds.train.model import tiny_base_key
@@ -272,13 +273,17 @@ def _rows(facts: CardFacts) -> list[tuple[str, str]]:
         ("last loss", f"{last['loss']:.4f} (step {last['step']})" if last else None)) if v]
 
 
+def _percent(value: Any) -> str:
+    """An accuracy of eval.json, which holds percentages already (iga_ds.metrics.accuracy)."""
+    return format_percent(value, "", "") if isinstance(value, (int, float)) and not isinstance(value, bool) else ""
+
+
 def _evals(facts: CardFacts) -> list[str]:
     if not facts.evals:
         return []
-    pct = lambda x: "" if x is None else f"{100 * x:.1f}"  # noqa: E731
     lines = ["", "## Evaluation", "", "| set | accuracy % | ID % | OOD % | items |", "|---|---|---|---|---|"]
-    lines += [f"| {e.get('benchmark') or ''} | {pct(e.get('accuracy'))} | {pct(e.get('id_accuracy'))} | "
-              f"{pct(e.get('ood_accuracy'))} | {e.get('n_scored') or ''} |" for e in facts.evals]
+    lines += [f"| {e.get('benchmark') or ''} | {_percent(e.get('accuracy'))} | {_percent(e.get('id_accuracy'))} | "
+              f"{_percent(e.get('ood_accuracy'))} | {e.get('n_scored') or ''} |" for e in facts.evals]
     return lines
 
 
