@@ -8,7 +8,9 @@
 ``--dry-run [--world-size N]`` resolves everything and trains nothing.
 
 Ranks come from the launcher's variables, then SLURM_*, then OMPI_* (iga_ds.cluster.ranks).
-Exit codes: 0 done or stopped by SIGUSR1/SIGTERM after a checkpoint, 2 bad input.
+Exit codes: 0 done, or stopped by SIGUSR1, SIGTERM or SIGINT after a checkpoint; 2 bad input;
+3 a rank never came to the rendezvous; 4 a peer rank was lost during training; 5 stopped by a
+signal during setup (nothing saved).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # KEY=VALUE words anywhere
 
     from iga_ds.errors import UserError
 

@@ -271,7 +271,8 @@ COLLECTIVE_CALLERS = {
 }
 # The modules that use a process group's library without a collective, each with why.
 OTHER_PROCESS_GROUP_USERS = {
-    "iga_ds.train.distributed": "starts the process group (through DeepSpeed), reads the ranks of one already up",
+    "iga_ds.train.distributed": "meets the ranks at its store, starts the process group on it for DeepSpeed, reads "
+                                "the ranks of one already up",
 }
 PROCESS_GROUP_LIBRARIES = ("torch.distributed", "deepspeed.comm", "mpi4py.MPI")
 COLLECTIVE_OPERATIONS = frozenset({

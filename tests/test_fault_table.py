@@ -95,6 +95,7 @@ JSON_ROWS = [
     ({"timeout_s": 0}, "iga.timeout_s: expected a positive number of seconds, got 0"),
     ({"params": {"tau": float("nan")}}, "iga.params.tau: expected a finite number, got nan"),
     ({"max_skipped_steps": -1}, "iga.max_skipped_steps: expected an integer >= 0"),
+    ({"check_every_steps": -1}, "iga.check_every_steps: expected an integer >= 0"),
 ]
 
 

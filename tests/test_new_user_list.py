@@ -177,8 +177,6 @@ def test_the_table_printed_for_a_grid_is_its_main_results():
 # -- Ctrl-C, and a rerun with nothing to resume ----------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="SIGINT is not among StopSignal.SIGNALS (iga_ds/train/checkpoint.py); "
-                                       "remove this mark once it is")
 def test_ctrl_c_asks_for_the_same_stop_as_sigterm():
     """SIGINT (Ctrl-C) only raises the stop flag, as SIGTERM does: the trainer then saves a
     checkpoint and says "rerun with resume: auto" (tests/test_train_processes.py, SIGTERM). It
@@ -193,6 +191,12 @@ def test_ctrl_c_asks_for_the_same_stop_as_sigterm():
         stop.uninstall()
         assert stop.received == signal.SIGINT and not seen
         assert stop.requested() and stop.reason == "SIGINT"
+        # a second Ctrl-C while the stop is pending: out at once
+        stop = StopSignal(None).install()
+        signal.raise_signal(signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        stop.uninstall()
     finally:
         signal.signal(signal.SIGINT, before)
 
@@ -215,3 +219,27 @@ def test_a_rerun_that_finds_no_checkpoint_says_so(tmp_path, capsys):
     result = Trainer(config_from_dict(raw), base_model_dir=str(base)).run()
     assert result.status == "completed" and result.step == 1
     assert f"no checkpoint in {out / 'checkpoints'} to resume; starting at step 0" in capsys.readouterr().out
+
+
+def test_the_launcher_script_takes_overrides_anywhere(capsys):
+    """launch/train.py (the deepspeed launcher's entry) reads KEY=VALUE words between options too."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("launch_train", Path(__file__).resolve().parents[1] / "launch" /
+                                                  "train.py")
+    launch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(launch)
+    code = launch.main(["--config", str(REPO / "configs" / "tiny_cpu.yaml"), "schedule.max_steps=3", "--dry-run",
+                        "output_dir=runs/launcher_x"])
+    out = capsys.readouterr().out
+    assert code == 0 and re.search(r"^\s+max_steps: 3$", out, re.M) and "output_dir: runs/launcher_x" in out, out
+
+
+def test_a_rerun_of_a_finished_run_says_it_is_complete():
+    from iga_ds.train.cli import result_line
+    from iga_ds.train.trainer import TrainResult
+
+    done = TrainResult("completed", 10, 10, Path("runs/x"), Path("runs/x/adapter"), 1.0)
+    assert result_line(done).startswith("already complete: all 10 steps ran before; nothing trained")
+    done.history = [{"step": 10}]
+    assert result_line(done).startswith("done: 10 steps")

@@ -82,4 +82,5 @@ def _run_again(work: Path, env: dict[str, str], readme: str) -> None:
     steps = [json.loads(x)["step"] for x in (work / "runs" / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 11)), steps
     assert "train iga: " not in proc.stderr, proc.stderr[-3000:]  # no step's progress line: none ran
+    assert "already complete: all 10 steps ran before; nothing trained" in proc.stdout, proc.stdout[-3000:]
     assert merged.stat().st_mtime_ns > before

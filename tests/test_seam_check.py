@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -22,13 +23,18 @@ def setup(tmp_path_factory):
     return tmp, data, tiny_base(tmp, data)
 
 
-def _train(setup, out, steps=3):
+def _train(setup, out, steps=3, check_every_steps=None):
     from iga_ds.config.run import config_from_dict
     from iga_ds.train.trainer import Trainer
 
     tmp, data, base = setup
     raw = run_config_dict(tmp, data, output_dir=str(out), **{
         "schedule.max_steps": steps, "method.name": "iga", "method.params": {"tau": 0.5}})
+    if check_every_steps is not None:  # iga.check_every_steps in a copy of the run's DeepSpeed JSON
+        ds = json.loads(Path(raw["deepspeed"]).read_text())
+        ds["iga"]["check_every_steps"] = check_every_steps
+        (out.parent / "ds.json").write_text(json.dumps(ds))
+        raw["deepspeed"] = str(out.parent / "ds.json")
     return Trainer(config_from_dict(raw), base_model_dir=str(base), quiet=True).run()
 
 
@@ -94,15 +100,13 @@ def test_fragments_handed_out_as_copies_stop_the_run_in_one_line(setup, tmp_path
     check reads where the step reads, not through the link the write went through."""
     import deepspeed
 
-    import iga_ds.engine.hook as hook
     from iga_ds.errors import UserError
 
-    monkeypatch.setattr(hook, "CHECK_EVERY_STEPS", 2)
     _fragments_handed_out_as_copies(monkeypatch, from_write, kept)
     seen = _checks(monkeypatch)
     out = tmp_path / "broken"
     with pytest.raises(UserError) as caught:
-        _train(setup, out, steps=4)
+        _train(setup, out, steps=4, check_every_steps=2)
     line = str(caught.value)
     assert "\n" not in line and caught.value.exit_code == 2, line
     assert line.startswith(f"deepspeed {deepspeed.__version__}: optimizer step {stops_at}: the gradient "

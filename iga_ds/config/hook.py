@@ -53,6 +53,10 @@ class HookConfig(Section):
     max_skipped_steps: int = setting(3, "with `skip_nonfinite`: the run stops with an error after this many skipped "
                                      "steps in a row, naming the first non-finite quantity it saw (a diverged run "
                                      "never ends as done); 0: never stop", expected="an integer >= 0", ge=0)
+    check_every_steps: int = setting(100, "the gradient DeepSpeed's optimizer steps with is read back, from where its "
+                                     "step reads it, at the first step the hook writes and every this many after; "
+                                     "a difference from what the method wrote stops the run naming the DeepSpeed "
+                                     "release (0: the first step only)", expected="an integer >= 0", ge=0)
     timeout_s: Number = setting(600.0, "the hook's collectives fail after this many seconds, so that a dead rank "
                                 "stops the others; also the trainer's peer timeout: a rank whose heartbeat is "
                                 "silent this long is named as lost and the others exit",

@@ -55,11 +55,6 @@ from iga_ds.metrics.mask import aggregate_module_stats
 
 log = logging.getLogger(__name__)
 
-# what iga.check_every_steps defaults to: the write of the method's gradient is read back at the
-# first step the hook writes, then every this many (about a norm of the LoRA gradients each time)
-CHECK_EVERY_STEPS = 100
-
-
 class EngineHook:
     """Attach with :func:`attach`; see the package docstring for the training loop."""
 
@@ -87,7 +82,7 @@ class EngineHook:
         self.skipped_last_step = False
         self.skipped_steps = 0
         self.writes = 0  # optimizer steps whose gradient the hook wrote
-        self.check_every_steps = int(getattr(config, "check_every_steps", CHECK_EVERY_STEPS))
+        self.check_every_steps = config.check_every_steps  # iga.check_every_steps
         self._micro_batch_seconds = 0.0
         self.comm = Collectives(timeout_s=config.timeout_s)
         self.capture: DomainGradientCapture | None = None

@@ -525,15 +525,16 @@ class SetupInterrupted(BaseException):
 
 
 class StopSignal:
-    """Remembers SIGUSR1/SIGTERM and watches ``stop_file``; ``requested()`` is collective so all
-    ranks stop together, and ``reason`` says which request it was.
+    """Remembers SIGUSR1, SIGTERM and SIGINT (Ctrl-C) and watches ``stop_file``; ``requested()``
+    is collective so all ranks stop together, and ``reason`` says which request it was. A second
+    Ctrl-C while a stop is pending raises KeyboardInterrupt: the user wants out now.
 
     Installed with a ``setup_phase`` (what setup is doing, kept up to date in :attr:`phase`), a
     stop signal, SIGINT too, raises :class:`SetupInterrupted` at once instead: there is nothing to
     save before the first step, and waiting for a model load to end could take minutes.
     :meth:`training` ends that."""
 
-    SIGNALS = tuple(s for s in (getattr(signal, "SIGUSR1", None), signal.SIGTERM) if s is not None)
+    SIGNALS = tuple(s for s in (getattr(signal, "SIGUSR1", None), signal.SIGTERM, signal.SIGINT) if s is not None)
 
     def __init__(self, stop_file: str | Path | None = None):
         self.received: int | None = None
@@ -544,7 +545,7 @@ class StopSignal:
 
     def install(self, setup_phase: str | None = None) -> "StopSignal":
         self.phase = setup_phase
-        for sig in dict.fromkeys(self.SIGNALS + ((signal.SIGINT,) if setup_phase is not None else ())):
+        for sig in self.SIGNALS:
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread: signals stay with their old handlers
@@ -554,14 +555,13 @@ class StopSignal:
     def _handle(self, signum, frame) -> None:
         if self.phase is not None:
             raise SetupInterrupted(signum, self.phase)
+        if signum == signal.SIGINT and self.received is not None:
+            raise KeyboardInterrupt
         self.received = signum
 
     def training(self) -> None:
-        """Setup is done: from here a stop signal asks for a checkpoint at the next step boundary,
-        and SIGINT has its own handler back."""
+        """Setup is done: from here a stop signal asks for a checkpoint at the next step boundary."""
         self.phase = None
-        if signal.SIGINT not in self.SIGNALS and signal.SIGINT in self._previous:
-            signal.signal(signal.SIGINT, self._previous.pop(signal.SIGINT))
 
     def uninstall(self) -> None:
         """The old handlers back; after a stop request, SIGUSR1 ignored instead. The process is on

@@ -48,11 +48,19 @@ def _train(args: argparse.Namespace) -> int:
     if args.dry_run:
         return dry_run(config, args.world_size)
     result = train(config)
-    if result.status == "stopped":
-        print(f"stopped at step {result.step}/{result.total_steps}; checkpoint in {result.output_dir}/checkpoints")
-    else:
-        print(f"done: {result.step} steps in {result.wall_seconds:.0f}s; adapter in {result.adapter_dir}")
+    print(result_line(result))
     return 0
+
+
+def result_line(result) -> str:
+    """The last line of ``iga-ds train``: stopped, done, or already complete (a rerun of a
+    finished run resumes at its last step and trains nothing)."""
+    if result.status == "stopped":
+        return f"stopped at step {result.step}/{result.total_steps}; checkpoint in {result.output_dir}/checkpoints"
+    if not result.history and result.step >= result.total_steps:
+        return (f"already complete: all {result.total_steps} steps ran before; nothing trained; adapter in "
+                f"{result.adapter_dir} (another output_dir, or delete this one, to train again)")
+    return f"done: {result.step} steps in {result.wall_seconds:.0f}s; adapter in {result.adapter_dir}"
 
 
 def _pretrain_tiny(args: argparse.Namespace) -> int:
