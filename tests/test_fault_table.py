@@ -329,6 +329,29 @@ def test_a_resume_from_a_truncated_model_state_stops_in_one_line(setup, tmp_path
     _refused(lambda: _train(tmp, data, base, out), f"resume: {file}: truncated or corrupt")
 
 
+def test_previous_good_resumes_from_the_newest_checkpoint_that_reads_whole(setup, tmp_path):
+    """The newest checkpoint truncated: `resume: previous-good` names it, passes over it and
+    resumes from the one before; metrics.jsonl keeps one line a step."""
+    tmp, data, base, stopped = setup
+    out = _copy_run(stopped, tmp_path, "previous-good")
+    file = _ckpt(out, 2) / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    file.write_bytes(file.read_bytes()[:100])
+    from iga_ds.train.checkpoint import resolve_resume
+
+    notes = []
+    assert resolve_resume("previous-good", out / "checkpoints", note=notes.append) == _ckpt(out, 1)
+    assert len(notes) == 1 and notes[0].startswith(f"resume: previous-good: passing over step_00000002: resume: {file}: "
+                                                    "truncated or corrupt"), notes
+    result = _train(tmp, data, base, out, resume="previous-good")
+    assert result.status == "completed" and [h["step"] for h in result.history] == [2, 3, 4]
+    assert _metric_steps(out) == [1, 2, 3, 4]
+    kept = sorted((out / "checkpoints").glob("step_*"))
+    for folder in kept:  # none reads whole now: refused, never a silent start over
+        (folder / "meta.json").write_text("{")
+    _refused(lambda: resolve_resume("previous-good", out / "checkpoints", note=notes.append),
+             f"resume: previous-good: none of the {len(kept)} checkpoints", "resume: never")
+
+
 # -- faults are one line --------------------------------------------------------------------------
 
 

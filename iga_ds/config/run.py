@@ -374,8 +374,9 @@ class RunConfig(Section):
     checkpoint: CheckpointConfig = setting(CheckpointConfig, "checkpoints and stopping")
     logging: LoggingConfig = setting(LoggingConfig, "metrics and progress")
     seed: int = setting(0, "LoRA initialization, data order and the random state")
-    resume: str = setting("auto", "`auto` (the latest checkpoint in output_dir, if any), `never`, or a checkpoint "
-                          "folder")
+    resume: str = setting("auto", "`auto` (the latest checkpoint in output_dir, if any), `previous-good` (the newest "
+                          "one whose files all read whole, passing over and naming newer ones that do not), `never`, "
+                          "or a checkpoint folder")
     # the file it was read from, and the command line's overrides, for messages that name them
     _source: str = PrivateAttr("the run YAML")
     _overrides: tuple[str, ...] = PrivateAttr(())

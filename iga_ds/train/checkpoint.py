@@ -102,9 +102,12 @@ def newest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
 
 def resolve_resume(resume: str, ckpt_dir: Path, note: Callable[[str], None] = log.warning) -> Path | None:
     """``auto``: the latest checkpoint if there is one (``latest`` missing or dangling: the newest
-    ``step_*``, and ``note`` says so); ``never``: none; else a folder."""
+    ``step_*``, and ``note`` says so); ``previous-good``: the newest ``step_*`` whose files read
+    whole (:func:`newest_good_checkpoint`); ``never``: none; else a folder."""
     if resume == "never":
         return None
+    if resume == "previous-good":
+        return newest_good_checkpoint(ckpt_dir, note)
     if resume == "auto":
         latest = latest_checkpoint(ckpt_dir)
         newest = newest_checkpoint(ckpt_dir) if latest is None else None
@@ -116,10 +119,31 @@ def resolve_resume(resume: str, ckpt_dir: Path, note: Callable[[str], None] = lo
         return latest or newest
     path = Path(resume)
     if not path.is_dir():
-        raise ConfigError(f"resume: expected auto, never or a checkpoint folder, got {resume!r} (not found)")
+        raise ConfigError(f"resume: expected auto, previous-good, never or a checkpoint folder, got {resume!r} "
+                          "(not found)")
     if path.name.startswith(PARTIAL_PREFIX):
         raise ConfigError(f"resume: {path} is a checkpoint whose save did not finish; name a {TAG_PREFIX}* folder")
     return path
+
+
+def newest_good_checkpoint(ckpt_dir: Path, note: Callable[[str], None] = log.warning) -> Path | None:
+    """The newest ``step_*`` folder whose files all read whole (:func:`check_checkpoint_files`,
+    :func:`read_checkpoint_meta`), ``note`` naming each newer one passed over and why; None
+    without checkpoints. Checkpoints there, none whole: one line (never a silent start over)."""
+    steps = sorted((p for p in Path(ckpt_dir).glob(f"{TAG_PREFIX}*") if p.is_dir() and re.fullmatch(r"step_\d+", p.name)),
+                   key=lambda p: int(p.name[len(TAG_PREFIX):]), reverse=True)
+    for path in steps:
+        try:
+            check_checkpoint_files(path)
+            read_checkpoint_meta(path)
+        except ConfigError as exc:
+            note(f"resume: previous-good: passing over {path.name}: {str(exc).split('; ' + _RETRY)[0]}")
+            continue
+        return path
+    if steps:
+        raise ConfigError(f"resume: previous-good: none of the {len(steps)} checkpoints in {ckpt_dir} reads whole "
+                          "(each is named above); start over with resume: never")
+    return None
 
 
 # -- random state ----------------------------------------------------------------------------
@@ -166,7 +190,8 @@ def _rng_file(path: Path, rank: int) -> Path:
 # -- what a resume checks before it loads ----------------------------------------------------
 
 META_FILE = "meta.json"
-_RETRY = "resume from another checkpoint (resume: PATH) or start over (resume: never)"
+_RETRY = ("resume from the newest checkpoint that reads whole (resume: previous-good), another one "
+          "(resume: PATH), or start over (resume: never)")
 
 
 def read_checkpoint_meta(path: Path) -> dict[str, Any]:

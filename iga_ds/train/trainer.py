@@ -386,7 +386,7 @@ class Trainer:
     def _resume(self, engine, hook: EngineHook, out: Path, updates: UpdateNorms, total_steps: int) -> int:
         resume_from = resolve_resume(self.cfg.resume, out / "checkpoints", note=self._print)
         if resume_from is None:
-            if self.cfg.resume == "auto" and (out / RUN_CONFIG).is_file():
+            if self.cfg.resume in ("auto", "previous-good") and (out / RUN_CONFIG).is_file():
                 self._print(f"no checkpoint in {out / 'checkpoints'} to resume; starting at step 0")
             return 0
         check_checkpoint_files(resume_from)  # a truncated or corrupt file: one line naming it
