@@ -15,7 +15,7 @@ Variants, all on the same random factors and per-domain gradients:
 - ``per_module``: the registered ``iga`` method (``iga_update`` module by module), the float32
   reference the fast path must match;
 - ``batched_torch`` / ``batched_triton`` / ``batched_triton_tf32x3``:
-  :func:`iga_ds.methods.iga.fused.batched_iga` with the PyTorch tile pass / the Triton kernel in
+  :func:`iga_ds.methods.iga.batched.batched_iga` with the PyTorch tile pass / the Triton kernel in
   true float32 / the Triton kernel with three-pass TF32 products (CUDA with Triton only);
 - ``batched_*_bf16`` / ``batched_*_bf16_q1`` / ``batched_*_bf16_q1p16``: ``triton_precision="bf16"``
   (factors rounded to bfloat16, masked matrices stored and multiplied in bfloat16), with
@@ -61,7 +61,7 @@ from common import (
 from iga_ds.files import atomic_write_json
 from iga_ds.methods import ModuleGrads, get_method, sketch_key
 from iga_ds.methods.iga import triton_kernels
-from iga_ds.methods.iga.fused import batched_iga
+from iga_ds.methods.iga.batched import batched_iga
 from iga_ds.methods.iga.reference import iga_update, mean_and_variance, normalize_variance
 
 

@@ -21,7 +21,7 @@ CPU smoke run: ``DS_ACCELERATOR=cpu python bench/bench_step.py --dtype fp32 --la
 Methods: ``erm`` (DeepSpeed's own path: LoRA gradients reduced after every micro-batch),
 ``erm_captured`` (the same update through the hook's capture, reduced once per step),
 ``iga`` (the registered method, module by module), ``iga_fused``
-(the same method through :func:`iga_ds.methods.iga.fused.batched_iga`), ``iga_bf16`` (that
+(the same method through :func:`iga_ds.methods.iga.batched.batched_iga`), ``iga_bf16`` (that
 path with ``precision: bf16``) and ``iga_svd_bf16_q1p16`` (the rank-r SVD projection ablation
 in bf16, one power iteration, oversampling 16).
 Measured per method: median optimizer-step time over ``--steps`` steps after ``--warmup``
@@ -193,7 +193,7 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
     base = check_method(method)
     iga_params = {} if base.startswith("erm") else {
         "tau": args.tau, "normalize": args.normalize,
-        "implementation": "reference" if base == "iga" else "fused",
+        "implementation": "reference" if base == "iga" else "batched",
         **({"precision": args.precision} if base == "iga_fused" else FIXED_VARIANTS.get(base, {})),
     }
     hook = attach(engine, HookConfig(method=base if base.startswith("erm") else "iga", params=iga_params,

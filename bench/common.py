@@ -33,7 +33,7 @@ import torch
 
 from iga_ds.errors import ConfigError
 from iga_ds.methods import ModuleGrads
-from iga_ds.methods.iga.fused import resolve_batch_bytes
+from iga_ds.methods.iga.batched import resolve_batch_bytes
 
 # LLaMA-2-7B (Touvron et al., 2023, "Llama 2: Open Foundation and Fine-Tuned Chat Models"),
 # the fields of its Hugging Face config that set the shapes
@@ -299,7 +299,7 @@ def environment_line(env: dict) -> str:
 
 
 def batch_bytes_option(text: str):
-    """--batch-bytes: 'auto' or a byte count, checked by the fused path's own rule."""
+    """--batch-bytes: 'auto' or a byte count, checked by the batched path's own rule."""
     if text == "auto":
         return text
     try:

@@ -152,7 +152,7 @@ def _hook_at_world_size_one(implementation: str, dtype: torch.dtype = torch.floa
     return hook
 
 
-@pytest.mark.parametrize("implementation", ["reference", "fused"])
+@pytest.mark.parametrize("implementation", ["reference", "batched"])
 def test_world_size_one_results_match_the_packed_path(implementation):
     hook = _hook_at_world_size_one(implementation)
     try:
@@ -234,7 +234,7 @@ def test_module_grads_are_per_domain_means(counts):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_module_grads_carry_the_dtype_of_the_training(dtype):
     """IGA's precision "auto" follows the weights' dtype, which the float32 factors it gets no longer show."""
-    hook = _hook_at_world_size_one("fused", dtype)
+    hook = _hook_at_world_size_one("batched", dtype)
     try:
         grads = hook._module_grads(hook.flat_in, hook.owned, 0, hook.capture.counts)
         assert {g.A.dtype for g in grads} == {g.gA.dtype for g in grads} == {torch.float32}
@@ -251,7 +251,7 @@ def test_the_hook_freezes_the_collector_while_attached():
     import gc
 
     gc.unfreeze()
-    hook = _hook_at_world_size_one("fused")
+    hook = _hook_at_world_size_one("batched")
     try:
         weight = hook.modules[0].lora_A.weight
         assert gc.get_freeze_count() > 0

@@ -72,7 +72,7 @@ def test_single_process_collectives():
 def test_equal_modules_of_one_rank_stack_as_views_of_its_buffer():
     # the fused method stacks modules of one shape; laid out one after another, as a rank's
     # buffer holds them, their gradient sums stack without a copy (fused._stacked)
-    from iga_ds.methods.iga.fused import _stacked
+    from iga_ds.methods.iga.batched import _stacked
 
     modules = fake_modules([(4, 16, 12)] * 5)
     N = 3

@@ -126,7 +126,7 @@ def real_gradients():
 @pytest.mark.parametrize("normalize", ["snr", "mean", "none"])
 def test_tau_zero_is_erm_on_a_real_model(real_gradients, normalize):
     grads, erm = real_gradients
-    for path in ("reference", "fused"):
+    for path in ("reference", "batched"):
         updates = get_method("iga", tau=0.0, normalize=normalize, implementation=path).combine(grads, 0)
         for i, u in enumerate(updates):
             torch.testing.assert_close(u.gA, erm[2 * i], rtol=1e-12, atol=1e-15)
@@ -155,7 +155,7 @@ def test_the_svd_maps_are_not_erm_at_tau_zero(real_gradients):
 
 @pytest.mark.parametrize("normalize", ["snr", "mean"])
 @pytest.mark.parametrize("damping", [0.0, 0.1])
-def test_fused_tangent_matches_the_reference(real_gradients, normalize, damping):
+def test_batched_tangent_matches_the_reference(real_gradients, normalize, damping):
     grads, _ = real_gradients
     fused = batched_iga(grads, tau=0.7, normalize=normalize, damping=damping, generators=[None] * len(grads))
     for m, (gA, gB, stats) in zip(grads, fused):
@@ -210,7 +210,7 @@ def relative_error(got, ref):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("precision,tolerance", [("ieee", 1e-4), ("tf32", 5e-3), ("bf16", 3e-2)])
-def test_fused_tangent_on_cuda_matches_float64(precision, tolerance):
+def test_batched_tangent_on_cuda_matches_float64(precision, tolerance):
     mods = weight_gradient_modules()
     cuda = [ModuleGrads(m.name, m.index, *(t.float().cuda() for t in (m.A, m.B, m.gA, m.gB)), m.scaling) for m in mods]
     for tau in (0.0, 0.5):

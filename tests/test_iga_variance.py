@@ -263,8 +263,8 @@ def test_tau_zero_is_erm_exactly(variance):
     ({"variance": "ema", "variance_decay": -0.1}, r"variance_decay must be in \[0, 1\)"),
     ({"variance_decay": 0.5}, r"variance_decay=0.5: acts only with variance 'ema', and variance is 'batch'"),
     ({"variance": "debiased", "variance_decay": 0.5}, r"variance_decay=0.5: acts only with variance 'ema'"),
-    ({"variance": "debiased", "normalize": "mean", "implementation": "fused"},
-     r"implementation 'fused' has no form of variance 'debiased' with normalize 'mean'"),
+    ({"variance": "debiased", "normalize": "mean", "implementation": "batched"},
+     r"implementation 'batched' has no form of variance 'debiased' with normalize 'mean'"),
 ])
 def test_invalid_variance_options_are_refused_in_one_line(params, message):
     with pytest.raises(ValueError, match=message):
@@ -281,15 +281,15 @@ def test_the_lora_space_ablation_takes_batch_only():
 
 def test_auto_takes_the_fused_path_on_cuda_where_the_variance_has_a_fused_form():
     on_cpu = [module(0)]
-    assert not get_method("iga", variance="ema")._fused(on_cpu)
+    assert not get_method("iga", variance="ema")._batched(on_cpu)
     if torch.cuda.is_available():
         cuda = [ModuleGrads("m", 0, *(t.cuda() for t in (m.A, m.B, m.gA, m.gB)), m.scaling) for m in on_cpu]
         for params in ({}, {"variance": "ema"}, {"variance": "debiased"}):
-            assert get_method("iga", **params)._fused(cuda), params
-        assert not get_method("iga", variance="debiased", normalize="mean")._fused(cuda)
+            assert get_method("iga", **params)._batched(cuda), params
+        assert not get_method("iga", variance="debiased", normalize="mean")._batched(cuda)
 
 
-# -- the fused path against the reference path -------------------------------------------------
+# -- the batched path against the reference path -------------------------------------------------
 
 
 def mixed_modules(step, slots, dtype=F64):
@@ -311,7 +311,7 @@ FUSED_CASES = [("ema", "snr", "tangent"), ("ema", "mean", "tangent"), ("ema", "n
 def test_the_fused_path_equals_the_reference_path_over_steps(variance, normalize, projection, dtype):
     params = dict(tau=TAU, normalize=normalize, variance=variance, seed=3,
                   projection=projection, **({"svd": "randomized", "power_iters": 2} if projection == "svd" else {}))
-    ref, fused = (get_method("iga", implementation=impl, **params) for impl in ("reference", "fused"))
+    ref, fused = (get_method("iga", implementation=impl, **params) for impl in ("reference", "batched"))
     tol = 1e-9 if dtype == F64 else 2e-4
     slots = 6 if variance == "debiased" else 3
     for step in range(3):  # ema: averages behind the later steps
@@ -331,7 +331,7 @@ def test_the_fused_debiased_variance_is_clamped_and_summed_as_the_reference_sums
     gir are what the comparison exercises."""
     mods = shared_signal_modules(3, spread=0.0, noise=0.5, d_in=12, d_out=9)
     ref = get_method("iga", variance="debiased", implementation="reference").combine(mods, 0)
-    got = get_method("iga", variance="debiased", implementation="fused").combine(mods, 0)
+    got = get_method("iga", variance="debiased", implementation="batched").combine(mods, 0)
     for a, b in zip(got, ref):
         assert float(a.stats["gir"]) == pytest.approx(b.stats["gir"], rel=1e-9)
         assert float(a.stats["mask_mean"]) == pytest.approx(b.stats["mask_mean"], rel=1e-9)
@@ -406,7 +406,7 @@ def test_the_cuda_batched_path_equals_the_reference_path(variance):
     for step in range(3):
         mods = [ModuleGrads(m.name, m.index, *(t.float().cuda() for t in (m.A, m.B, m.gA, m.gB)), m.scaling)
                 for m in mixed_modules(step, 6 if variance == "debiased" else 3)]
-        assert auto._fused(mods)
+        assert auto._batched(mods)
         for a, b in zip(auto.combine(mods, step), ref.combine(mods, step)):
             torch.testing.assert_close(a.gA, b.gA, rtol=2e-4, atol=1e-6)
             torch.testing.assert_close(a.gB, b.gB, rtol=2e-4, atol=1e-6)

@@ -1,5 +1,5 @@
 """The Jacobi eigendecomposition kernel against torch.linalg.eigh (float64), on the CPU under
-Triton's interpreter and on a GPU; the fused method's only wait for the device gone with it."""
+Triton's interpreter and on a GPU; the batched method's only wait for the device gone with it."""
 from __future__ import annotations
 
 import importlib.util
@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from iga_ds.methods.iga import fused, jacobi
+from iga_ds.methods.iga import batched, jacobi
 from triton_interpreter import run_interpreted
 
 
@@ -126,7 +126,7 @@ def test_jacobi_on_gpu_matches_eigh():
 def test_the_fused_method_never_waits_for_the_device():
     """With the Jacobi kernel the Triton path of ``batched_iga`` queues all its work without a
     host synchronization (PyTorch's sync debug mode raises on one)."""
-    from test_fused import _cuda_modules
+    from test_batched import _cuda_modules
 
     from iga_ds.methods.iga.sketch import sketch_keys
 
@@ -135,11 +135,11 @@ def test_the_fused_method_never_waits_for_the_device():
     for precision in ("ieee", "bf16"):
         kwargs = dict(generators=gens, triton_precision=precision, projection="svd", factors="chain_rule",
                       power_iters=1, oversample=16, batch_bytes=1 << 30)
-        fused.batched_iga(mods, **kwargs)  # compiles the kernels
+        batched.batched_iga(mods, **kwargs)  # compiles the kernels
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            out = fused.batched_iga(mods, **kwargs)
+            out = batched.batched_iga(mods, **kwargs)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert all(torch.isfinite(gA).all() and torch.isfinite(gB).all() for gA, gB, _ in out)

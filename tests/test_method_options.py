@@ -13,7 +13,7 @@ from iga_ds.errors import ConfigError
 from iga_ds.methods import ModuleGrads, available_methods, get_method, method_parameters
 from iga_ds.methods.iga import method as iga_method
 from iga_ds.methods.iga.common import ACTING_DEFAULTS, ACTS_ONLY_WITH
-from iga_ds.methods.iga.fused import batched_iga
+from iga_ds.methods.iga.batched import batched_iga
 from iga_ds.methods.iga.sketch import sketch_keys
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,7 +21,7 @@ METHODS = available_methods()
 MODULE_METHODS = [name for name in METHODS if get_method(name).scope == "module"]
 # every method's: the hook passes iga.seed to each
 UNIVERSAL = {"seed"}
-# how the update is computed, not what (test_fused.py holds the paths to one another)
+# how the update is computed, not what (test_batched.py holds the paths to one another)
 ENGINEERING = {"implementation", "precision"}
 # a value other than every method's default, for each option a module-scope method takes
 EXAMPLES = {"tau": 0.3, "normalize": "mean", "variance": "ema", "variance_decay": 0.5, "projection": "svd",
@@ -118,7 +118,7 @@ def test_a_method_reports_exactly_the_statistics_it_declares(name):
     declared = {s.name for s in get_method(name).statistics}
     settings = [{}]
     settings += [{"projection": "svd"}] if "projection" in options_of(name) else []
-    settings += [{"implementation": "fused"}] if "implementation" in options_of(name) else []
+    settings += [{"implementation": "batched"}] if "implementation" in options_of(name) else []
     for params in settings:
         for update in get_method(name, **params).combine(modules(0), 3):
             assert set(update.stats) == declared, (name, params, set(update.stats) ^ declared)
@@ -142,7 +142,7 @@ def test_the_tangent_projection_draws_no_sketch_keys(monkeypatch):
         raise AssertionError("sketch keys drawn")
 
     monkeypatch.setattr(iga_method, "sketch_keys", no_keys)
-    for update, (gA, gB, stats) in zip(get_method("iga", implementation="fused").combine(mods, 3), drawn):
+    for update, (gA, gB, stats) in zip(get_method("iga", implementation="batched").combine(mods, 3), drawn):
         assert torch.equal(update.gA, gA) and torch.equal(update.gB, gB) and dict(update.stats) == dict(stats)
     with pytest.raises(AssertionError, match="sketch keys drawn"):  # the svd projection reads them
-        get_method("iga", implementation="fused", projection="svd").combine(mods, 3)
+        get_method("iga", implementation="batched", projection="svd").combine(mods, 3)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from iga_ds.methods import ModuleGrads, get_method, sketch_key
-from iga_ds.methods.iga.fused import batched_iga
+from iga_ds.methods.iga.batched import batched_iga
 from iga_ds.methods.iga.reference import iga_update
 from iga_ds.methods.iga.sketch import SketchKey, SketchKeys, gaussian, gaussian_stack, mixed_keys, sketch_keys
 

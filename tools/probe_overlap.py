@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # bench/
 from common import LLAMA2_7B, environment, environment_line, llama_config, lora_shapes, make_modules, spread, time_ms
 from iga_ds.files import atomic_write_json
 from iga_ds.methods.iga import triton_kernels
-from iga_ds.methods.iga.fused import DEFAULT_BATCH_BYTES, DEFAULT_TILE_ELEMENTS, project_stack, stack_modules
+from iga_ds.methods.iga.batched import DEFAULT_BATCH_BYTES, DEFAULT_TILE_ELEMENTS, project_stack, stack_modules
 
 
 def timed(fn, reps: int) -> dict:

@@ -1,4 +1,4 @@
-"""Where the IGA method's time goes: a torch.profiler table of the fused path on LLaMA-2-7B shapes.
+"""Where the IGA method's time goes: a torch.profiler table of the batched path on LLaMA-2-7B shapes.
 
     python tools/profile_method.py [--rows 30] [--precision ieee|tf32|bf16] [--batch-bytes 4294967296]
         [--power-iters 2] [--oversample 10] [--factors chain_rule|split] [--trace FILE]
@@ -27,7 +27,7 @@ from common import (
     synchronize, time_ms,
 )
 from iga_ds.methods import sketch_key
-from iga_ds.methods.iga.fused import batched_iga
+from iga_ds.methods.iga.batched import batched_iga
 
 
 def main(argv=None) -> int:

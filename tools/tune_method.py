@@ -54,7 +54,7 @@ from iga_ds.files import atomic_write_json
 from iga_ds.methods import sketch_key
 from iga_ds.methods.iga import jacobi, triton_kernels
 from iga_ds.methods.iga.common import SNR_EPS
-from iga_ds.methods.iga.fused import batched_iga, mask_scales, orthonormalize, stack_factors, stack_modules
+from iga_ds.methods.iga.batched import batched_iga, mask_scales, orthonormalize, stack_factors, stack_modules
 
 
 def rel(a, b) -> float:
@@ -318,7 +318,7 @@ def kernel_variants(modules, normalize: str = "snr") -> list[dict]:
 
 def stack_parts(modules, skip: set[str], precisions=("ieee", "tf32x3")) -> dict:
     """The tile pass, the power iterations' products and CholeskyQR on one stack of
-    ``modules`` (4096 x 4096, r 16, N 4: sketch width 26), each stage of the fused path alone."""
+    ``modules`` (4096 x 4096, r 16, N 4: sketch width 26), each stage of the batched path alone."""
     M, width = len(modules), 16 + 10
     st = stack_modules(modules, [None] * M, 1 << 31)[0]
     factors = stack_factors(st)

@@ -8,7 +8,7 @@
 - ``rsvd``: truncated SVD, exact, randomized and single-pass;
 - ``sketch``: the Gaussian test matrices, keyed by (seed, step, module), drawn for many
   modules at once;
-- ``fused``: the same update for many modules at once, without the N full-rank gradients
+- ``batched``: the same update for many modules at once, without the N full-rank gradients
   (:func:`batched_iga`), ``triton_kernels``, its CUDA kernels (the tile pass, the skinny
   products, the keyed draws), and ``jacobi``, the eigendecompositions of its small Grams on
   CUDA without a wait for the device;
@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 from iga_ds.methods.iga.ablations import IGABinaryMask, IGALoRASpace, IGANoProjection, MeanNoMask
-from iga_ds.methods.iga.fused import batched_iga
+from iga_ds.methods.iga.batched import batched_iga
 from iga_ds.methods.iga.method import IGA, MaskedProjectionMethod
 from iga_ds.methods.iga.reference import chain_rule_factors, iga_update
 

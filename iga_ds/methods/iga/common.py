@@ -40,7 +40,7 @@ ACTS_ONLY_WITH = (
     (("variance_decay",), "variance", ("ema",)),
     # the batched path's precision: no batched path under these, and the departures' variances
     # run its PyTorch tile pass in float32
-    (("precision",), "implementation", ("auto", "fused")),
+    (("precision",), "implementation", ("auto", "batched")),
     (("precision",), "variance", ("batch",)),
     (("precision",), "svd", ("randomized", "single_pass")),
 )

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, Statistic
-from iga_ds.methods.iga.fused import batched_iga
+from iga_ds.methods.iga.batched import batched_iga
 from iga_ds.methods.iga.options import OPTION_NAMES, make_options, option_signature
 from iga_ds.methods.iga.options import refusal as option_refusal
 from iga_ds.methods.iga.reference import masked_projection, mean_and_variance
@@ -123,12 +123,12 @@ class IGA(MaskedProjectionMethod):
     """Invariant Gradient Alignment: exp(-tau V') mask on reconstructed gradients, projected back to the factors.
 
     ``implementation``: ``reference`` runs :func:`~iga_ds.methods.iga.reference.masked_projection`
-    module by module; ``fused`` runs :func:`~iga_ds.methods.iga.fused.batched_iga` (same result up
+    module by module; ``batched`` runs :func:`~iga_ds.methods.iga.batched.batched_iga` (same result up
     to rounding, no N full-rank matrices, modules of equal shape batched); ``auto`` takes
-    ``fused`` on CUDA, except for ``variance: debiased`` with ``normalize: mean``, which has no
-    fused form (``fused`` refuses it). ``ema`` and ``debiased`` run the batched PyTorch tile pass
+    ``batched`` on CUDA, except for ``variance: debiased`` with ``normalize: mean``, which has no
+    batched form (``batched`` refuses it). ``ema`` and ``debiased`` run the batched PyTorch tile pass
     (the Triton tile kernel computes the paper's variance only).
-    ``precision`` (fused path, ``variance: batch``; the departures compute in float32): ``auto``
+    ``precision`` (batched path, ``variance: batch``; the departures compute in float32): ``auto``
     (default) is ``bf16`` when the gradients come from a
     bfloat16 forward and backward (:attr:`ModuleGrads.trained_in`; a DeepSpeed bf16 run) and
     ``ieee`` otherwise: bf16 keeps the precision rule of docs/PERFORMANCE.md (its error a fifth
@@ -139,7 +139,7 @@ class IGA(MaskedProjectionMethod):
     iterations (about 1e-3 relative error).
     ``svd``: ``randomized`` (default; HMT with ``power_iters`` power iterations), ``exact``
     (full SVD, reference path only) or ``single_pass`` (Tropp et al. 2017: both sketches in
-    one pass, no power iterations; on the fused path the masked matrices are never stored,
+    one pass, no power iterations; on the batched path the masked matrices are never stored,
     at a larger rank-r error unless ``oversample`` is raised; docs/PERFORMANCE.md).
     """
 
@@ -147,15 +147,15 @@ class IGA(MaskedProjectionMethod):
     paper = "Invariant Gradient Alignment (IGA) for logical isomers (this package's paper)"
     takes = OPTION_NAMES
 
-    def _fused(self, modules: Sequence[ModuleGrads]) -> bool:
+    def _batched(self, modules: Sequence[ModuleGrads]) -> bool:
         if self.implementation == "auto":
-            no_fused_form = self.variance == "debiased" and self.normalize == "mean"
-            return (self.svd != "exact" and not no_fused_form and bool(modules)
+            no_batched_form = self.variance == "debiased" and self.normalize == "mean"
+            return (self.svd != "exact" and not no_batched_form and bool(modules)
                     and modules[0].gA.device.type == "cuda")
-        return self.implementation == "fused"
+        return self.implementation == "batched"
 
     def precision_for(self, modules: Sequence[ModuleGrads]) -> str:
-        """The fused path's precision for these modules: ``precision``, with ``auto`` resolved
+        """The batched path's precision for these modules: ``precision``, with ``auto`` resolved
         from the dtype their gradients were computed in."""
         if self.precision != "auto":
             return self.precision
@@ -164,7 +164,7 @@ class IGA(MaskedProjectionMethod):
         return "bf16" if modules and modules[0].trained_in == torch.bfloat16 else "ieee"
 
     def combine(self, modules, step):
-        if not self._fused(modules):
+        if not self._batched(modules):
             return super().combine(modules, step)
         # the tangent projection draws no sketch: keys only where the projection reads them
         gens = (sketch_keys(self.seed, step, [m.index for m in modules]) if self.projection == "svd"

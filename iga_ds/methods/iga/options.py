@@ -20,7 +20,7 @@ from iga_ds.methods.iga.common import (
 from iga_ds.methods.iga.rsvd import SVD_METHODS
 from iga_ds.methods.iga.variance import DEFAULT_VARIANCE, check_variance_options
 
-IMPLEMENTATIONS = ("auto", "reference", "fused")
+IMPLEMENTATIONS = ("auto", "reference", "batched")
 PRECISIONS = ("auto", "ieee", "tf32", "bf16")
 
 
@@ -52,11 +52,11 @@ class IGAOptions:
         check_choice(self.implementation, IMPLEMENTATIONS, "implementation")
         check_choice(self.precision, PRECISIONS, "precision")
         check_acting(given, given)
-        if self.implementation == "fused" and self.svd == "exact":
-            raise ValueError("implementation 'fused' needs a sketched svd, 'randomized' or 'single_pass' "
-                             "(the exact SVD has no fused form)")
-        if self.implementation == "fused" and self.variance == "debiased" and self.normalize == "mean":
-            raise ValueError("implementation 'fused' has no form of variance 'debiased' with normalize 'mean' "
+        if self.implementation == "batched" and self.svd == "exact":
+            raise ValueError("implementation 'batched' needs a sketched svd, 'randomized' or 'single_pass' "
+                             "(the exact SVD has no batched form)")
+        if self.implementation == "batched" and self.variance == "debiased" and self.normalize == "mean":
+            raise ValueError("implementation 'batched' has no form of variance 'debiased' with normalize 'mean' "
                              "(use implementation 'auto' or 'reference')")
         for name, kind in (("tau", float), ("damping", float), ("oversample", int), ("power_iters", int)):
             object.__setattr__(self, name, kind(getattr(self, name)))

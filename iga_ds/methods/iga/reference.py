@@ -119,7 +119,7 @@ def _safe_reciprocal(x: torch.Tensor) -> torch.Tensor:
 
 def tangent_from_products(A, B, GAt, BtG, scaling, damping: float = 0.0):
     """:func:`tangent_factors` from the two products it needs, ``G @ A^T`` (out x r) and
-    ``B^T @ G`` (r x in): the fused path takes them in its one pass over G.
+    ``B^T @ G`` (r x in): the batched path takes them in its one pass over G.
 
     With the Grams A A^T = U2 diag(d2) U2^T and B^T B = U1 diag(d1) U1^T, the reconstruction
     decouples into r x r blocks, and the ridge solution of min ||s (b A + B a) - G||^2 +

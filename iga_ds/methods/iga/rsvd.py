@@ -18,7 +18,7 @@ def canonical_signs(U: torch.Tensor, Vh: torch.Tensor) -> tuple[torch.Tensor, to
     batched over leading dimensions (U: ... x m x k, Vh: ... x k x n)."""
     idx = U.abs().argmax(dim=-2, keepdim=True)
     # -1 where that entry is negative, else +1 (a zero column keeps its sign); two operators,
-    # not four: on the fused path they run while the device waits for the host
+    # not four: on the batched path they run while the device waits for the host
     signs = torch.where(torch.gather(U, -2, idx) < 0, -1.0, 1.0).to(U.dtype)  # ... x 1 x k
     return U * signs, Vh * signs.mT
 
@@ -79,7 +79,7 @@ def single_pass_svd(
     A range sketch Y = M Omega (width k = rank + oversample) and a co-range sketch
     W = Psi M (l = 2k + 1 rows) are both taken in the same pass; then Q = orth(Y),
     X = (Psi Q)^+ W and M ~ Q X, truncated through the SVD of the small X. Exact when
-    rank(M) <= k. No power iterations: the fused path never has to store M (it sketches
+    rank(M) <= k. No power iterations: the batched path never has to store M (it sketches
     each tile as it is formed), at the price of a looser approximation when the spectrum
     decays slowly. Omega is drawn first, then Psi, from ``generator`` (a key's psi starts
     where its omega ended).

@@ -7,7 +7,7 @@ exp(-tau V'), writes only ``Gbar * mask`` and per-tile partial sums for the mask
 The N full-rank gradients never exist in device memory. A second pair of kernels builds
 those factors from the per-domain gradients (:func:`stack_factors_triton`). The sketching kernel
 (``svd="single_pass"``) writes not even that: only each tile's share of the two sketches of
-the single-pass SVD. The PyTorch tile pass in :mod:`iga_ds.methods.iga.fused` is the reference this
+the single-pass SVD. The PyTorch tile pass in :mod:`iga_ds.methods.iga.batched` is the reference this
 kernel is tested against.
 
 Import-guarded: without Triton, :func:`available` is False and nothing here is compiled.
@@ -44,7 +44,7 @@ FACTOR_DTYPES = {"ieee": torch.float32, "tf32x3": torch.float32, "tf32": torch.f
 
 
 # partial sums per program of the tile kernels: mask, mask below 1/2, masked^2 (the sum of V,
-# the "gir" statistic, comes from the factors' Grams: iga_ds.methods.iga.fused.mask_scales)
+# the "gir" statistic, comes from the factors' Grams: iga_ds.methods.iga.batched.mask_scales)
 STAT_SLOTS = 3
 
 # tiles per program of the tile kernel, by precision. bf16: a strip of 32 tiles along a row (a
@@ -347,7 +347,7 @@ if triton is not None:
     @triton.jit
     def _left_factors_kernel(gB, B, scaling, left_mean, left_dev, d_out, r, stride_gB, stride_B,
                              N: tl.constexpr, RP: tl.constexpr, BR: tl.constexpr):
-        """BR rows of one module's left factors, as :func:`iga_ds.methods.iga.fused.stack_factors`
+        """BR rows of one module's left factors, as :func:`iga_ds.methods.iga.batched.stack_factors`
         forms them: ``left_mean = [mean_n gB[n], B] s`` (float32) and ``left_dev[n] =
         [(gB[n] - mean) s, B s]`` (in ``left_dev``'s dtype), gB read once more from cache."""
         mod = tl.program_id(1).to(tl.int64)
@@ -532,8 +532,8 @@ def strip_count(d_in: int, block_n: int, cols: int) -> int:
 def tile_pass_triton(left_mean, right_mean, left_dev, right_dev, omega, *, tau, normalize, mean_var, mean_sq,
                      psi=None, block_m: int = 64, block_n: int = 64, precision: str = "ieee", num_warps: int = 4,
                      partial_bytes: int = 1 << 30, cols: int | None = None, hoist: bool = True):
-    """Stage 4 of :mod:`iga_ds.methods.iga.fused` on CUDA, same contract as its PyTorch
-    reference :func:`iga_ds.methods.iga.fused.tile_pass_torch`: (masked, or with ``psi`` the
+    """Stage 4 of :mod:`iga_ds.methods.iga.batched` on CUDA, same contract as its PyTorch
+    reference :func:`iga_ds.methods.iga.batched.tile_pass_torch`: (masked, or with ``psi`` the
     co-range sketch psi @ masked), first sketch, stats, sum of masked^2. With ``psi`` the
     modules go through the sketching kernel in chunks whose per-tile partial sketches stay
     under ``partial_bytes``. With ``precision="bf16"`` the masked matrices come back in
@@ -619,10 +619,10 @@ def factors_fit(A: torch.Tensor, B: torch.Tensor, gA: torch.Tensor, gB: torch.Te
 
 
 def stack_factors_triton(A, B, gA, gB, scaling, dev_dtype: torch.dtype = torch.float32, *, block: int = 64):
-    """:func:`iga_ds.methods.iga.fused.stack_factors` in two kernels (the left factors, the
+    """:func:`iga_ds.methods.iga.batched.stack_factors` in two kernels (the left factors, the
     right ones) that read the gradients once and write each factor once, in ``dev_dtype`` for
     the deviations: same values (the mean may differ in its last bit by summation order).
-    Stacks as :class:`iga_ds.methods.iga.fused.Stack` holds them (:func:`factors_fit`)."""
+    Stacks as :class:`iga_ds.methods.iga.batched.Stack` holds them (:func:`factors_fit`)."""
     M, N, r, d_in = gA.shape
     d_out = B.shape[1]
     device = A.device

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from iga_ds.methods.iga.fused import batched_iga
+from iga_ds.methods.iga.batched import batched_iga
 from iga_ds.methods import ModuleGrads, get_method
 from iga_ds.methods.iga.reference import iga_update
 from reference_impl import iga_reference
@@ -87,7 +87,7 @@ def test_single_pass_matches_iga_update(dtype, normalize, tau, shape):
     mods = [make_module(i, r=r, d_in=d_in, d_out=d_out, dtype=dtype) for i in range(3)]
     out = batched_iga(mods, tau=tau, normalize=normalize, generators=generators(mods), svd="single_pass",
                       tile_elements=3 * 7 * d_in, projection="svd", factors="split")
-    # float32: the reference solves its least squares in float32 (the fused path in float64);
+    # float32: the reference solves its least squares in float32 (the batched path in float64);
     # observed worst 2.5e-5 on the factors
     assert_matches_reference(mods, out, dtype, loosen=2.5 if dtype == torch.float32 else 1.0,
                              tau=tau, normalize=normalize, svd="single_pass")
@@ -97,7 +97,7 @@ def test_single_pass_matches_iga_update(dtype, normalize, tau, shape):
 
 
 def test_single_pass_stores_no_masked_matrix(monkeypatch):
-    from iga_ds.methods.iga import fused
+    from iga_ds.methods.iga import batched
 
     mods = [make_module(i, r=4, d_in=48, d_out=40) for i in range(2)]
     allocated = []
@@ -107,7 +107,7 @@ def test_single_pass_stores_no_masked_matrix(monkeypatch):
         allocated.append(tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape)
         return real_empty(*shape, **kw)
 
-    monkeypatch.setattr(fused.torch, "empty", spy)
+    monkeypatch.setattr(batched.torch, "empty", spy)
     batched_iga(mods, generators=generators(mods), svd="single_pass", projection="svd", factors="split")
     assert (2, 40, 48) not in allocated  # M x out x in: the stored masked matrices
     allocated.clear()
@@ -127,7 +127,7 @@ def test_mixed_shapes_tiles_and_batches(dtype):
 
 
 def test_auto_stack_size_takes_half_the_headroom_within_bounds():
-    from iga_ds.methods.iga.fused import DEFAULT_BATCH_BYTES, MAX_AUTO_BATCH_BYTES, auto_batch_bytes
+    from iga_ds.methods.iga.batched import DEFAULT_BATCH_BYTES, MAX_AUTO_BATCH_BYTES, auto_batch_bytes
 
     GiB = 1 << 30
     assert auto_batch_bytes(0) == auto_batch_bytes(GiB) == DEFAULT_BATCH_BYTES == GiB
@@ -171,7 +171,7 @@ def test_one_pass_bases_lose_nothing_on_an_ill_conditioned_float32_matrix():
     # 8 singular values from 1 to 0.5, 10 from 1e-3 down to 1e-6, the rest 1e-7: every sketch
     # of width 18 has a condition number far above 1e4, where one CholeskyQR pass loses
     # orthogonality (0.03 if every basis took one pass); the final two-pass basis repairs it
-    from iga_ds.methods.iga.fused import project, svd_from_projection
+    from iga_ds.methods.iga.batched import project, svd_from_projection
 
     g = torch.Generator().manual_seed(3)
     m, n, rank, width = 300, 200, 8, 18
@@ -196,7 +196,7 @@ def test_float32_bases_are_orthonormal_to_float32_rounding_with_float32_products
     # float32 data are multiplied by the inverse factor in float32 (no float64 copy of the
     # m x k basis, no float64 product): the two-pass basis of a sketch with condition number
     # 1e5 is still orthonormal and spans the sketch to float32 rounding
-    from iga_ds.methods.iga.fused import orthonormalize
+    from iga_ds.methods.iga.batched import orthonormalize
 
     Y = _conditioned_sketch(torch.Generator().manual_seed(4), 500, 20, 1e-5)
     products = []  # (rows of the left operand, its dtype) of each matrix product
@@ -226,7 +226,7 @@ def test_cholesky_qr_solves_only_against_its_small_factor(monkeypatch):
     # a triangular solve against the tall m x k basis was a slow GPU kernel: the k x k factor is
     # inverted on its own and applied by one product; the bases stay orthonormal and the
     # method equal to the reference (float64, two passes each)
-    from iga_ds.methods.iga.fused import orthonormalize
+    from iga_ds.methods.iga.batched import orthonormalize
 
     shapes = []
     real = torch.linalg.solve_triangular
@@ -306,12 +306,12 @@ def test_low_precision_inputs_come_back_in_their_dtype():
 @pytest.mark.parametrize("factors,svd", [("chain_rule", "randomized"), ("split", "randomized"),
                                          ("chain_rule", "single_pass")])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_fused_method_equals_registered_iga(factors, svd, dtype):
-    # the fused path maps factors on the whole stack; the reference maps module by module
+def test_batched_method_equals_registered_iga(factors, svd, dtype):
+    # the batched path maps factors on the whole stack; the reference maps module by module
     mods = [make_module(i, dtype=dtype, scaling=1.0 + 0.5 * i) for i in range(4)]
     params = dict(tau=0.5, normalize="snr", seed=3, factors=factors, svd=svd, projection="svd")
     ref = get_method("iga", implementation="reference", **params).combine(mods, step=5)
-    got = get_method("iga", implementation="fused", **params).combine(mods, step=5)
+    got = get_method("iga", implementation="batched", **params).combine(mods, step=5)
     for a, b, m in zip(got, ref, mods):
         assert a.gA.shape == m.A.shape and a.gB.shape == m.B.shape
         assert rel(a.gA.double(), b.gA.double()) < FACTOR_TOL[dtype], m.name
@@ -329,7 +329,7 @@ def test_bad_input_is_refused():
         batched_iga([m], rank=9, generators=generators([m]), projection="svd", factors="split")
     with pytest.raises(ValueError, match="factors"):
         batched_iga([m], factors="transpose", generators=generators([m]), projection="svd")
-    with pytest.raises(ValueError, match="fused forms"):
+    with pytest.raises(ValueError, match="batched form"):
         batched_iga([m], svd="exact", generators=generators([m]), projection="svd", factors="split")
     bad = ModuleGrads("bad", 0, m.A, m.B, m.gA[:, :, :-1], m.gB, 2.0)
     with pytest.raises(ValueError, match="bad: shapes disagree"):
@@ -381,7 +381,7 @@ def test_cuda_peak_memory_is_one_matrix_per_module_not_n():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_auto_stacks_grow_into_the_room_below_the_peak(monkeypatch):
-    from iga_ds.methods.iga import fused
+    from iga_ds.methods.iga import batched
 
     mods = _cuda_modules(count=48, d_in=2048, d_out=2048)  # 16 MiB of masked matrix each
 
@@ -390,8 +390,8 @@ def test_cuda_auto_stacks_grow_into_the_room_below_the_peak(monkeypatch):
 
     fixed = batched_iga(mods, tau=0.5, normalize="mean", generators=gens(), batch_bytes=64 << 20, projection="svd", factors="split")  # 4 per stack
     sizes = []
-    real = fused.stack_modules
-    monkeypatch.setattr(fused, "stack_modules", lambda m, g, b, e=None: sizes.append(b) or real(m, g, b, e))
+    real = batched.stack_modules
+    monkeypatch.setattr(batched, "stack_modules", lambda m, g, b, e=None: sizes.append(b) or real(m, g, b, e))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     activations = torch.empty(6 << 30, dtype=torch.uint8, device="cuda")  # forward and backward's peak
@@ -440,7 +440,7 @@ def _factor_kernels_agree(device: str, dev_dtype) -> None:
     lays them (stacks with a module stride larger than a module), ranks that are not powers of
     two, rows and columns that leave part of a block over, 2 to 5 domains. The deviations
     exactly as stack_factors rounds them, up to the last bit of the mean (summation order)."""
-    from iga_ds.methods.iga import fused, triton_kernels
+    from iga_ds.methods.iga import batched, triton_kernels
 
     for N, r, d_in, d_out in ((4, 4, 70, 90), (2, 3, 64, 64), (5, 16, 130, 33)):
         mods = [make_module(i, N=N, r=r, d_in=d_in, d_out=d_out, dtype=torch.float32, scaling=0.5 + i)
@@ -449,9 +449,9 @@ def _factor_kernels_agree(device: str, dev_dtype) -> None:
         flat = torch.cat([t.flatten() for t in parts]).to(device)
         views = [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in parts]), parts)]
         laid = [ModuleGrads(m.name, m.index, *views[4 * i: 4 * i + 4], m.scaling) for i, m in enumerate(mods)]
-        st = fused.stack_modules(laid, generators(laid), 1 << 30)[0]
+        st = batched.stack_modules(laid, generators(laid), 1 << 30)[0]
         assert st.gA.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()  # views, not copies
-        want = fused.stack_factors(st, dev_dtype)
+        want = batched.stack_factors(st, dev_dtype)
         got = triton_kernels.stack_factors_triton(st.A, st.B, st.gA, st.gB, st.scaling, dev_dtype, block=32)
         for g, w in zip(got, want):
             assert g.dtype == w.dtype and g.shape == w.shape
@@ -525,18 +525,18 @@ def _tile_passes_agree(cases, close: float, close_stored: float, block: int, dev
     for the mask statistics and the masked matrices' squared norms; ``cols``, the tile kernel's
     tiles per program (None: its default for the precision); ``domains``: N; ``variant``: the
     tile kernel's ``hoist``."""
-    from iga_ds.methods.iga import fused, triton_kernels
+    from iga_ds.methods.iga import batched, triton_kernels
 
     for normalize, tau, precision, (r, d_in, d_out) in cases:
         mods = [make_module(i, N=domains, r=r, d_in=d_in, d_out=d_out, dtype=torch.float32) for i in range(2)]
         mods = [ModuleGrads(m.name, m.index, *(t.to(device) for t in (m.A, m.B, m.gA, m.gB)), m.scaling)
                 for m in mods]
-        st = fused.stack_modules(mods, generators(mods), 1 << 30)[0]
-        factors = fused.stack_factors(st)
-        mean_var, mean_sq = fused.mask_scales(*factors, d_in * d_out)
+        st = batched.stack_modules(mods, generators(mods), 1 << 30)[0]
+        factors = batched.stack_factors(st)
+        mean_var, mean_sq = batched.mask_scales(*factors, d_in * d_out)
         omega = torch.randn(2, d_in, 10, generator=torch.Generator().manual_seed(0)).to(device)
         kw = dict(tau=tau, normalize=normalize, mean_var=mean_var, mean_sq=mean_sq)
-        ref = fused.tile_pass_torch(*factors, omega, tile_elements=1 << 20, precision=precision, **kw)
+        ref = batched.tile_pass_torch(*factors, omega, tile_elements=1 << 20, precision=precision, **kw)
         got = triton_kernels.tile_pass_triton(*factors, omega, block_m=block, block_n=block, precision=precision,
                                               cols=cols, **variant, **kw)
         assert got[0].dtype == ref[0].dtype == triton_kernels.masked_dtype(precision)
@@ -547,7 +547,7 @@ def _tile_passes_agree(cases, close: float, close_stored: float, block: int, dev
         # the sketching kernel (single pass): both sketches, summed over per-tile slots; a tiny
         # partial_bytes sends the modules through one at a time
         psi = torch.randn(2, 21, d_out, generator=torch.Generator().manual_seed(1)).to(device)
-        ref = fused.tile_pass_torch(*factors, omega, tile_elements=1 << 20, psi=psi, precision=precision, **kw)
+        ref = batched.tile_pass_torch(*factors, omega, tile_elements=1 << 20, psi=psi, precision=precision, **kw)
         for partial_bytes in (1 << 30, 1):
             got = triton_kernels.tile_pass_triton(*factors, omega, psi=psi, block_m=block, block_n=block,
                                                   precision=precision, partial_bytes=partial_bytes, **kw)
@@ -611,7 +611,7 @@ def test_factor_kernels_match_stack_factors(dev_dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_auto_batch_bytes_reads_the_room_below_the_peak():
-    from iga_ds.methods.iga.fused import auto_batch_bytes, resolve_batch_bytes
+    from iga_ds.methods.iga.batched import auto_batch_bytes, resolve_batch_bytes
 
     spare = torch.empty(3 << 28, dtype=torch.uint8, device="cuda")  # 768 MiB, freed below
     del spare
@@ -660,7 +660,7 @@ def test_cuda_bases_by_the_skinny_product_match_the_float32_product():
     # written in the basis's dtype: the same basis as cuBLAS's true float32 product, to float32
     # rounding (bfloat16 rounding for a bfloat16 basis), and as orthonormal
     from iga_ds.methods.iga import triton_kernels
-    from iga_ds.methods.iga.fused import orthonormalize
+    from iga_ds.methods.iga.batched import orthonormalize
 
     if not triton_kernels.available():
         pytest.skip("Triton is not installed")
@@ -702,7 +702,7 @@ def test_cuda_bf16_method_is_float32_up_to_bfloat16_rounding():
 
 @pytest.mark.slow
 def test_triton_kernel_in_interpreter_matches_torch_tile_pass():
-    run_interpreted("test_fused", "_triton_tile_pass_matches_torch")
+    run_interpreted("test_batched", "_triton_tile_pass_matches_torch")
 
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
@@ -828,7 +828,7 @@ def test_precision_auto_follows_the_dtype_the_gradients_were_computed_in():
     from dataclasses import replace
 
     mods = [make_module(i, r=4, d_in=64, d_out=48, dtype=torch.float32) for i in range(3)]
-    run = lambda precision, modules: get_method("iga", implementation="fused", precision=precision).combine(modules, 3)
+    run = lambda precision, modules: get_method("iga", implementation="batched", precision=precision).combine(modules, 3)
     ieee, bf16 = run("ieee", mods), run("bf16", mods)
     assert any(not torch.equal(a.gA, b.gA) for a, b in zip(ieee, bf16))  # the two precisions differ here
     for computed_in, want in ((None, ieee), (torch.float32, ieee), (torch.float16, ieee), (torch.bfloat16, bf16)):
@@ -842,16 +842,16 @@ def test_precision_auto_follows_the_dtype_the_gradients_were_computed_in():
 
 
 def test_bf16_tile_pass_stores_bfloat16():
-    from iga_ds.methods.iga import fused
+    from iga_ds.methods.iga import batched
 
     mods = [make_module(i, r=4, d_in=48, d_out=40, dtype=torch.float32) for i in range(2)]
-    st = fused.stack_modules(mods, generators(mods), 1 << 30)[0]
-    factors = fused.stack_factors(st)
-    mean_var, mean_sq = fused.mask_scales(*factors, 48 * 40)
+    st = batched.stack_modules(mods, generators(mods), 1 << 30)[0]
+    factors = batched.stack_factors(st)
+    mean_var, mean_sq = batched.mask_scales(*factors, 48 * 40)
     omega = torch.randn(2, 48, 10, generator=torch.Generator().manual_seed(0))
     kw = dict(tau=0.5, normalize="snr", mean_var=mean_var, mean_sq=mean_sq, tile_elements=1 << 20)
-    masked, sketch, _, _ = fused.tile_pass_torch(*factors, omega, precision="bf16", **kw)
-    full, _, _, _ = fused.tile_pass_torch(*factors, omega, **kw)
+    masked, sketch, _, _ = batched.tile_pass_torch(*factors, omega, precision="bf16", **kw)
+    full, _, _, _ = batched.tile_pass_torch(*factors, omega, **kw)
     assert masked.dtype == torch.bfloat16 and sketch.dtype == torch.float32
     assert 0 < rel(masked.double(), full.double()) < 2 ** -8
 
@@ -860,12 +860,12 @@ def test_mask_scales_against_the_full_matrices_in_float64():
     """Both scales against V and Gbar formed element by element in float64; the deviations'
     Grams in float32 (exact_var=False, where the mean of V scales no mask) within float32
     rounding, in float64 to float64 rounding."""
-    from iga_ds.methods.iga import fused
+    from iga_ds.methods.iga import batched
 
     mods = [make_module(i, r=4, d_in=48, d_out=40, dtype=torch.float32) for i in range(3)]
-    factors = fused.stack_factors(fused.stack_modules(mods, generators(mods), 1 << 30)[0])
-    exact = fused.mask_scales(*factors, 48 * 40)
-    narrow = fused.mask_scales(*factors, 48 * 40, exact_var=False)
+    factors = batched.stack_factors(batched.stack_modules(mods, generators(mods), 1 << 30)[0])
+    exact = batched.mask_scales(*factors, 48 * 40)
+    narrow = batched.mask_scales(*factors, 48 * 40, exact_var=False)
     for i, m in enumerate(mods):
         # tau = 0, no mask: the masked matrix is the mean
         _, mean, _, var = iga_reference(m.A, m.B, m.gA, m.gB, m.scaling, 0.0, 4, "none")
@@ -881,11 +881,11 @@ def test_factors_against_their_concatenated_definition_and_bf16_rounding():
     """The factors written half by half against cat([s dgB[n], s B]) and cat([A; dgA[n]]) formed
     the obvious way; bfloat16 deviation factors are exactly those rounded once, and their Grams
     (float32, not rounded to bfloat16) give the mean of V to bfloat16's rounding of the factors."""
-    from iga_ds.methods.iga import fused
+    from iga_ds.methods.iga import batched
 
     mods = [make_module(i, r=4, d_in=48, d_out=40, dtype=torch.float32, scaling=0.5 + i) for i in range(3)]
-    st = fused.stack_modules(mods, generators(mods), 1 << 30)[0]
-    left_mean, right_mean, left_dev, right_dev = fused.stack_factors(st)
+    st = batched.stack_modules(mods, generators(mods), 1 << 30)[0]
+    left_mean, right_mean, left_dev, right_dev = batched.stack_factors(st)
     for i, m in enumerate(mods):
         s, N = m.scaling, m.num_domains
         gA_mean, gB_mean = m.gA.mean(0), m.gB.mean(0)
@@ -894,24 +894,24 @@ def test_factors_against_their_concatenated_definition_and_bf16_rounding():
         for n in range(N):
             assert torch.equal(left_dev[i, n], torch.cat([(m.gB[n] - gB_mean) * s, m.B * s], dim=1))
             assert torch.equal(right_dev[i, n], torch.cat([m.A, m.gA[n] - gA_mean], dim=0))
-    low = fused.stack_factors(st, torch.bfloat16)
+    low = batched.stack_factors(st, torch.bfloat16)
     assert low[2].dtype == low[3].dtype == torch.bfloat16 and low[0].dtype == torch.float32
     assert torch.equal(low[2], left_dev.bfloat16()) and torch.equal(low[3], right_dev.bfloat16())
     assert torch.equal(low[0], left_mean) and torch.equal(low[1], right_mean)
-    narrow = fused.mask_scales(*low, 48 * 40, exact_var=False)
-    upcast = fused.mask_scales(low[0], low[1], low[2].float(), low[3].float(), 48 * 40)
-    exact = fused.mask_scales(left_mean, right_mean, left_dev, right_dev, 48 * 40)
+    narrow = batched.mask_scales(*low, 48 * 40, exact_var=False)
+    upcast = batched.mask_scales(low[0], low[1], low[2].float(), low[3].float(), 48 * 40)
+    exact = batched.mask_scales(left_mean, right_mean, left_dev, right_dev, 48 * 40)
     assert narrow[0].dtype == torch.float64
     torch.testing.assert_close(narrow[0], upcast[0], rtol=1e-6, atol=0)  # float32 Grams of the same factors
     assert 0 < (narrow[0] - exact[0]).abs().max() / exact[0].abs().max() < 2 ** -8
     assert torch.equal(narrow[1], exact[1])  # the mean's Grams: float64 of the float32 factors
-    loose = fused.mask_scales(*low, 48 * 40, exact_var=False, exact_mean=False)  # float32 Grams of them
+    loose = batched.mask_scales(*low, 48 * 40, exact_var=False, exact_mean=False)  # float32 Grams of them
     torch.testing.assert_close(loose[1], exact[1], rtol=1e-5, atol=0)
     assert torch.equal(loose[0], narrow[0])
 
 
 def test_equally_spaced_pieces_of_one_buffer_stack_without_a_copy():
-    from iga_ds.methods.iga.fused import _stacked
+    from iga_ds.methods.iga.batched import _stacked
 
     flat = torch.arange(5 * 7 * 2 * 3, dtype=torch.float32)
     # modules laid out one after another as the hook lays them: [a0 (2 x 3), b0 (7 elements)], ...
@@ -946,7 +946,7 @@ def test_results_tile_the_stacks_buffers_they_name():
         for t in (gA, gB):
             assert t._base is not None and t.untyped_storage().data_ptr() in base_of
     assert sum(t.numel() for gA, gB, _ in out for t in (gA, gB)) == sum(b.numel() for b in out.bases)
-    method = get_method("iga", implementation="fused", projection="svd", rank=3)
+    method = get_method("iga", implementation="batched", projection="svd", rank=3)
     updates = method.combine(mods, 1)
     assert isinstance(updates, TiledResults) and len(updates.bases) == 2 * 2  # one stack per shape
     assert sum(u.gA.numel() + u.gB.numel() for u in updates) == sum(b.numel() for b in updates.bases)
@@ -969,7 +969,7 @@ def test_stable_modules_keep_their_stacks_and_follow_new_values(monkeypatch):
     between steps) are stacked once; each call still computes on the values they hold then,
     exactly as a fresh list of the same modules would. Stacks that had to copy are not kept."""
     from iga_ds.methods import StableModules
-    from iga_ds.methods.iga import fused
+    from iga_ds.methods.iga import batched
 
     def laid_out(mods):
         parts = [t for m in mods for t in (m.A, m.B, m.gA, m.gB)]
@@ -978,8 +978,8 @@ def test_stable_modules_keep_their_stacks_and_follow_new_values(monkeypatch):
         return flat, [ModuleGrads(m.name, m.index, *views[4 * i: 4 * i + 4], m.scaling) for i, m in enumerate(mods)]
 
     calls = []
-    real = fused.stack_modules
-    monkeypatch.setattr(fused, "stack_modules", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = batched.stack_modules
+    monkeypatch.setattr(batched, "stack_modules", lambda *a, **k: calls.append(1) or real(*a, **k))
     mods = [make_module(i, r=4, d_in=24, d_out=20, dtype=torch.float32) for i in range(3)]
     flat, in_buffer = laid_out(mods)
     stable = StableModules(in_buffer)

@@ -169,7 +169,7 @@ def _check(modules: Sequence[ModuleGrads], generators, normalize: str, tau: floa
     check_projection_options(projection, svd=svd, factors=factors, damping=damping)
     check_choice(precision, triton_kernels.PRECISIONS, "triton_precision")
     if svd not in ("randomized", "single_pass"):
-        raise ValueError(f"svd must be 'randomized' or 'single_pass' (the fused forms), got {svd!r}")
+        raise ValueError(f"svd must be 'randomized' or 'single_pass' (the batched form), got {svd!r}")
     if len(generators) != len(modules):
         raise ValueError(f"one generator per module: got {len(generators)} for {len(modules)} modules")
 
@@ -193,13 +193,13 @@ def _stacks(modules: Sequence[ModuleGrads], generators, rank: int | None, batch_
     # one entry, replaced when the settings change ("auto" stack sizes follow the memory
     # headroom): stacks of other settings are not kept
     settings = (rank, batch_bytes, element_bytes)
-    kept = modules.derived.get("iga.fused.stacks") if isinstance(modules, StableModules) else None
+    kept = modules.derived.get("iga.batched.stacks") if isinstance(modules, StableModules) else None
     template = kept[1] if kept is not None and kept[0] == settings else None
     if template is None:
         _check_shapes(modules, rank)
         template = stack_modules(modules, [None] * len(modules), batch_bytes, element_bytes)
         if isinstance(modules, StableModules) and all(_views_of(st, modules) for st in template):
-            modules.derived["iga.fused.stacks"] = (settings, template)
+            modules.derived["iga.batched.stacks"] = (settings, template)
     return [dataclasses.replace(st, generators=_select(generators, st.positions)) for st in template]
 
 
@@ -898,7 +898,7 @@ def _check_variance(modules: Sequence[ModuleGrads], normalize: str, variance: st
         raise ValueError(f"averages act only with variance 'ema', and variance is {variance!r}")
     if variance == "debiased":
         if normalize == "mean":
-            raise ValueError("variance 'debiased' with normalize 'mean' has no fused form (the clamped V's mean "
+            raise ValueError("variance 'debiased' with normalize 'mean' has no batched form (the clamped V's mean "
                              "needs a pass of its own): use the reference implementation")
         for m in modules:
             if m.num_domains % 2:
