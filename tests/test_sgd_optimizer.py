@@ -105,3 +105,19 @@ def test_the_optimizer_built_is_torchs_with_the_run_yamls_settings(optimizer):
             opt.step()
         assert torch.equal(built, plain), step
     assert ours.param_groups[0]["step"] == 3  # where DeepSpeed's elastic checkpoint reads it
+
+
+@pytest.mark.parametrize("name", ["GroupStepAdamW", "GroupStepSGD"])
+def test_an_empty_parameter_group_steps_nothing_and_keeps_its_count(name):
+    """A trainer's no-decay group of a LoRA model is empty: the step count of each group is
+    recorded without reading a parameter the empty group does not have (an IndexError before)."""
+    import torch
+
+    from iga_ds.engine import internals
+
+    p = torch.nn.Parameter(torch.ones(2))
+    optimizer = getattr(internals, name)([{"params": [p]}, {"params": []}], lr=0.1)
+    for _ in range(2):
+        p.grad = torch.ones(2)
+        optimizer.step()
+    assert [g["step"] for g in optimizer.param_groups] == [2, 0]

@@ -688,7 +688,8 @@ class GroupStepAdamW(GroupStepCount, torch.optim.AdamW):
     """torch AdamW that also records the step count in each param group."""
 
     def _steps_taken(self, group) -> int:
-        state = self.state.get(group["params"][0], {})
+        # an empty group (a trainer's no-decay group of a LoRA model) steps nothing: its count stays
+        state = self.state.get(group["params"][0], {}) if group["params"] else {}
         return int(state["step"]) if "step" in state else int(group["step"])
 
 
@@ -696,7 +697,7 @@ class GroupStepSGD(GroupStepCount, torch.optim.SGD):
     """torch SGD (with momentum) that records the step count in each param group."""
 
     def _steps_taken(self, group) -> int:
-        return int(group["step"]) + 1
+        return int(group["step"]) + bool(group["params"])
 
 
 # -- DeepSpeed's ops, as `iga-ds selfcheck` reports them ------------------------------------------
