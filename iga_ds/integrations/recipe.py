@@ -24,25 +24,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import random
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import torch
-
 from iga_ds.config.deepspeed import build_ds_config, load_ds_json
 from iga_ds.config.hook import HookConfig
-from iga_ds.config.run import BUILTIN_TINY, RunConfig, ScheduleConfig, TinyBaseConfig, load_run_config
+from iga_ds.config.run import RunConfig, ScheduleConfig, load_run_config
 from iga_ds.data.groups import complete_groups
 from iga_ds.data.prompts import prompt_format
 from iga_ds.errors import ConfigError, DataError
 from iga_ds.integrations.hf_data import DOMAIN_IDS, GROUP_INDEX
-from iga_ds.lora.fused import fuse_lora_layers
-from iga_ds.lora.modules import find_lora_modules
 from iga_ds.train.batching import check_batch_layout, read_records, tokenize_groups, tokenized_cache_root
-from iga_ds.train.model import add_lora, apply_liger_kernel, load_base_model, load_tokenizer
-from iga_ds.train.pretrain import default_tiny_base
+from iga_ds.train.model import build_lora_model, load_tokenizer, seed_everything
+from iga_ds.train.model_card import base_location
 
 __all__ = ["RunRecipe", "run_recipe", "lora_model"]
 
@@ -117,21 +111,10 @@ def run_recipe(config: RunConfig | str | os.PathLike, base_model_dir: str | None
     return RunRecipe(cfg, model, tokenizer, rows, hook, cfg.schedule, ds, total, accum)
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
 def base_folder(cfg: RunConfig, base_model_dir: str | None) -> str:
-    """The base model: ``base_model_dir``, ``model.name_or_path``, or the built-in tiny base
-    (pretrained and cached on first use, as ``iga-ds train`` builds it)."""
-    if base_model_dir:
-        return base_model_dir
-    if cfg.model.name_or_path != BUILTIN_TINY:
-        return cfg.model.name_or_path
-    shape = TinyBaseConfig(**cfg.model.tiny) if cfg.model.tiny else None
-    return str(default_tiny_base(shape, progress=False, log=lambda *_: None))
+    """The base model: ``base_model_dir``, else what ``iga-ds train`` loads for ``model.name_or_path``
+    (the built-in tiny base pretrained and cached on first use)."""
+    return base_model_dir or base_location(cfg.model.name_or_path, cfg.model.tiny, log=lambda *_: None)
 
 
 def token_rows(cfg: RunConfig, tokenizer, groups: list[list[dict]]):
@@ -147,17 +130,6 @@ def token_rows(cfg: RunConfig, tokenizer, groups: list[list[dict]]):
 
 
 def lora_model(cfg: RunConfig, base: str):
-    """The LoRA model ``iga-ds train`` trains: the base in ``model.dtype`` and its attention,
-    liger-kernel and activation checkpointing where asked, PEFT LoRA of the ``lora:`` block
-    (its initial A drawn from the random state as it stands: :func:`run_recipe` seeds it first),
-    fused LoRA layers where ``model.fused_lora``."""
-    model = load_base_model(base, cfg.model.dtype, cfg.model.attn_implementation)
-    if cfg.model.liger_kernel:
-        apply_liger_kernel(model)
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-    model = add_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules, cfg.lora.rslora)
-    if cfg.model.fused_lora:
-        fuse_lora_layers(find_lora_modules(model))
-    return model
+    """The LoRA model ``iga-ds train`` trains (:func:`iga_ds.train.model.build_lora_model`; its
+    initial A drawn from the random state as it stands: :func:`run_recipe` seeds it first)."""
+    return build_lora_model(cfg, base)

@@ -24,9 +24,12 @@ from typing import Iterable, Sequence
 from iga_ds.config.run import TinyBaseConfig
 from iga_ds.errors import ConfigError
 from iga_ds.files import atomic_write_json, follow_umask, make_dir
+from iga_ds.lora.fused import fuse_lora_layers
+from iga_ds.lora.modules import find_lora_modules
 from iga_ds.models import EXPECTED, cache_root, load_auto_tokenizer, load_causal_lm
 from iga_ds.progress import progress as progress_of
 from iga_ds.train.attention import VARLEN_ATTENTION, register_varlen_attention
+from iga_ds.train.batching import check_padding_free
 
 # Word-level splitting with the leading space kept on the word: lossless, so decoding is a
 # plain concatenation and answer extraction sees the original text. Digits are single tokens
@@ -423,3 +426,34 @@ def add_lora(model, r: int, alpha: float, dropout: float, target_modules: list[s
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, cfg)
+
+
+def build_lora_model(cfg, base_dir: str, note=print):
+    """The LoRA model a run trains (``cfg`` a RunConfig): the base in ``model.dtype`` with its
+    attention, liger-kernel and activation checkpointing where asked, PEFT LoRA of the ``lora:``
+    block (its initial A drawn from the random state as it stands), fused LoRA layers where
+    ``model.fused_lora``. ``note`` gets what padding-free rows cost with this attention."""
+    model = load_base_model(base_dir, cfg.model.dtype, cfg.model.attn_implementation)
+    if cfg.model.liger_kernel:
+        apply_liger_kernel(model)
+    if cfg.data.padding_free and (message := check_padding_free(model)):
+        note(message)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    model = add_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules, cfg.lora.rslora)
+    if cfg.model.fused_lora:
+        fuse_lora_layers(find_lora_modules(model))
+    return model
+
+
+def seed_everything(seed: int) -> None:
+    """Python's, numpy's and torch's random state, as a run sets it before its tokenizer, its
+    token rows and its model (the LoRA initialisation draws from it)."""
+    import numpy as np
+    import random
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

@@ -31,14 +31,12 @@ from __future__ import annotations
 import logging
 import math
 import os
-import random
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import yaml
 
@@ -52,15 +50,12 @@ from iga_ds.data.prompts import CHAT, PromptFormat, prompt_format, save_prompt_f
 from iga_ds.engine.hook import EngineHook, attach
 from iga_ds.errors import ConfigError, DataError, UserError
 from iga_ds.files import atomic_write_text, check_output_dir, follow_umask
-from iga_ds.lora.fused import fuse_lora_layers
-from iga_ds.lora.modules import find_lora_modules
 from iga_ds.train.attention import VARLEN_ATTENTION, require_varlen_attention
 from iga_ds.train.batching import (
     PLAIN_FORMAT,
     GroupSampler,
     TokenizedGroups,
     check_batch_layout,
-    check_padding_free,
     read_records,
     tokenize_groups,
     tokenized_cache_root,
@@ -74,8 +69,8 @@ from iga_ds.train.divergence import SkippedSteps, check_finite_weights
 from iga_ds.train.distributed import init_distributed, resolve_dist
 from iga_ds.train.logbook import METRICS_FILE, Logbook, truncate_metrics
 from iga_ds.train.trackers import require_trackers
-from iga_ds.train.model import (add_lora, allow_cudnn_attention, apply_liger_kernel, load_base_model, load_tokenizer,
-                                require_liger_kernel)
+from iga_ds.train.model import (allow_cudnn_attention, build_lora_model, load_tokenizer, require_liger_kernel,
+                                seed_everything)
 from iga_ds.train.model_card import make_portable
 from iga_ds.train.optim import build_optimizer, lr_lambda
 from iga_ds.train.pretrain import default_tiny_base
@@ -231,9 +226,7 @@ class Trainer:
         records, groups = self._load_groups(list(hook_config.domains))
         sampler = GroupSampler(len(groups), cfg.data.groups_per_step, cfg.seed)
         total_steps = cfg.schedule.max_steps or max(1, math.ceil(cfg.schedule.epochs * sampler.steps_per_epoch))
-        random.seed(cfg.seed)
-        np.random.seed(cfg.seed)
-        torch.manual_seed(cfg.seed)
+        seed_everything(cfg.seed)
         stop.phase = "loading the model"
         base_dir = self._resolve_base(records)
         tokenizer, fmt = self._load_tokenizer(base_dir, records)
@@ -352,17 +345,7 @@ class Trainer:
         (trainable, total) parameter counts."""
         cfg, s = self.cfg, self.cfg.schedule
         allow_cudnn_attention(cfg.model.cudnn_attention)
-        model = load_base_model(base_dir, cfg.model.dtype, cfg.model.attn_implementation)
-        if cfg.model.liger_kernel:
-            apply_liger_kernel(model)
-        if cfg.data.padding_free and (note := check_padding_free(model)):
-            self._print(note)
-        if cfg.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            model.enable_input_require_grads()
-        model = add_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules, cfg.lora.rslora)
-        if cfg.model.fused_lora:
-            fuse_lora_layers(find_lora_modules(model))
+        model = build_lora_model(cfg, base_dir, note=self._print)
         trainable = [p for p in model.parameters() if p.requires_grad]
         counts = (sum(p.numel() for p in trainable), sum(p.numel() for p in model.parameters()))
         optimizer = build_optimizer(trainable, s)
