@@ -321,8 +321,10 @@ def test_corpus_groups_sizes_the_pretraining_corpus(tmp_path, monkeypatch):
     from iga_ds.config.run import TinyBaseConfig
 
     asked = []
+    monkeypatch.setenv("IGA_DS_CACHE", str(tmp_path / "cache"))  # no record of the user's cache answers
     monkeypatch.setattr(pretrain, "generator_corpus", lambda groups, seed: asked.append(groups) or ["a b ."])
-    monkeypatch.setattr(pretrain, "ensure_tiny_base", lambda texts, config, *a, **k: texts)
+    folder = tmp_path / "tiny-base" / ("0" * 16)
+    monkeypatch.setattr(pretrain, "ensure_tiny_base", lambda texts, config, *a, **k: folder)
     pretrain.default_tiny_base(TinyBaseConfig(corpus_groups=7))
     pretrain.default_tiny_base(TinyBaseConfig(corpus_groups=7), groups=3)  # an explicit size wins
     pretrain.default_tiny_base()

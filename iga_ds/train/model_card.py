@@ -31,8 +31,7 @@ from iga_ds.files import atomic_write_json, atomic_write_text, iter_jsonl, read_
 from iga_ds.metrics.accuracy import format_percent
 from iga_ds.models.packaged import PACKAGED, PACKAGED_PREFIX
 from iga_ds.train.logbook import METRICS_FILE
-from iga_ds.train.model import tiny_base_key
-from iga_ds.train.pretrain import default_tiny_base, generator_corpus, generator_words
+from iga_ds.train.pretrain import builtin_key, default_tiny_base
 
 CARD_FILE = "README.md"
 TINY_FILE = "tiny_base.json"  # beside adapter_config.json: the built-in base's shape (model.tiny)
@@ -96,8 +95,8 @@ def base_location(spec: str, tiny: dict[str, Any] | None = None, progress: bool 
 @functools.lru_cache(maxsize=8)
 def builtin_shape(folder: str) -> dict[str, Any] | None:
     """The ``model.tiny`` settings (those that differ from the defaults) when ``folder`` is the
-    built-in base as ``builtin:tiny`` builds it in those settings (its cache key recomputed from
-    the generator's corpus), else None: a local folder like any other."""
+    built-in base as ``builtin:tiny`` builds it in those settings (its cache key as recorded
+    beside it, else recomputed from the generator's corpus), else None: a local folder like any other."""
     path = Path(folder)
     if not (path / "pretrain.json").is_file() or path.parent.name != "tiny-base":
         return None
@@ -106,8 +105,7 @@ def builtin_shape(folder: str) -> dict[str, Any] | None:
         config = TinyBaseConfig(**(record.get("config") or {}))
     except (UserError, TypeError, ValueError):
         return None
-    key = tiny_base_key(config, generator_corpus(config.corpus_groups), generator_words(),
-                        str(record.get("device") or "cpu"))
+    key = builtin_key(config, str(record.get("device") or "cpu"), path.parent)
     if key != path.name or key != record.get("key"):
         return None  # pretrained on other text (iga-ds pretrain-tiny --data, a shrunk corpus)
     default = TinyBaseConfig().to_dict()
