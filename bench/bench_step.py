@@ -62,8 +62,8 @@ import torch
 
 from common import environment, environment_line, lora_llama, model_config, synchronize
 from iga_ds.engine import HookConfig, attach
-from iga_ds.engine.hook import PhaseClock
 from iga_ds.engine.internals import disable_cpu_shm_comm_op
+from iga_ds.engine.phase_clock import PhaseClock
 from iga_ds.files import atomic_write_json
 from iga_ds.train.batching import sequence_losses
 from iga_ds.train.profiling import ranked_ops

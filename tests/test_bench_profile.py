@@ -183,7 +183,8 @@ def test_world_size_one_results_match_the_packed_path(implementation):
 def test_a_method_failing_on_non_finite_sums_skips_the_step_and_on_finite_ones_raises():
     """The boundary reads no flag before the method: a method that raises (an SVD that does not
     converge) is forgiven only where the sums it was given were not finite."""
-    from iga_ds.engine.hook import PhaseClock, _Combined
+    from iga_ds.engine.hook import _Combined
+    from iga_ds.engine.phase_clock import PhaseClock
 
     hook = _hook_at_world_size_one("reference")
     try:
@@ -270,7 +271,8 @@ def test_the_hook_checks_tiled_results_through_their_bases():
     # a method's TiledResults are checked through their bases: a non-finite element written
     # through a module's view is seen, and what the bases hold decides (here a base the stub's
     # results do not even view, so the per-module tensors alone would pass)
-    from iga_ds.engine.hook import EngineHook, PhaseClock, _Combined
+    from iga_ds.engine.hook import EngineHook, _Combined
+    from iga_ds.engine.phase_clock import PhaseClock
     from iga_ds.methods import ModuleUpdate, TiledResults
 
     gA, gB = torch.zeros(3, 2, 5), torch.zeros(3, 4, 2)
@@ -291,7 +293,8 @@ def test_the_hook_checks_tiled_results_through_their_bases():
 
 
 def test_batched_finiteness_and_float32_copies_match_the_per_tensor_versions():
-    from iga_ds.engine.hook import Float32Copies, _finite_flag
+    from iga_ds.engine.finite import finite_flag as _finite_flag
+    from iga_ds.engine.float32_copies import Float32Copies
 
     def finite(ts):
         flag = _finite_flag(ts, "cpu")
@@ -331,7 +334,7 @@ def test_float32_copies_of_parameters_back_to_back_in_one_buffer_follow_them():
     # ZeRO lays the trainable bf16 parameters back to back in one flat buffer: one copy of the
     # whole span refreshes them, and it must see every later change, including a parameter
     # moved to other storage (then the copy goes tensor by tensor)
-    from iga_ds.engine.hook import Float32Copies
+    from iga_ds.engine.float32_copies import Float32Copies
 
     g = torch.Generator().manual_seed(1)
     shapes = [(4, 6), (6, 4), (3,), (2, 5)]
@@ -368,8 +371,8 @@ def test_device_statistics_and_phase_clock_on_cuda():
     """The statistics' copy is queued, not waited for: what is read is the table as it was when
     the copy was queued, even if the device overwrites it afterwards; the clock's marks time
     what the device ran between them."""
-    from iga_ds.engine.hook import PhaseClock
-    from iga_ds.methods.tensors import StatsTable
+    from iga_ds.engine.phase_clock import PhaseClock
+    from iga_ds.methods.iga.tiles import StatsTable
 
     clock = PhaseClock(torch.device("cuda"))
     clock.mark("start")

@@ -88,7 +88,7 @@ def test_equal_modules_of_one_rank_stack_as_views_of_its_buffer():
         assert torch.equal(stacked, torch.stack(pieces))
         assert stacked.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
     # and so do the float32 copies of bf16 factors, A then B of each module
-    from iga_ds.engine.hook import Float32Copies
+    from iga_ds.engine.float32_copies import Float32Copies
 
     weights = [torch.randn(shape, dtype=torch.bfloat16) for _ in modules for shape in ((4, 16), (12, 4))]
     copies = Float32Copies(weights).refresh()

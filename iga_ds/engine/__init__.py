@@ -1,6 +1,8 @@
 """The ZeRO engine hook: per-domain gradients captured in backward, combined by a method at the
 accumulation boundary. ``internals.py`` is the one module of iga-ds that touches DeepSpeed's
-internals; ``collectives.py`` runs every collective; ``layout.py`` places modules on ranks.
+internals; ``collectives.py`` runs every collective; ``layout.py`` places modules on ranks;
+``hook.py`` is the flow of a step, its helpers in modules of their own (``packing.py``,
+``float32_copies.py``, ``finite.py``, ``phase_clock.py``).
 
 Public use::
 

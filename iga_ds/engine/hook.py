@@ -14,13 +14,16 @@ Flow of one optimizer step (K isomer groups over R ranks and G accumulation micr
    runs (clipping and AdamW see the method's gradient).
 
 Everything the hook does to DeepSpeed's objects goes through ``engine.internals``, which
-checks at attach that each internal it uses is there.
+checks at attach that each internal it uses is there. What serves the flow without being it
+sits beside it: ``layout`` (where each module's sums and results sit), ``collectives``,
+``packing`` (the gathered output), ``float32_copies`` (the factors the method gets),
+``finite`` (the device flags of the non-finite check) and ``phase_clock`` (the boundary's
+phase times).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -31,6 +34,8 @@ from torch.profiler import record_function
 from iga_ds.config.hook import HookConfig
 from iga_ds.engine.collectives import Collectives
 from iga_ds.engine.collector import FrozenCollector
+from iga_ds.engine.finite import results_finite
+from iga_ds.engine.float32_copies import Float32Copies
 from iga_ds.engine.internals import (
     FullGradWriter,
     check_engine,
@@ -46,17 +51,22 @@ from iga_ds.engine.internals import (
     written_gradient_lost,
 )
 from iga_ds.engine.layout import build_layout
+from iga_ds.engine.packing import OutputPacking
+from iga_ds.engine.phase_clock import PhaseClock
 from iga_ds.errors import ConfigError
 from iga_ds.lora.capture import DomainGradientCapture
 from iga_ds.lora.modules import LoraModule, find_lora_modules
 from iga_ds.methods.base import ModuleGrads
-from iga_ds.methods.tensors import StableModules, TiledResults, flat_span, host_to_device
+from iga_ds.methods.device_copies import host_to_device
+from iga_ds.methods.iga.tiles import StableModules
 from iga_ds.metrics.mask import aggregate_module_stats
 
 log = logging.getLogger(__name__)
 
-class EngineHook:
-    """Attach with :func:`attach`; see the package docstring for the training loop."""
+
+class EngineHook(OutputPacking):
+    """Attach with :func:`attach`; see the package docstring for the training loop. The
+    packing of the gathered output is :class:`~iga_ds.engine.packing.OutputPacking`'s."""
 
     def __init__(self, engine, config: HookConfig):
         self.engine = engine
@@ -95,7 +105,7 @@ class EngineHook:
         self.collector = FrozenCollector()
         self.collector.start()
 
-    # -- setup -----------------------------------------------------------------------------
+    # -- setup ---------------------------------------------------------------------------------
     def _factors(self) -> list[torch.nn.Parameter]:
         """The LoRA factors the method's gradient is written into: A then B of each module."""
         return [w for m in self.modules for w in (m.lora_A.weight, m.lora_B.weight)]
@@ -130,15 +140,11 @@ class EngineHook:
                                              storage=self.flat_in)
         # ZeRO-2 would allocate a zero gradient for each left-out factor after every backward
         self.reused_zeros = owns and reuse_zero_gradients(self.engine.optimizer, self._weights.tensors)
-        # where each module's statistics sit in the gathered output: read back only those
-        S = len(self.stat_keys)
-        self._stat_index = torch.tensor(
-            [self.layout.out_offsets[m.index] + m.rank * m.in_features + m.out_features * m.rank + j
-             for m in self.modules for j in range(S)], dtype=torch.long, device=self.device)
+        self._stat_index = self._stat_positions()
         # the modules this rank combines: fixed for the hook's life
         self.owned = [m for m in self.modules if self.layout.owners[m.index] == self.comm.rank]
 
-    # -- per micro-batch -------------------------------------------------------------------
+    # -- 1. per micro-batch: each domain's gradient sums, captured in backward -----------------
     @contextlib.contextmanager
     def micro_batch(self, domain_ids: torch.Tensor, sequence_lengths=None, halves=None) -> Iterator["EngineHook"]:
         """Run one micro-batch's forward and backward inside this context. ``sequence_lengths``
@@ -190,7 +196,7 @@ class EngineHook:
         self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
         return loss
 
-    # -- at the accumulation boundary ------------------------------------------------------
+    # -- 2. at the accumulation boundary: reduce-scatter, combine with the method, all-gather ---
     def _boundary_step(self, *args, **kwargs):
         """The optimizer's step, wrapped: the method's gradient in, then the original step.
 
@@ -238,45 +244,6 @@ class EngineHook:
         self._stats = stats
         return result
 
-    def _write(self, updates: list, step: int) -> None:
-        """The method's gradient into the optimizer's; at the first write and every
-        ``check_every_steps`` after (0: the first only), read back from where the optimizer's step
-        reads it, on every rank: any rank's difference stops every rank with one line."""
-        every = self.check_every_steps
-        check = self.writes == 0 or (every > 0 and self.writes % every == 0)
-        self.writes += 1
-        result = self._writer.write([g for pair in updates for g in pair], check=check)
-        if result is None:
-            return
-        difference, tolerance = result
-        # every rank's difference in its own slot, so that each can name the ranks that differ
-        slots = torch.zeros(self.comm.world_size, dtype=torch.float32, device=self.device)
-        slots[self.comm.rank] = torch.where(difference > tolerance, difference, 0.0)
-        if self.comm.world_size > 1:
-            slots = self.comm.all_reduce_max(slots)
-        apart = {rank: value for rank, value in enumerate(slots.tolist()) if value > 0}
-        if apart:
-            raise written_gradient_lost(self.engine.optimizer, step + 1, list(apart), max(apart.values()))
-
-    def _any_rank_bad(self, flags: list[torch.Tensor], failed: bool) -> bool:
-        """Whether any rank saw a non-finite loss, sum or result: the device flags folded into
-        one and read once (with every rank's verdict where there are several)."""
-        ok = torch.stack([f.reshape(()) for f in flags]).all() if flags else None
-        if self.comm.world_size == 1:
-            return failed or (ok is not None and not bool(ok))
-        flag = torch.zeros(1, dtype=torch.float32, device=self.device) if ok is None else (~ok).float().reshape(1)
-        if failed:
-            flag.fill_(1.0)
-        return bool(self.comm.all_reduce_max(flag).item() > 0)
-
-    def _global_counts(self) -> torch.Tensor:
-        """Sequences per domain in the whole batch, on the host (summed over ranks where
-        there are several: one rank has them on the host already)."""
-        counts = self.capture.counts
-        if self.comm.world_size > 1:
-            counts = self.comm.all_reduce_sum(host_to_device(counts, self.device)).cpu()
-        return counts.clone()
-
     def _combine(self, step: int) -> "_Combined":
         """Reduce to owners, run the method, gather: every module's (gA, gB) for the write, and
         what the boundary reports once the step is queued."""
@@ -302,6 +269,14 @@ class EngineHook:
             clock.mark("gathered")
         return out
 
+    def _global_counts(self) -> torch.Tensor:
+        """Sequences per domain in the whole batch, on the host (summed over ranks where
+        there are several: one rank has them on the host already)."""
+        counts = self.capture.counts
+        if self.comm.world_size > 1:
+            counts = self.comm.all_reduce_sum(host_to_device(counts, self.device)).cpu()
+        return counts.clone()
+
     def _check_counts(self, counts: torch.Tensor, step: int) -> None:
         """Every domain in the global batch; with ``domain_halves``, in both halves, equally."""
         domains = list(self.config.domains)
@@ -317,6 +292,20 @@ class EngineHook:
             raise RuntimeError(f"step {step}: method {self.method.name!r} needs each domain's sequences split in two "
                                f"equal, non-empty halves of the step's groups (an even number of whole groups a "
                                f"step); got {', '.join(uneven)}")
+
+    def _combine_across_ranks(self, step: int, counts: torch.Tensor, out: "_Combined") -> torch.Tensor:
+        """Owners combine their modules: the sums reduce-scattered to them, their results
+        all-gathered back; returns the gathered output (every module's new gradients and
+        statistics), marking on ``out``'s clock when the sums had arrived and the method had
+        been run."""
+        lay, W, rank = self.layout, self.comm.world_size, self.comm.rank
+        gathered = torch.empty(lay.out_size, dtype=torch.float32, device=self.device)
+        summed = self.comm.start_reduce_scatter_sum(self.flat_in[: W * lay.in_chunk]).wait()
+        out.clock.mark("received")
+        results = self._run_method(summed, self.owned, rank * lay.in_chunk, counts, step, out)
+        out.clock.mark("computed")
+        self.comm.start_all_gather(self._pack(self.owned, results), gathered).wait()
+        return gathered
 
     def _run_method(self, summed: torch.Tensor, mine: list[LoraModule], base: int, counts: torch.Tensor,
                     step: int, out: "_Combined") -> list:
@@ -339,24 +328,8 @@ class EngineHook:
                 raise
             out.failed = True
             return []
-        # results that tile a few buffers are checked through them, without a look at each module
-        tensors = results.bases if isinstance(results, TiledResults) else [t for u in results for t in (u.gA, u.gB)]
-        out.finite.append(_finite_flag(tensors, self.device))
+        out.finite.append(results_finite(results, self.device))
         return results
-
-    def _combine_across_ranks(self, step: int, counts: torch.Tensor, out: "_Combined") -> torch.Tensor:
-        """Owners combine their modules: the sums reduce-scattered to them, their results
-        all-gathered back; returns the gathered output (every module's new gradients and
-        statistics), marking on ``out``'s clock when the sums had arrived and the method had
-        been run."""
-        lay, W, rank = self.layout, self.comm.world_size, self.comm.rank
-        gathered = torch.empty(lay.out_size, dtype=torch.float32, device=self.device)
-        summed = self.comm.start_reduce_scatter_sum(self.flat_in[: W * lay.in_chunk]).wait()
-        out.clock.mark("received")
-        results = self._run_method(summed, self.owned, rank * lay.in_chunk, counts, step, out)
-        out.clock.mark("computed")
-        self.comm.start_all_gather(self._pack(self.owned, results), gathered).wait()
-        return gathered
 
     def _module_grads(self, summed: torch.Tensor, mine: list[LoraModule], base: int, counts: torch.Tensor):
         """Per-domain means (sums / global sequence counts) of the modules in ``mine``, as views.
@@ -398,52 +371,39 @@ class EngineHook:
             return self._stable_grads
         return grads
 
-    def _results_direct(self, mine: list[LoraModule], results) -> list | None:
-        """World size 1: this rank owns every module, so packing would be pure copying."""
-        if not results:
-            return None
-        return [(_as_shape(u.gA, (m.rank, m.in_features)), _as_shape(u.gB, (m.out_features, m.rank)))
-                for m, u in zip(mine, results)]
+    def _any_rank_bad(self, flags: list[torch.Tensor], failed: bool) -> bool:
+        """Whether any rank saw a non-finite loss, sum or result: the device flags folded into
+        one and read once (with every rank's verdict where there are several)."""
+        ok = torch.stack([f.reshape(()) for f in flags]).all() if flags else None
+        if self.comm.world_size == 1:
+            return failed or (ok is not None and not bool(ok))
+        flag = torch.zeros(1, dtype=torch.float32, device=self.device) if ok is None else (~ok).float().reshape(1)
+        if failed:
+            flag.fill_(1.0)
+        return bool(self.comm.all_reduce_max(flag).item() > 0)
 
-    def _results_stats(self, mine: list[LoraModule], results) -> dict[str, dict[str, float]]:
-        """Each module's statistics from the results themselves (world size 1), rounded to
-        float32 as the packed path carries them, so that both report the same numbers."""
-        table = self._stat_table(results).tolist() if results else []
-        return {m.name: self._stat_dict(vals) for m, vals in zip(mine, table)}
+    # -- 3. write back: the method's gradient where the optimizer's step reads it --------------
+    def _write(self, updates: list, step: int) -> None:
+        """The method's gradient into the optimizer's; at the first write and every
+        ``check_every_steps`` after (0: the first only), read back from where the optimizer's step
+        reads it, on every rank: any rank's difference stops every rank with one line."""
+        every = self.check_every_steps
+        check = self.writes == 0 or (every > 0 and self.writes % every == 0)
+        self.writes += 1
+        result = self._writer.write([g for pair in updates for g in pair], check=check)
+        if result is None:
+            return
+        difference, tolerance = result
+        # every rank's difference in its own slot, so that each can name the ranks that differ
+        slots = torch.zeros(self.comm.world_size, dtype=torch.float32, device=self.device)
+        slots[self.comm.rank] = torch.where(difference > tolerance, difference, 0.0)
+        if self.comm.world_size > 1:
+            slots = self.comm.all_reduce_max(slots)
+        apart = {rank: value for rank, value in enumerate(slots.tolist()) if value > 0}
+        if apart:
+            raise written_gradient_lost(self.engine.optimizer, step + 1, list(apart), max(apart.values()))
 
-    def _pack(self, mine: list[LoraModule], results) -> torch.Tensor:
-        """This rank's chunk of the output: its modules' new gradients and statistics (zeros
-        where the method did not run)."""
-        lay, S = self.layout, len(self.stat_keys)
-        out = torch.zeros(lay.out_chunk, dtype=torch.float32, device=self.device)
-        if not results:
-            return out
-        base = self.comm.rank * lay.out_chunk
-        # statistics are host floats: one host-to-device copy for all of them
-        table = host_to_device(self._stat_table(results), self.device)
-        for j, (m, u) in enumerate(zip(mine, results)):
-            off = lay.out_offsets[m.index] - base
-            nA, nB = m.rank * m.in_features, m.out_features * m.rank
-            out[off: off + nA] = u.gA.reshape(-1)
-            out[off + nA: off + nA + nB] = u.gB.reshape(-1)
-            out[off + nA + nB: off + nA + nB + S] = table[j]
-        return out
-
-    def _unpack(self, gathered: torch.Tensor) -> list:
-        """Every module's new (gA, gB), as views of the gathered output."""
-        lay, updates = self.layout, []
-        for m in self.modules:
-            off = lay.out_offsets[m.index]
-            nA, nB = m.rank * m.in_features, m.out_features * m.rank
-            updates.append((gathered[off: off + nA].view(m.rank, m.in_features),
-                            gathered[off + nA: off + nA + nB].view(m.out_features, m.rank)))
-        return updates
-
-    def _unpack_stats(self, gathered: torch.Tensor) -> dict[str, dict[str, float]]:
-        """Every module's statistics from the gathered output: one small device-to-host copy."""
-        host = gathered[self._stat_index].view(len(self.modules), len(self.stat_keys)).tolist()
-        return {m.name: self._stat_dict(vals) for m, vals in zip(self.modules, host)}
-
+    # -- what the boundary reports, read once the optimizer step is queued ---------------------
     def _report(self, out: _Combined) -> dict:
         """Statistics and phase times of the combination, read once the step is queued. The
         phases are timed on the device's own clock where there is one (CUDA events: no wait
@@ -469,23 +429,13 @@ class EngineHook:
         stats.update(self._summarize(per_module))
         return stats
 
-    def _stat_table(self, results) -> torch.Tensor:
-        """The results' declared statistics as one float32 host table (rows: modules; NaN where
-        a module reports no such statistic)."""
-        return torch.tensor([[float(u.stats.get(k, math.nan)) for k in self.stat_keys] for u in results],
-                            dtype=torch.float32)
-
-    def _stat_dict(self, values: list[float]) -> dict[str, float]:
-        """One row of the table back to a statistics dict, without the statistics it lacks."""
-        return {k: v for k, v in zip(self.stat_keys, values) if not math.isnan(v)}
-
     def _summarize(self, per_module: dict[str, dict[str, float]]) -> dict[str, float]:
         """Model-level figures, each combined from the modules' as the method declares."""
         mine = [m for m in self.modules if m.name in per_module]
         rules = {stat.name: stat.combine for stat in self.method.statistics if stat.combine != "model"}
         return aggregate_module_stats([per_module[m.name] for m in mine], [m.full_rank_cost for m in mine], rules)
 
-    # -- the method's state, for checkpoints ------------------------------------------------
+    # -- the method's state, for checkpoints ---------------------------------------------------
     def method_state(self) -> dict[str, torch.Tensor]:
         """This rank's share of the method's state (:meth:`GradientMethod.state_dict`): module
         scope, the entries of the modules it combines; global scope, all of it on rank 0 only
@@ -510,7 +460,7 @@ class EngineHook:
                              f"index below {len(self.modules)})")
         return self.layout.owners[int(index)]
 
-    # -- results ---------------------------------------------------------------------------
+    # -- results -------------------------------------------------------------------------------
     def pop_stats(self) -> dict:
         """Statistics of the last optimizer step ({} if none happened since the last call)."""
         stats, self._stats = self._stats, {}
@@ -537,101 +487,13 @@ class _Combined:
     write, the non-finite flags (device tensors, read once with the loss's), and what
     :meth:`EngineHook._report` reads once the optimizer step is queued."""
 
-    clock: "PhaseClock"
+    clock: PhaseClock
     counts: torch.Tensor
     results: list = field(default_factory=list)  # this rank's; the statistics at world size 1
     updates: list | None = None
     gathered: torch.Tensor | None = None  # several ranks: the statistics travel in it
     finite: list[torch.Tensor] = field(default_factory=list)
     failed: bool = False  # the method raised on sums that were not finite
-
-
-class PhaseClock:
-    """Marks in the boundary, timed as the device reaches them: CUDA events on the current
-    stream (recording one does not wait for the device), host time on the CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks: dict[str, object] = {}
-
-    def mark(self, name: str) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks[name] = event
-        else:
-            self.marks[name] = time.perf_counter()
-
-    def seconds(self, first: str, last: str) -> float:
-        """Seconds from mark ``first`` to mark ``last`` (waiting for the device to reach it)."""
-        if first == last:
-            return 0.0
-        a, b = self.marks[first], self.marks[last]
-        if self.cuda:
-            b.synchronize()
-            return a.elapsed_time(b) / 1e3
-        return b - a
-
-
-def _finite_flag(tensors: list[torch.Tensor], device) -> torch.Tensor:
-    """A device flag, true when every element of every tensor is finite, without waiting for
-    the device: one multi-tensor norm. A batched method's results come as
-    :class:`iga_ds.methods.tensors.TiledResults`, whose few buffers are passed here in place of
-    its per-module views."""
-    if not tensors:
-        return torch.ones((), dtype=torch.bool, device=device)
-    # the total 2-norm is finite exactly when every element is (short of float32 overflow of
-    # the sum of squares, at values above about 1e19)
-    return torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all()
-
-
-def _as_shape(t: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """``t`` as a float32 tensor of ``shape``; the methods' results usually are one already, and
-    this runs once per tensor while the device waits for the host: no operator where none is
-    needed."""
-    if t.dtype != torch.float32:
-        t = t.float()
-    return t if t.shape == shape else t.reshape(shape)
-
-
-class Float32Copies:
-    """float32 versions of a fixed list of tensors (the LoRA factors), as they are at each
-    :meth:`refresh`: the tensors themselves (detached) when all are float32, else copies in one
-    flat buffer allocated once and refreshed by one multi-tensor copy. Casting 256 bf16
-    factors one by one, or concatenating them, cost a millisecond of host time a step while
-    the device waited."""
-
-    def __init__(self, tensors: list[torch.Tensor]):
-        self.tensors = list(tensors)
-        self.copies = None
-        self._flat: torch.Tensor | None = None
-        self._span: tuple[list[int], torch.Tensor | None] | None = None  # (addresses, flat_span)
-        if any(t.dtype != torch.float32 for t in self.tensors):
-            sizes = [t.numel() for t in self.tensors]
-            self._flat = torch.empty(sum(sizes), dtype=torch.float32, device=self.tensors[0].device)
-            self.copies = [piece.view(t.shape) for piece, t in zip(self._flat.split(sizes), self.tensors)]
-
-    def refresh(self) -> list[torch.Tensor]:
-        if self.copies is None:
-            return [t.detach() for t in self.tensors]
-        with torch.no_grad():
-            span = self._source_span()
-            if span is not None:
-                self._flat.copy_(span)
-            else:
-                torch._foreach_copy_(self.copies, self.tensors)
-        return self.copies
-
-    def _source_span(self) -> torch.Tensor | None:
-        """:func:`iga_ds.methods.tensors.flat_span` of the tensors (DeepSpeed's ZeRO keeps the
-        trainable parameters back to back in one flat buffer): then one copy refreshes them all,
-        with no list of tensors for the host to pass. Kept while the
-        tensors' addresses, checked on every call, stay the same: a tensor moved to other
-        storage (a checkpoint load may do it) falls back to the per-tensor copy."""
-        ptrs = [t.data_ptr() for t in self.tensors]
-        if self._span is None or self._span[0] != ptrs:
-            self._span = (ptrs, flat_span(self.tensors))
-        return self._span[1]
 
 
 def attach(engine, config: HookConfig) -> EngineHook:

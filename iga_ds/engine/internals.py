@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from iga_ds.errors import ConfigError, UserError
-from iga_ds.methods.tensors import stacked_view
+from iga_ds.methods.device_copies import stacked_view
 
 # the oldest and the newest release tested: pyproject.toml's bounds on deepspeed
 TESTED_DEEPSPEED = ((0, 17, 6), (0, 19, 8))
@@ -316,9 +316,9 @@ def copy_all(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
     A batched method's results are views of a few stacks, and ZeRO's fragments of the LoRA
     factors lie one after another in a partition: where both lists, whole or taken every other
     one (each module's A, then its B), are equally spaced views of one storage each
-    (:func:`iga_ds.methods.tensors.stacked_view`), a strided copy per list does it all, without
-    an operator per tensor while the device waits for the host; otherwise one multi-tensor
-    copy."""
+    (:func:`iga_ds.methods.device_copies.stacked_view`), a strided copy per list does it all,
+    without an operator per tensor while the device waits for the host; otherwise one
+    multi-tensor copy."""
     # every other one first: the hook's results are two stacks, so the whole list never is one
     for parts in ((slice(0, None, 2), slice(1, None, 2)), (slice(None),)):
         pairs = _strided_pairs(targets, values, parts)

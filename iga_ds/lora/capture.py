@@ -43,7 +43,7 @@ import torch
 
 from iga_ds.lora.fused import FusedForward, fused_forward
 from iga_ds.lora.modules import LoraModule
-from iga_ds.methods.tensors import host_to_device
+from iga_ds.methods.device_copies import host_to_device
 
 
 @dataclass

@@ -18,7 +18,7 @@ from iga_ds.methods.irm import IRM
 from iga_ds.methods.pareto import ParetoGS
 from iga_ds.methods.pcgrad import PCGrad
 from iga_ds.methods.sand_mask import SANDMask
-from iga_ds.methods.tensors import StableModules, TiledResults
+from iga_ds.methods.iga.tiles import StableModules, TiledResults
 from iga_ds.methods.vrex import VREx
 
 BUILTIN_METHODS: tuple[type[GradientMethod], ...] = (

@@ -4,7 +4,7 @@ A method turns per-domain LoRA gradients into the gradient the optimizer sees: p
 groups, no DeepSpeed. Its ``scope`` picks the one hook it overrides: ``"module"``, one module at a time
 (``combine_module``; IGA, AND-mask), so the engine hook can spread modules over ranks; ``"global"``, every
 module at once (``combine``; PCGrad, MGDA); ``"loss"``, a new objective and no gradients (``objective``; ERM,
-IRM, V-REx). What the hook uses for speed, which no method needs, is in :mod:`iga_ds.methods.tensors`. The
+IRM, V-REx). What serves speed, which no method needs, lives with the batched IGA path and the engine. The
 keyword arguments of ``__init__`` are the method's config parameters. V-REx, as in vrex.py::
 
     class VREx(GradientMethod):
@@ -64,7 +64,7 @@ class ModuleGrads:
 
 @dataclass
 class ModuleUpdate:
-    """The optimizer's input for one module: gA shaped as A, gB as B, ``stats`` by statistic name (or PendingStats)."""
+    """The optimizer's input for one module: gA shaped as A, gB as B, ``stats`` by statistic name (any mapping)."""
 
     gA: torch.Tensor
     gB: torch.Tensor

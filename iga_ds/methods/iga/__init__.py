@@ -12,6 +12,8 @@
   (:func:`batched_iga`), ``triton_kernels``, its CUDA kernels (the tile pass, the skinny
   products, the keyed draws), and ``jacobi``, the eigendecompositions of its small Grams on
   CUDA without a wait for the device;
+- ``tiles``: what the batched path is handed and hands back (the engine's stable stacks, results
+  that tile a few buffers, statistics on their way to the host);
 - ``method``: the registered ``iga`` method, which picks the path;
 - ``ablations``: the paper's Table 3 variants, each changing one step.
 """

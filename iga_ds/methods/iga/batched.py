@@ -56,6 +56,7 @@ from typing import Sequence
 import torch
 
 from iga_ds.methods.base import ModuleGrads
+from iga_ds.methods.device_copies import host_to_device, stacked_view
 from iga_ds.methods.iga import jacobi, triton_kernels
 from iga_ds.methods.iga.common import (
     DEFAULT_DAMPING, DEFAULT_FACTORS, DEFAULT_NORMALIZE, DEFAULT_OVERSAMPLE, DEFAULT_POWER_ITERS, DEFAULT_PROJECTION,
@@ -65,8 +66,8 @@ from iga_ds.methods.iga.common import (
 from iga_ds.methods.iga.reference import tangent_from_products
 from iga_ds.methods.iga.rsvd import canonical_signs, single_pass_widths
 from iga_ds.methods.iga.sketch import SketchKey, SketchKeys, gaussian, gaussian_stack
+from iga_ds.methods.iga.tiles import StableModules, StatsTable, TiledResults
 from iga_ds.methods.iga.variance import DEFAULT_VARIANCE, VARIANCES
-from iga_ds.methods.tensors import StableModules, StatsTable, TiledResults, host_to_device, stacked_view
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # the stacked masked matrices of one batch of equal-shape modules stay under this many bytes
@@ -852,7 +853,7 @@ def batched_iga(
     each module's generator would (``generators``: one per module, read by the ``svd``
     projection only: the registered method passes None each under ``tangent``); one
     ``(gA_new, gB_new, stats)`` per module, ``stats`` a
-    :class:`iga_ds.methods.tensors.PendingStats` (its copy to the host queued, not waited for).
+    :class:`iga_ds.methods.iga.tiles.PendingStats` (its copy to the host queued, not waited for).
     ``projection="tangent"``: :func:`tangent_stack`; ``"svd"``: the randomized (or
     ``single_pass``) SVD of the stages above, its factors by ``factors``.
     Peak memory per module is one out x in matrix plus row-tile temporaries, not N.
@@ -934,8 +935,8 @@ def _finish_stacks(modules: Sequence[ModuleGrads], stacks: Sequence[Stack], proj
                    factors: str) -> list:
     """The small SVDs and the factor gradients of every stack: one ``(gA_new, gB_new, stats)``
     per module in the caller's order, each in its module's dtype, ``stats`` a column of one
-    :class:`iga_ds.methods.tensors.StatsTable` for all modules (read when first used); a
-    :class:`iga_ds.methods.tensors.TiledResults` whose bases are the stacks' result buffers.
+    :class:`iga_ds.methods.iga.tiles.StatsTable` for all modules (read when first used); a
+    :class:`iga_ds.methods.iga.tiles.TiledResults` whose bases are the stacks' result buffers.
 
     On the Triton path nothing here waits for the device (the eigendecompositions are
     :func:`iga_ds.methods.iga.jacobi.eigh`'s). Elsewhere ``torch.linalg.eigh`` waits for it, and

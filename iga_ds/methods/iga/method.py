@@ -16,7 +16,7 @@ from iga_ds.methods.iga.options import refusal as option_refusal
 from iga_ds.methods.iga.reference import masked_projection, mean_and_variance
 from iga_ds.methods.iga.sketch import sketch_key, sketch_keys
 from iga_ds.methods.iga.variance import MovingAverages, debiased_variance, split_halves
-from iga_ds.methods.tensors import TiledResults
+from iga_ds.methods.iga.tiles import TiledResults
 
 # what IGA and its ablations report per module, and how a whole model's figure is formed
 MASK_STATISTICS = (

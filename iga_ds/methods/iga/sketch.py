@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from iga_ds.methods.tensors import host_to_device
+from iga_ds.methods.device_copies import host_to_device
 
 _MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15

@@ -25,8 +25,8 @@ import os
 
 import torch
 
+from iga_ds.methods.device_copies import host_to_device
 from iga_ds.methods.iga import sketch
-from iga_ds.methods.tensors import host_to_device
 from iga_ds.methods.iga.common import SNR_EPS
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs lack it

@@ -1,13 +1,12 @@
-"""What the engine hook and the batched methods share for speed, and a method's author never
-needs: the contract itself is :mod:`iga_ds.methods.base`.
+"""What the batched IGA path is handed and hands back beyond the contract
+(:mod:`iga_ds.methods.base`), for speed; a method's author never needs it.
 
-- :class:`StableModules`: modules handed over again and again with the same storage, so a
-  method may keep what it derives from their layout (the fused IGA's stacked views).
+- :class:`StableModules`: modules handed over again and again with the same storage (the
+  engine hook's views of its buffers), so that the batched path may keep what it derives from
+  their layout (its stacked views) from call to call.
 - :class:`TiledResults`: results whose tensors tile a few buffers, checked through them.
 - :class:`StatsTable`, :class:`PendingStats`: per-module statistics on their way from the
   device to the host, read when first used.
-- :func:`host_to_device`, :func:`stacked_view`, :func:`flat_span`: copies that do not stall the
-  device, and views of many tensors as one without a copy.
 """
 from __future__ import annotations
 
@@ -42,58 +41,6 @@ class TiledResults(list):
     def __init__(self, results=(), bases: Sequence[torch.Tensor] = ()):
         super().__init__(results)
         self.bases = list(bases)
-
-
-def host_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A small host tensor on ``device``, without waiting for the device.
-
-    A plain ``.to("cuda")`` copies from pageable memory, and PyTorch then synchronizes the
-    stream: the host waits for every kernel queued so far. From pinned memory the copy is
-    queued like a kernel (the pinned block is not reused before it ran)."""
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
-def stacked_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The tensors stacked along a new first dimension, in the first one's shape, as a view of
-    the storage they share, without a copy, when they are contiguous, of one dtype and element
-    count, and equally spaced in it, in order; None otherwise (and for fewer than two). Each
-    item of the view holds its tensor's elements in order (the shapes themselves may differ)."""
-    if len(tensors) < 2:
-        return None
-    first, last = tensors[0], tensors[-1]
-    numel, dtype = first.numel(), first.dtype
-    if not all(t.is_contiguous() and t.numel() == numel and t.dtype is dtype for t in tensors):
-        return None
-    ptrs = [t.data_ptr() for t in tensors]
-    step = ptrs[1] - ptrs[0]
-    size = first.element_size()
-    storage = first.untyped_storage()
-    if (step >= numel * size and step % size == 0
-            and all(b - a == step for a, b in zip(ptrs, ptrs[1:]))
-            and last.untyped_storage().data_ptr() == storage.data_ptr()
-            and ptrs[-1] + last.numel() * size <= storage.data_ptr() + storage.nbytes()):
-        return first.as_strided((len(tensors), *first.shape), (step // size, *first.stride()))
-    return None
-
-
-def flat_span(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """One flat view of all the tensors, in order, when they lie back to back in one storage
-    (contiguous, of one dtype, each starting where the one before ends; their sizes may
-    differ), as ZeRO lays out a group's parameters; None otherwise. Where
-    :func:`stacked_view` needs equal sizes equally spaced, this needs no gaps."""
-    if not tensors:
-        return None
-    first = tensors[0].detach()
-    size, storage = first.element_size(), first.untyped_storage().data_ptr()
-    ptrs = [t.data_ptr() for t in tensors]
-    if not all(t.is_contiguous() and t.dtype == first.dtype and t.untyped_storage().data_ptr() == storage
-               for t in tensors):
-        return None
-    if not all(a + t.numel() * size == b for t, a, b in zip(tensors, ptrs, ptrs[1:])):
-        return None
-    return first.as_strided((sum(t.numel() for t in tensors),), (1,))
 
 
 class StatsTable:
