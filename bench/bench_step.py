@@ -22,7 +22,7 @@ Methods: ``erm`` (DeepSpeed's own path: LoRA gradients reduced after every micro
 ``erm_captured`` (the same update through the hook's capture, reduced once per step),
 ``iga`` (the registered method, module by module), ``iga_fused``
 (the same method through :func:`iga_ds.methods.iga.batched.batched_iga`), ``iga_bf16`` (that
-path with ``precision: bf16``) and ``iga_svd_bf16_q1p16`` (the rank-r SVD projection ablation
+path with ``precision: bf16``) and ``iga_svd_bf16_q1p16`` (``iga_svd``, the rank-r SVD truncation,
 in bf16, one power iteration, oversampling 16).
 Measured per method: median optimizer-step time over ``--steps`` steps after ``--warmup``
 (``torch.cuda.synchronize`` around each), tokens per second (all ranks), peak memory
@@ -71,7 +71,7 @@ from iga_ds.train.profiling import ranked_ops
 METHODS = ("erm", "erm_captured", "iga", "iga_fused", "iga_bf16", "iga_svd_bf16_q1p16")
 # the fused variants that fix their precision (iga_fused takes --precision) and projection
 FIXED_VARIANTS = {"iga_bf16": {"precision": "bf16"},
-                  "iga_svd_bf16_q1p16": {"precision": "bf16", "projection": "svd", "power_iters": 1, "oversample": 16}}
+                  "iga_svd_bf16_q1p16": {"precision": "bf16", "power_iters": 1, "oversample": 16}}
 DOMAINS = ["math", "medical", "legal", "science"]
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 PROFILE_STEPS = 2
@@ -196,7 +196,8 @@ def run_method(method: str, args, rank: int, world: int, device) -> dict:
         "implementation": "reference" if base == "iga" else "batched",
         **({"precision": args.precision} if base == "iga_fused" else FIXED_VARIANTS.get(base, {})),
     }
-    hook = attach(engine, HookConfig(method=base if base.startswith("erm") else "iga", params=iga_params,
+    registered = base if base.startswith("erm") else "iga_svd" if base.startswith("iga_svd") else "iga"
+    hook = attach(engine, HookConfig(method=registered, params=iga_params,
                                     domains=list(DOMAINS)))
     one_step = functools.partial(optimizer_step, engine, hook, args, config["vocab_size"], device)
 

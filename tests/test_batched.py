@@ -309,9 +309,9 @@ def test_low_precision_inputs_come_back_in_their_dtype():
 def test_batched_method_equals_registered_iga(factors, svd, dtype):
     # the batched path maps factors on the whole stack; the reference maps module by module
     mods = [make_module(i, dtype=dtype, scaling=1.0 + 0.5 * i) for i in range(4)]
-    params = dict(tau=0.5, normalize="snr", seed=3, factors=factors, svd=svd, projection="svd")
-    ref = get_method("iga", implementation="reference", **params).combine(mods, step=5)
-    got = get_method("iga", implementation="batched", **params).combine(mods, step=5)
+    params = dict(tau=0.5, normalize="snr", seed=3, factors=factors, svd=svd)
+    ref = get_method("iga_svd", implementation="reference", **params).combine(mods, step=5)
+    got = get_method("iga_svd", implementation="batched", **params).combine(mods, step=5)
     for a, b, m in zip(got, ref, mods):
         assert a.gA.shape == m.A.shape and a.gB.shape == m.B.shape
         assert rel(a.gA.double(), b.gA.double()) < FACTOR_TOL[dtype], m.name
@@ -946,7 +946,7 @@ def test_results_tile_the_stacks_buffers_they_name():
         for t in (gA, gB):
             assert t._base is not None and t.untyped_storage().data_ptr() in base_of
     assert sum(t.numel() for gA, gB, _ in out for t in (gA, gB)) == sum(b.numel() for b in out.bases)
-    method = get_method("iga", implementation="batched", projection="svd", rank=3)
+    method = get_method("iga_svd", implementation="batched", rank=3)
     updates = method.combine(mods, 1)
     assert isinstance(updates, TiledResults) and len(updates.bases) == 2 * 2  # one stack per shape
     assert sum(u.gA.numel() + u.gB.numel() for u in updates) == sum(b.numel() for b in updates.bases)

@@ -107,6 +107,11 @@ def test_the_run_yaml_and_the_iga_block_share_one_validator(tmp_path):
         HookConfig.from_dict({"seed": True})
     with pytest.raises(ConfigError, match=r"^iga: method 'iga' has no parameter 'tua'"):
         HookConfig.from_dict({"method": "iga", "params": {"tua": 1}})
+    # the spelling of the rank-r truncation before it was a method of its own names the method
+    with pytest.raises(ConfigError, match=r"^iga.params[.:].*iga fixes its projection.*the method iga_svd is"):
+        HookConfig.from_dict({"method": "iga", "params": {"projection": "svd"}})
+    with pytest.raises(ConfigError, match=r"^iga.params[.:].*damping=0.5: acts only with projection 'tangent'.*the method iga is"):
+        HookConfig.from_dict({"method": "iga_svd", "params": {"damping": 0.5}})
 
 
 def test_method_parameters_shown_in_the_docs_validate():
@@ -118,10 +123,12 @@ def test_method_parameters_shown_in_the_docs_validate():
 
     from iga_ds.config.hook import HookConfig
 
-    fragments = [(doc.name, m) for doc in sorted((REPO / "docs").glob("*.md"))
-                 for m in re.findall(r"`params: (\{[^`]*\})`", doc.read_text(encoding="utf-8"))]
+    fragments = [(doc.name, method or "iga", m) for doc in sorted((REPO / "docs").glob("*.md"))
+                 for method, m in re.findall(r"`(?:method: (\w+), )?params: (\{[^`]*\})`", doc.read_text(encoding="utf-8"))]
     assert fragments, "no params fragment found in docs/*.md"
-    for name, text in fragments:
+    assert any(method != "iga" for _, method, _ in fragments), "no fragment names its method"
+    for name, method_name, text in fragments:
         params = yaml.safe_load(text)
-        method = HookConfig.from_dict({"method": "iga", "params": params}, name).build_method()
+        method = HookConfig.from_dict({"method": method_name, "params": params}, name).build_method()
+        assert method.name == method_name, (name, text)
         assert all(getattr(method, key) == value for key, value in params.items()), (name, text)

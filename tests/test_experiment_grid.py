@@ -467,8 +467,8 @@ def test_shift_and_control_grids_hold_the_rows_and_state_the_rule_first(name):
     assert rows["erm_grouped"].grouping == "groups" and rows["control"].cue == "neutral"
     assert rows["control"].grouping == "none" and rows["lora_sft"].domains == ("math",)
     assert {rows[k].params.get("tau", 0.5) for k in ("iga_tau0.25", "iga", "iga_tau1.0")} == {0.25, 0.5, 1.0}
-    assert rows["iga_chain_rule_svd"].params == {"projection": "svd", "factors": "chain_rule"}
-    assert rows["no_mask"].method == "mean_no_mask" and rows["no_mask"].params == rows["iga_chain_rule_svd"].params
+    assert rows["iga_chain_rule_svd"].method == "iga_svd" and rows["iga_chain_rule_svd"].params == {"factors": "chain_rule"}
+    assert rows["no_mask"].method == "mean_no_mask" and rows["no_mask"].params == {"projection": "svd", **rows["iga_chain_rule_svd"].params}
     assert grid.seeds == [0, 1, 2, 3, 4] and grid.selection.lr == (5e-4, 1e-3, 2e-3)
     cue = grid.data["synthetic"]["shortcut_by_domain"]
     assert grid.data["synthetic"]["test_cue"] == "independent"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from iga_ds.methods import ModuleGrads, get_method
-from iga_ds.methods.iga import IGA, MeanNoMask, batched_iga, iga_update
+from iga_ds.methods.iga import IGA, IGASVD, MeanNoMask, batched_iga, iga_update
 from iga_ds.methods.iga.method import MaskedProjectionMethod
 from iga_ds.methods.iga.reference import reconstruct, tangent_factors
 from iga_ds.lora.modules import find_lora_modules
@@ -148,7 +148,7 @@ def test_the_svd_maps_are_not_erm_at_tau_zero(real_gradients):
     # why they are ablations: truncation drops part of the rank-2r mean, the chain rule maps it again
     grads, erm = real_gradients
     for factors_map in ("split", "chain_rule"):
-        updates = get_method("iga", tau=0.0, projection="svd", factors=factors_map, svd="exact").combine(grads, 0)
+        updates = get_method("iga_svd", tau=0.0, factors=factors_map, svd="exact").combine(grads, 0)
         worst = max(float((u.gB - erm[2 * i + 1]).norm() / erm[2 * i + 1].norm()) for i, u in enumerate(updates))
         assert worst > 0.05, factors_map
 
@@ -178,7 +178,7 @@ OPTIONS = ("tau", "normalize", "projection", "factors", "damping")
 
 
 def test_one_default_per_option():
-    sources = {"iga_update": iga_update, "batched_iga": batched_iga, "IGA": IGA.__init__,
+    sources = {"iga_update": iga_update, "batched_iga": batched_iga, "IGA": IGA.__init__, "IGASVD": IGASVD.__init__,
                "MaskedProjectionMethod": MaskedProjectionMethod.__init__, "MeanNoMask": MeanNoMask.__init__}
     defaults: dict[str, dict] = {}
     for where, fn in sources.items():
@@ -187,7 +187,8 @@ def test_one_default_per_option():
                 defaults.setdefault(name, {})[where] = p.default
     for name in OPTIONS:
         assert len(set(defaults[name].values())) == 1, (name, defaults[name])
-    assert defaults["projection"]["IGA"] == "tangent" and defaults["factors"]["IGA"] == "chain_rule"
+    assert IGA.fixes["projection"] == defaults["projection"]["MeanNoMask"] == "tangent"
+    assert IGASVD.fixes["projection"] == "svd" and defaults["factors"]["IGASVD"] == "chain_rule"
 
 
 def weight_gradient_modules(count=6, N=4, r=16, d_in=320, d_out=256, seed=0):

@@ -108,9 +108,10 @@ def test_an_option_outside_the_setting_it_acts_in_is_refused():
                     get_method(name, **{key: EXAMPLES[key]})
                 get_method(name, **{**acting_context(name, key), key: EXAMPLES[key]})
                 checked += 1
-    assert checked >= 6  # the truncation's five under iga and iga_binary, and more
+    assert checked >= 6  # the truncation's five under iga_binary and mean_no_mask, and more
     # the rules compare with the defaults the methods have
-    assert all(options_of("iga")[key] == default for key, default in ACTING_DEFAULTS.items())
+    assert all(options_of(name)[key] == default for name in MODULE_METHODS
+               for key, default in ACTING_DEFAULTS.items() if key in options_of(name))
 
 
 @pytest.mark.parametrize("name", MODULE_METHODS)
@@ -145,4 +146,16 @@ def test_the_tangent_projection_draws_no_sketch_keys(monkeypatch):
     for update, (gA, gB, stats) in zip(get_method("iga", implementation="batched").combine(mods, 3), drawn):
         assert torch.equal(update.gA, gA) and torch.equal(update.gB, gB) and dict(update.stats) == dict(stats)
     with pytest.raises(AssertionError, match="sketch keys drawn"):  # the svd projection reads them
-        get_method("iga", implementation="batched", projection="svd").combine(mods, 3)
+        get_method("iga_svd", implementation="batched").combine(mods, 3)
+
+
+def test_a_record_from_before_iga_svd_reads_as_the_method_it_ran():
+    """Runs recorded `projection` and the truncation's options under `iga`; at iga's own values
+    they are no setting of the row, and `projection: svd` is one."""
+    from iga_ds.methods import runs_by_default
+
+    assert runs_by_default("iga", "projection", "tangent") and runs_by_default("iga", "rank", None)
+    assert not runs_by_default("iga", "projection", "svd") and not runs_by_default("iga", "rank", 4)
+    assert runs_by_default("iga_svd", "projection", "svd") and runs_by_default("iga_svd", "damping", 0.1)
+    assert runs_by_default("iga", "tau", options_of("iga")["tau"]) and not runs_by_default("iga", "tau", 7.0)
+    assert not runs_by_default("vrex", "projection", "tangent")  # not of IGA's family: an unknown key

@@ -48,11 +48,11 @@ def flat_update(updates):
     return np.concatenate([np.concatenate([u.gA.reshape(-1).numpy(), u.gB.reshape(-1).numpy()]) for u in updates])
 
 
-@covers("iga", "iga_binary", "mean_no_mask", "iga_no_projection")
+@covers("iga_svd", "iga_binary", "mean_no_mask", "iga_no_projection")
 @pytest.mark.parametrize(
     "name,kw",
     [
-        ("iga", dict(binary=False)),
+        ("iga_svd", dict(binary=False)),
         ("iga_binary", dict(binary=True)),
         ("mean_no_mask", dict(mask_off=True)),
         ("iga_no_projection", dict(chain=True)),
@@ -62,7 +62,8 @@ def test_iga_family_against_reference(name, kw):
     for factors in ("split",) if kw.get("chain") else ("split", "chain_rule"):
         mask = {} if name == "mean_no_mask" else {"tau": 1.0, "normalize": "mean"}  # no mask: no tau
         # the chain ablation has no SVD, so none of its options
-        svd = {} if kw.get("chain") else dict(svd="exact", factors=factors, projection="svd")
+        svd = {} if kw.get("chain") else dict(svd="exact", factors=factors)
+        svd.update({} if kw.get("chain") or name == "iga_svd" else {"projection": "svd"})  # iga_svd fixes it
         method = get_method(name, **svd, **mask)
         for m, u in zip(modules(), method.combine(modules(), step=0)):
             ref, *_ = iga_reference(m.A, m.B, m.gA, m.gB, m.scaling, 1.0, 3, "mean", **kw)
@@ -77,22 +78,27 @@ def test_iga_family_against_reference(name, kw):
                 np.testing.assert_allclose(u.gB.numpy(), dB, rtol=1e-9, atol=1e-12)
 
 
-@covers("iga", "iga_no_projection")
+@covers("iga", "iga_svd", "iga_no_projection")
 def test_options_of_another_projection_are_refused_not_ignored():
-    with pytest.raises(ValueError, match=r"rank=4, factors='split': acts only with projection 'svd'"):
+    # each of iga and iga_svd names the other where the other takes what was asked for
+    with pytest.raises(ValueError, match=r"factors='split': acts only with projection 'svd'.*the method iga_svd is"):
         get_method("iga", rank=4, factors="split")
-    with pytest.raises(ValueError, match=r"damping=0.5: acts only with projection 'tangent'"):
-        get_method("iga", projection="svd", damping=0.5)
+    with pytest.raises(ValueError, match=r"iga fixes its projection.*got 'svd' \(the method iga_svd is"):
+        get_method("iga", projection="svd")
+    with pytest.raises(ValueError, match=r"damping=0.5: acts only with projection 'tangent'.*the method iga is"):
+        get_method("iga_svd", damping=0.5)
+    with pytest.raises(ValueError, match=r"iga_svd fixes its projection"):
+        get_method("iga_svd", projection="tangent")
     with pytest.raises(ValueError, match=r"svd='exact': acts only with projection 'svd', and projection is 'chain'"):
         get_method("iga_no_projection", svd="exact")
     with pytest.raises(ValueError, match="iga_no_projection fixes its projection"):
         get_method("iga_no_projection", projection="svd")
-    get_method("iga", projection="svd", rank=4, factors="split")  # where they act, they are taken
+    get_method("iga_svd", rank=4, factors="split")  # where they act, they are taken
 
 
-@covers("iga")
+@covers("iga_svd")
 def test_iga_randomized_is_seeded_by_step_and_module_not_by_call_order():
-    method = get_method("iga", tau=0.5, seed=3, projection="svd")
+    method = get_method("iga_svd", tau=0.5, seed=3)
     mods = modules()
     forward = method.combine(mods, step=7)
     backward = method.combine(mods[::-1], step=7)[::-1]

@@ -115,3 +115,20 @@ def test_the_per_domain_shares_weigh_up_to_each_evaluations_pooled_share(grid):
         assert set(shares) == {"legal", "math", "medical", "science"}, cell.name
         pooled = sum(shares[d] * n for d, n in counts.items()) / sum(counts.values())
         assert pooled == pytest.approx(cell.evals["synthetic"]["ood_cue_follow"], abs=1e-9), cell.name
+
+
+def test_cells_spelled_iga_with_projection_svd_are_the_iga_svd_rows_of_the_grid(tmp_path):
+    """The grid now names the rank-r truncation `method: iga_svd`; the archived cells, written
+    when it was `method: iga, params: {projection: svd}`, still count as done, not to be rerun."""
+    name = "shift-g16-smollm2"
+    root = _extract(tmp_path, name)
+    out = root / "runs" / UNPACKS_TO[name]
+    spec = json.loads((out / "iga_svd-s0" / "cell_spec.json").read_text())
+    assert spec["variant"]["method"] == "iga" and spec["variant"]["params"]["projection"] == "svd"
+    done = subprocess.run([sys.executable, "-m", "iga_ds", "experiment", "--grid",
+                           str(ROOT / "configs/experiments/shift_g16_smollm2.yaml"), "--out", str(out), "--dry-run",
+                           "--only", "iga_svd-*"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    states = dict(line.split()[:2] for line in done.stdout.splitlines() if line.startswith(("iga_svd", "selection/")))
+    assert states["iga_svd-s0"] == "done" and states["iga_svd-s1"] == "todo"
+    assert [states[f"selection/iga_svd_lr{lr}-s0"] for lr in ("0.001", "0.002", "0.004")] == ["done"] * 3

@@ -117,7 +117,7 @@ def test_keyed_modules_drawn_at_once_match_the_reference_drawn_one_by_one(dtype,
 
 def test_the_method_keys_its_sketches_by_seed_step_and_module():
     mods = [_module(i) for i in range(3)]
-    method = get_method("iga", implementation="reference", rank=3, seed=4, projection="svd")
+    method = get_method("iga_svd", implementation="reference", rank=3, seed=4)
     got = method.combine(mods, 9)
     for m, u in zip(mods, got):
         rA, rB, _ = iga_update(m.A, m.B, m.gA, m.gB, scaling=m.scaling, rank=3, factors="chain_rule",

@@ -28,7 +28,7 @@ from pydantic import field_validator
 from iga_ds.config.base import Number, Section, config_problem, finite_params, setting, validate_section
 from iga_ds.data.domains import DEFAULT_DOMAINS
 from iga_ds.errors import ConfigError
-from iga_ds.methods import get_method, method_parameters
+from iga_ds.methods import get_method, method_class, method_parameters
 
 BLOCK = "iga"
 
@@ -113,8 +113,13 @@ def check_method_params(method: str, params: dict[str, Any], where: str) -> None
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
         return
     names = [name for name, p in accepted.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL]
+    explain = getattr(method_class(method), "refusal", None)
     for key in params:
         if key not in names:
+            # an option of the method's family it does not take: the family says why (and which method does)
+            why = explain(key, params[key]) if explain is not None else None
+            if why is not None:
+                raise ConfigError(f"{where}.{key}: {why}")
             near = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
             hint = f"did you mean {near[0]!r}? " if near else ""
             raise ConfigError(f"{where}.{key}: method {method!r} has no parameter {key!r}; {hint}"

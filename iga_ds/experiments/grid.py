@@ -82,6 +82,8 @@ class Variant:
                 "split": self.split, "grouping": self.grouping, "label": self.label, "train": self.train}
         if self.cue != "planted":  # absent by default: cells of older grids keep their hash
             spec["cue"] = self.cue
+        if self.method == "iga_svd":  # once spelled iga with projection svd: its cells keep their hash
+            spec.update(method="iga", params={**self.params, "projection": "svd"})
         return spec
 
 

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 from iga_ds.config.run import RUN_CONFIG
 from iga_ds.errors import ConfigError, DataError
 from iga_ds.files import iter_jsonl, read_json, read_yaml_file
-from iga_ds.methods import method_parameters
+from iga_ds.methods import method_parameters, runs_by_default
 from iga_ds.metrics.cue import signals_wrong_answer
 from iga_ds.metrics.mask import metric_series
 
@@ -105,13 +105,13 @@ def non_default_settings(method: str, params: Any) -> str:
     """``key: value, ...`` of the parameters in ``params`` that differ from the shipped defaults
     of the gradient method ``method`` (empty for a method this installation does not know)."""
     try:
-        defaults = method_parameters(method)
+        method_parameters(method)
     except ConfigError:
         return ""
     if not isinstance(params, dict):
         return ""
     return ", ".join(f"{key}: {value}" for key, value in sorted(params.items())
-                     if key not in defaults or defaults[key].default != value)
+                     if not runs_by_default(method, key, value))
 
 
 def cell_method_params(info: dict[str, Any], variant: dict[str, Any] | None) -> dict[str, Any] | None:

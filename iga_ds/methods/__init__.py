@@ -12,17 +12,18 @@ from iga_ds.errors import ConfigError
 from iga_ds.methods.and_mask import ANDMask
 from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, Statistic
 from iga_ds.methods.erm import ERM, CapturedERM
-from iga_ds.methods.iga import IGA, IGABinaryMask, IGALoRASpace, IGANoProjection, MeanNoMask
+from iga_ds.methods.iga import IGA, IGASVD, IGABinaryMask, IGALoRASpace, IGANoProjection, MeanNoMask
+from iga_ds.methods.iga.options import OPTION_DEFAULTS
 from iga_ds.methods.iga.sketch import sketch_key
+from iga_ds.methods.iga.tiles import StableModules, TiledResults
 from iga_ds.methods.irm import IRM
 from iga_ds.methods.pareto import ParetoGS
 from iga_ds.methods.pcgrad import PCGrad
 from iga_ds.methods.sand_mask import SANDMask
-from iga_ds.methods.iga.tiles import StableModules, TiledResults
 from iga_ds.methods.vrex import VREx
 
 BUILTIN_METHODS: tuple[type[GradientMethod], ...] = (
-    ERM, CapturedERM, IGA, IGABinaryMask, IGANoProjection, MeanNoMask, IGALoRASpace, ANDMask, SANDMask, PCGrad, ParetoGS, IRM,
+    ERM, CapturedERM, IGA, IGASVD, IGABinaryMask, IGANoProjection, MeanNoMask, IGALoRASpace, ANDMask, SANDMask, PCGrad, ParetoGS, IRM,
     VREx,
 )
 _REGISTRY: dict[str, type[GradientMethod]] = {}
@@ -68,6 +69,19 @@ def resolved_parameters(name: str, params: dict[str, Any]) -> dict[str, Any]:
     return {**defaults, **params}
 
 
+def runs_by_default(name: str, key: str, value: Any) -> bool:
+    """Whether ``key: value``, as a run of method ``name`` recorded it, is what the method does
+    unasked: its parameter's default, or, for IGA's family, the value of an option it fixes or
+    no longer takes (a record from before ``iga_svd`` held ``projection`` and the truncation's options)."""
+    params = method_parameters(name)
+    if key in params:
+        return params[key].default == value
+    fixes = getattr(method_class(name), "fixes", None)
+    if fixes is None or key not in OPTION_DEFAULTS:
+        return False
+    return fixes.get(key, OPTION_DEFAULTS[key]) == value
+
+
 def get_method(name: str, **params: Any) -> GradientMethod:
     cls = method_class(name)
     allowed = method_parameters(name)
@@ -97,5 +111,6 @@ __all__ = [
     "method_class",
     "method_parameters",
     "register",
+    "runs_by_default",
     "sketch_key",
 ]

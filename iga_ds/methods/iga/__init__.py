@@ -14,15 +14,16 @@
   CUDA without a wait for the device;
 - ``tiles``: what the batched path is handed and hands back (the engine's stable stacks, results
   that tile a few buffers, statistics on their way to the host);
-- ``method``: the registered ``iga`` method, which picks the path;
+- ``method``: the registered ``iga`` (the tangent projection) and ``iga_svd`` (the paper's
+  rank-r truncation), which pick the path;
 - ``ablations``: the paper's Table 3 variants, each changing one step.
 """
 from __future__ import annotations
 
 from iga_ds.methods.iga.ablations import IGABinaryMask, IGALoRASpace, IGANoProjection, MeanNoMask
 from iga_ds.methods.iga.batched import batched_iga
-from iga_ds.methods.iga.method import IGA, MaskedProjectionMethod
+from iga_ds.methods.iga.method import IGA, IGASVD, MaskedProjectionMethod
 from iga_ds.methods.iga.reference import chain_rule_factors, iga_update
 
-__all__ = ["IGA", "IGABinaryMask", "IGALoRASpace", "IGANoProjection", "MaskedProjectionMethod", "MeanNoMask",
+__all__ = ["IGA", "IGASVD", "IGABinaryMask", "IGALoRASpace", "IGANoProjection", "MaskedProjectionMethod", "MeanNoMask",
            "batched_iga", "chain_rule_factors", "iga_update"]

@@ -15,8 +15,8 @@ from iga_ds.methods.iga.options import OPTION_NAMES, make_options, option_signat
 from iga_ds.methods.iga.options import refusal as option_refusal
 from iga_ds.methods.iga.reference import masked_projection, mean_and_variance
 from iga_ds.methods.iga.sketch import sketch_key, sketch_keys
-from iga_ds.methods.iga.variance import MovingAverages, debiased_variance, split_halves
 from iga_ds.methods.iga.tiles import TiledResults
+from iga_ds.methods.iga.variance import MovingAverages, debiased_variance, split_halves
 
 # what IGA and its ablations report per module, and how a whole model's figure is formed
 MASK_STATISTICS = (
@@ -122,30 +122,32 @@ class MaskedProjectionMethod(GradientMethod):
 class IGA(MaskedProjectionMethod):
     """Invariant Gradient Alignment: exp(-tau V') mask on reconstructed gradients, projected back to the factors.
 
-    ``implementation``: ``reference`` runs :func:`~iga_ds.methods.iga.reference.masked_projection`
-    module by module; ``batched`` runs :func:`~iga_ds.methods.iga.batched.batched_iga` (same result up
-    to rounding, no N full-rank matrices, modules of equal shape batched); ``auto`` takes
-    ``batched`` on CUDA, except for ``variance: debiased`` with ``normalize: mean``, which has no
-    batched form (``batched`` refuses it). ``ema`` and ``debiased`` run the batched PyTorch tile pass
-    (the Triton tile kernel computes the paper's variance only).
-    ``precision`` (batched path, ``variance: batch``; the departures compute in float32): ``auto``
-    (default) is ``bf16`` when the gradients come from a
-    bfloat16 forward and backward (:attr:`ModuleGrads.trained_in`; a DeepSpeed bf16 run) and
-    ``ieee`` otherwise: bf16 keeps the precision rule of docs/PERFORMANCE.md (its error a fifth
-    of the bf16 training's own noise carried through the method, its rank-r error within 0.4%
-    of the optimal, on four batches of a real model). ``ieee`` keeps float32 throughout. ``bf16`` rounds the
-    factors to bfloat16 and stores and multiplies the masked matrices in bfloat16 (float32
-    accumulation); ``tf32`` uses TF32 tensor cores for the reconstruction and the power
-    iterations (about 1e-3 relative error).
-    ``svd``: ``randomized`` (default; HMT with ``power_iters`` power iterations), ``exact``
-    (full SVD, reference path only) or ``single_pass`` (Tropp et al. 2017: both sketches in
-    one pass, no power iterations; on the batched path the masked matrices are never stored,
-    at a larger rank-r error unless ``oversample`` is raised; docs/PERFORMANCE.md).
+    The shipped update: the mask's options, the tangent projection's ``damping``, and two
+    engineering switches. ``implementation``: ``reference`` runs
+    :func:`~iga_ds.methods.iga.reference.masked_projection` module by module; ``batched`` runs
+    :func:`~iga_ds.methods.iga.batched.batched_iga` (same result up to rounding, no N full-rank
+    matrices, modules of equal shape batched); ``auto`` takes ``batched`` on CUDA, except for
+    ``variance: debiased`` with ``normalize: mean``, which has no batched form. ``precision``
+    (batched path, ``variance: batch``; the departures compute in float32): ``auto`` is ``bf16``
+    for gradients from a bfloat16 forward and backward (:attr:`ModuleGrads.trained_in`), else
+    ``ieee`` (float32 throughout); ``bf16`` stores and multiplies the masked matrices in bfloat16
+    with float32 accumulation, ``tf32`` uses TF32 tensor cores (docs/PERFORMANCE.md has the
+    precision rule). The paper's rank-r truncation is the method ``iga_svd``.
     """
 
     name = "iga"
     paper = "Invariant Gradient Alignment (IGA) for logical isomers (this package's paper)"
-    takes = OPTION_NAMES
+    takes = ("tau", "normalize", "variance", "variance_decay", "damping", "implementation", "precision")
+    fixes = {"projection": "tangent"}
+    summary = "the tangent projection, the shipped update"  # named where the other is asked for its options
+
+    @classmethod
+    def refusal(cls, name: str, value: Any) -> str | None:
+        why = super().refusal(name, value)
+        other = IGASVD if cls is IGA else IGA if cls is IGASVD else None
+        if why is not None and other is not None and name in other.takes + tuple(other.fixes):
+            why += f" (the method {other.name} is {other.summary})"
+        return why
 
     def _batched(self, modules: Sequence[ModuleGrads]) -> bool:
         if self.implementation == "auto":
@@ -178,3 +180,23 @@ class IGA(MaskedProjectionMethod):
                           projection=self.projection, damping=self.damping, variance=self.variance,
                           averages=averages)
         return TiledResults([ModuleUpdate(gA, gB, stats) for gA, gB, stats in out], out.bases)
+
+
+class IGASVD(IGA):
+    """IGA with the paper's projection: the masked mean's rank-r truncation, mapped to the factors.
+
+    ``rank`` (default: the LoRA rank) and ``svd``: ``randomized`` (default; HMT with
+    ``power_iters`` power iterations and ``oversample`` extra columns), ``exact`` (full SVD,
+    reference path only) or ``single_pass`` (Tropp et al. 2017: no power iterations; on the
+    batched path the masked matrices are never stored). ``factors``: ``chain_rule`` maps the
+    truncation through dW = s B A like a gradient; ``split`` is the paper's U S^1/2, S^1/2 V^T,
+    which made training diverge (docs/METHOD_NOTES.md).
+    """
+
+    name = "iga_svd"
+    paper = "IGA with the paper's randomized-SVD projection (this package's paper)"
+    takes = ("tau", "normalize", "variance", "variance_decay", "rank", "svd", "oversample", "power_iters",
+             "factors", "implementation", "precision")
+    fixes = {"projection": "svd"}
+    summary = "the paper's rank-r SVD truncation"
+

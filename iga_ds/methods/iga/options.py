@@ -15,7 +15,7 @@ from typing import Any
 
 from iga_ds.methods.iga.common import (
     DEFAULT_DAMPING, DEFAULT_FACTORS, DEFAULT_NORMALIZE, DEFAULT_OVERSAMPLE, DEFAULT_POWER_ITERS, DEFAULT_PRECISION,
-    DEFAULT_PROJECTION, DEFAULT_SVD, DEFAULT_TAU, check_acting, check_choice, check_options,
+    DEFAULT_PROJECTION, DEFAULT_SVD, DEFAULT_TAU, PROJECTIONS, check_acting, check_choice, check_options,
 )
 from iga_ds.methods.iga.rsvd import SVD_METHODS
 from iga_ds.methods.iga.variance import DEFAULT_VARIANCE, check_variance_options
@@ -64,7 +64,7 @@ class IGAOptions:
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(IGAOptions))
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(IGAOptions)}
+OPTION_DEFAULTS = {f.name: f.default for f in dataclasses.fields(IGAOptions)}
 
 
 def option_signature(takes: tuple[str, ...]) -> inspect.Signature:
@@ -72,7 +72,7 @@ def option_signature(takes: tuple[str, ...]) -> inspect.Signature:
     and ``help()`` read as the method's parameters."""
     keyword = inspect.Parameter.KEYWORD_ONLY
     return inspect.Signature([inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-                             + [inspect.Parameter(name, keyword, default=_DEFAULTS[name]) for name in takes]
+                             + [inspect.Parameter(name, keyword, default=OPTION_DEFAULTS[name]) for name in takes]
                              + [inspect.Parameter("seed", keyword, default=0)])
 
 
@@ -84,7 +84,7 @@ def refusal(method: str, takes: tuple[str, ...], fixes: dict[str, Any], name: st
     if name in fixes:
         return f"{method} fixes its {name}: {method} takes {name} {fixes[name]!r} only, got {value!r}"
     try:
-        check_acting({**_DEFAULTS, **fixes}, {name: value}, under=tuple(fixes))
+        check_acting({**OPTION_DEFAULTS, **fixes}, {name: value}, under=tuple(fixes))
     except ValueError as exc:
         return f"{method}: {exc}"
     return f"{name}={value!r}: {method} does not take {name}; it takes: {', '.join((*takes, 'seed'))}"
@@ -99,7 +99,9 @@ def make_options(method: str, takes: tuple[str, ...], fixes: dict[str, Any], giv
             raise ValueError(why)
         if name not in takes:
             raise TypeError(f"{method} has no option {name!r}; it takes: {', '.join((*takes, 'seed'))}")
+    # the fixed values go in too, but one outside the options' own (iga_no_projection's 'chain')
+    within = {k: v for k, v in fixes.items() if not (k == "projection" and v not in PROJECTIONS)}
     try:
-        return IGAOptions(**given)
+        return IGAOptions(**given, **within)
     except ValueError as exc:
         raise ValueError(f"{method}: {exc}") from None
