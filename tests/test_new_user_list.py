@@ -84,10 +84,10 @@ def test_the_model_card_shows_the_accuracy_eval_json_holds(tmp_path):
 
 
 def _docker_run_commands() -> list[tuple[str, list[str]]]:
-    """Every `docker run` line the project shows (README, docs/CLUSTER.md, the Dockerfile's
+    """Every `docker run` line the project shows (README, docs/DOCKER.md, the Dockerfile's
     header), continuation lines joined, as (where, words)."""
     found = []
-    for path in (REPO / "README.md", REPO / "docs" / "CLUSTER.md", REPO / "Dockerfile"):
+    for path in (REPO / "README.md", REPO / "docs" / "DOCKER.md", REPO / "Dockerfile"):
         text = re.sub(r"\\\n[#\s]*", " ", path.read_text(encoding="utf-8"))
         for line in text.splitlines():
             line = line.lstrip("#").strip()
@@ -107,7 +107,7 @@ def test_the_documented_docker_run_keeps_the_iga_ds_cache_in_its_mounted_volume(
     from iga_ds.models import cache_root
 
     commands = _docker_run_commands()
-    assert {where for where, _ in commands} == {"README.md", "CLUSTER.md", "Dockerfile"}
+    assert {where for where, _ in commands} == {"README.md", "DOCKER.md", "Dockerfile"}
     for where, words in commands:
         mounts = [Path(v.split(":")[1]) for v in _option_values(words, "-v")]
         for name in ("IGA_DS_CACHE", "XDG_CACHE_HOME"):

@@ -43,7 +43,7 @@ def register(subparsers: Any) -> None:
         "and writes cell.json last. Resumable: rerun the same command; finished cells are skipped and a "
         "killed cell is wiped and run again. Ready-made grids: configs/experiments/*.yaml.",
     )
-    exp.add_argument("--grid", required=True, help="grid YAML (see docs/EVALUATION.md)")
+    exp.add_argument("--grid", required=True, help="grid YAML (see docs/EXPERIMENTS.md)")
     exp.add_argument("--out", required=True, help="results folder (the one `iga-ds report` reads)")
     exp.add_argument("--only", action="append", default=[], metavar="PATTERN",
                      help="run only cells whose name matches this glob, e.g. 'iga-*' or '*-s0' (repeatable)")
@@ -83,7 +83,7 @@ def _register_report(subparsers: Any) -> None:
         "update_norms.json: the paper's tables and figures), the demo's folder (results.json: its table, "
         "accuracy per domain, training loss and its figure) or a training run (config.resolved.yaml: its "
         "settings, loss curve and any evaluation beside it); the first line says which was read. Writes "
-        "DIR/report.md and PNG figures under DIR/figures (see docs/EVALUATION.md). Several grids, one --name "
+        "DIR/report.md and PNG figures under DIR/figures (see docs/EXPERIMENTS.md). Several grids, one --name "
         "each, share one report (--out): their headline columns side by side, then each one's tables under its name.",
     )
     rep.add_argument("dir", nargs="+", help="results folder(s): a grid, the demo's folder or a training run")

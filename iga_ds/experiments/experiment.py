@@ -14,7 +14,7 @@ after another: in this process on the first GPU when there is one, else on the C
 a launcher command (``deepspeed --num_gpus 8``, ``torchrun --nproc_per_node 4``, ``srun``),
 each cell's training runs on all the devices that command gives it.
 The grid file itself (keys, checks, cells, each cell's run config) is
-:mod:`iga_ds.experiments.grid`; docs/EVALUATION.md documents its keys.
+:mod:`iga_ds.experiments.grid`; docs/EXPERIMENTS.md documents its keys.
 """
 from __future__ import annotations
 

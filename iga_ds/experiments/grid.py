@@ -4,7 +4,7 @@ A grid (YAML, read with ``iga_ds.files.read_yaml_file``) names a base run config
 evaluations, the seeds, the methods (paper Table 2 rows) and the ablations (Table 3 rows).
 Every (variant, seed) pair is a :class:`Cell` with a stable folder name,
 ``<variant>-s<seed>``. Errors name the file and the key. Running the cells is
-:mod:`iga_ds.experiments.experiment`; the keys are documented in docs/EVALUATION.md.
+:mod:`iga_ds.experiments.experiment`; the keys are documented in docs/EXPERIMENTS.md.
 Relative paths follow the run YAML's one rule (:func:`iga_ds.config.run.resolve_path`): those
 written in the grid (``train_config``, ``train``, ``data``, ``benchmarks``, a variant's
 ``train``) are relative to the grid's folder, those in the base run YAML to the run YAML's.

@@ -390,7 +390,7 @@ def load_results(root: str | Path) -> list[Cell]:
         raise DataError(f"{root}: no such results folder")
     cells = [_read_cell(p) for p in sorted(root.iterdir()) if (p / "cell.json").is_file()]
     if not cells:
-        raise DataError(f"{root}: no <cell>/cell.json found; see docs/EVALUATION.md for the results layout")
+        raise DataError(f"{root}: no <cell>/cell.json found; see docs/EXPERIMENTS.md for the results layout")
     return cells
 
 

@@ -1,6 +1,6 @@
 """Teacher backends: any OpenAI-compatible chat-completions server, or a causal LM in this process.
 
-The HTTP client is httpx (docs/DATA.md says why): one pool of keep-alive connections shared by
+The HTTP client is httpx (docs/TEACHER.md says why): one pool of keep-alive connections shared by
 the build's threads. vLLM (``vllm serve MODEL``), TGI, llama.cpp's server and hosted APIs all
 serve ``POST {base_url}/chat/completions``.
 
