@@ -62,6 +62,7 @@ from iga_ds.files import atomic_write_json
 from iga_ds.methods import ModuleGrads, get_method, sketch_key
 from iga_ds.methods.iga import triton_kernels
 from iga_ds.methods.iga.batched import batched_iga
+from iga_ds.methods.iga.options import IGAOptions
 from iga_ds.methods.iga.reference import iga_update, mean_and_variance, normalize_variance
 
 
@@ -137,8 +138,8 @@ def batched_variant(modules, args, device, use_triton, precision="ieee", svd="ra
 
     def run():
         gens = [sketch_key(0, 1, m.index) for m in modules]
-        out = batched_iga(modules, generators=gens, use_triton=use_triton, triton_precision=precision, svd=svd,
-                          batch_bytes=args.batch_bytes, **params)
+        out = batched_iga(modules, IGAOptions(svd=svd, **params), generators=gens, use_triton=use_triton,
+                          triton_precision=precision, batch_bytes=args.batch_bytes)
         return [(a, b) for a, b, _ in out]
     return run
 
@@ -212,7 +213,7 @@ def float64_check(modules, args, device, count: int) -> dict:
     ref64 = [(u.gA, u.gB) for u in method.combine(wide, 1)]
     ref32 = [(u.gA, u.gB) for u in method.combine(sub, 1)]
     gens = [sketch_key(0, 1, m.index) for m in sub]
-    fast = [(a, b) for a, b, _ in batched_iga(sub, generators=gens, use_triton=False, **params)]
+    fast = [(a, b) for a, b, _ in batched_iga(sub, IGAOptions(**params), generators=gens, use_triton=False)]
     return {"modules": count,
             "per_module_f32_vs_f64_max": max(product_errors(ref32, ref64, sub)),
             "batched_torch_f32_vs_f64_max": max(product_errors(fast, ref64, sub))}

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from iga_ds.methods.iga.batched import batched_iga
+from iga_ds.methods.iga.options import IGAOptions
 from iga_ds.methods import ModuleGrads, get_method
 from iga_ds.methods.iga.reference import iga_update
 from reference_impl import iga_reference
@@ -35,6 +36,11 @@ def make_module(index, N=4, r=4, d_in=48, d_out=40, dtype=torch.float64, scaling
 
 def generators(modules, base=100):
     return [torch.Generator().manual_seed(base + m.index) for m in modules]
+
+
+def svd_split(**options) -> IGAOptions:
+    """The paper's truncation with its split factors, as :func:`reference` computes it."""
+    return IGAOptions(projection="svd", factors="split", **options)
 
 
 def reference(m, base=100, **kw):
@@ -71,7 +77,7 @@ def assert_matches_reference(modules, results, dtype, loosen=1.0, **kw):
 def test_matches_iga_update(dtype, normalize, tau, shape):
     r, d_in, d_out = shape
     mods = [make_module(i, r=r, d_in=d_in, d_out=d_out, dtype=dtype) for i in range(3)]
-    out = batched_iga(mods, tau=tau, normalize=normalize, generators=generators(mods), projection="svd", factors="split")
+    out = batched_iga(mods, svd_split(tau=tau, normalize=normalize), generators=generators(mods))
     assert_matches_reference(mods, out, dtype, tau=tau, normalize=normalize)
     # the mask acts in these settings, so the comparison is not of an unmasked mean
     assert all(s["mask_mean"] < 0.99 for _, _, s in out)
@@ -85,13 +91,12 @@ def test_single_pass_matches_iga_update(dtype, normalize, tau, shape):
     the reference's single_pass_svd on the whole masked matrix gives the same factors."""
     r, d_in, d_out = shape
     mods = [make_module(i, r=r, d_in=d_in, d_out=d_out, dtype=dtype) for i in range(3)]
-    out = batched_iga(mods, tau=tau, normalize=normalize, generators=generators(mods), svd="single_pass",
-                      tile_elements=3 * 7 * d_in, projection="svd", factors="split")
+    out = batched_iga(mods, svd_split(tau=tau, normalize=normalize, svd="single_pass"), generators=generators(mods), tile_elements=3 * 7 * d_in)
     # float32: the reference solves its least squares in float32 (the batched path in float64);
     # observed worst 2.5e-5 on the factors
     assert_matches_reference(mods, out, dtype, loosen=2.5 if dtype == torch.float32 else 1.0,
                              tau=tau, normalize=normalize, svd="single_pass")
-    randomized = batched_iga(mods, tau=tau, normalize=normalize, generators=generators(mods), projection="svd", factors="split")
+    randomized = batched_iga(mods, svd_split(tau=tau, normalize=normalize), generators=generators(mods))
     # not the randomized path under another name: same sketch omega, a different answer
     assert any(rel(product(a[0], a[1], 1.0), product(b[0], b[1], 1.0)) > 1e-3 for a, b in zip(out, randomized))
 
@@ -108,10 +113,10 @@ def test_single_pass_stores_no_masked_matrix(monkeypatch):
         return real_empty(*shape, **kw)
 
     monkeypatch.setattr(batched.torch, "empty", spy)
-    batched_iga(mods, generators=generators(mods), svd="single_pass", projection="svd", factors="split")
+    batched_iga(mods, svd_split(svd="single_pass"), generators=generators(mods))
     assert (2, 40, 48) not in allocated  # M x out x in: the stored masked matrices
     allocated.clear()
-    batched_iga(mods, generators=generators(mods), projection="svd", factors="split")
+    batched_iga(mods, svd_split(), generators=generators(mods))
     assert (2, 40, 48) in allocated  # the randomized path does store them (the spy sees it)
 
 
@@ -121,8 +126,7 @@ def test_mixed_shapes_tiles_and_batches(dtype):
     shapes = [(4, 48, 40), (6, 30, 50), (4, 48, 40), (4, 40, 48), (6, 30, 50), (4, 48, 40)]
     mods = [make_module(i, r=r, d_in=a, d_out=b, dtype=dtype, scaling=1.0 + i / 4) for i, (r, a, b) in enumerate(shapes)]
     for tile, batch in ((300, 1), (5000, 2 * 48 * 40 * 8), (1 << 24, 1 << 30)):
-        out = batched_iga(mods, tau=0.5, normalize="mean", generators=generators(mods),
-                          tile_elements=tile, batch_bytes=batch, projection="svd", factors="split")
+        out = batched_iga(mods, svd_split(tau=0.5, normalize="mean"), generators=generators(mods), tile_elements=tile, batch_bytes=batch)
         assert_matches_reference(mods, out, dtype, tau=0.5, normalize="mean")
 
 
@@ -139,7 +143,7 @@ def test_auto_stack_size_takes_half_the_headroom_within_bounds():
 def test_bad_stack_size_is_refused(bad):
     m = make_module(0)
     with pytest.raises(ValueError, match="batch_bytes must be 'auto' or a positive number of bytes"):
-        batched_iga([m], generators=generators([m]), batch_bytes=bad, projection="svd", factors="split")
+        batched_iga([m], svd_split(), generators=generators([m]), batch_bytes=bad)
 
 
 def test_small_eigendecompositions_share_one_call_per_width(monkeypatch):
@@ -150,7 +154,7 @@ def test_small_eigendecompositions_share_one_call_per_width(monkeypatch):
     monkeypatch.setattr(torch.linalg, "eigh", lambda a, *args, **kw: calls.append(tuple(a.shape)) or real(a, *args, **kw))
     shapes = [(4, 48, 40)] * 3 + [(6, 30, 50)] * 2
     mods = [make_module(i, r=r, d_in=a, d_out=b) for i, (r, a, b) in enumerate(shapes)]
-    out = batched_iga(mods, tau=0.5, normalize="mean", generators=generators(mods), batch_bytes=1, projection="svd", factors="split")  # one per stack
+    out = batched_iga(mods, svd_split(tau=0.5, normalize="mean"), generators=generators(mods), batch_bytes=1)  # one per stack
     assert sorted(calls) == [(2, 16, 16), (3, 14, 14)]
     assert_matches_reference(mods, out, torch.float64, tau=0.5, normalize="mean")
 
@@ -162,7 +166,7 @@ def test_bases_that_feed_a_power_iteration_take_one_cholesky_pass_in_float32(mon
     real = torch.linalg.cholesky_ex
     monkeypatch.setattr(torch.linalg, "cholesky_ex", lambda a, *args, **kw: count.append(1) or real(a, *args, **kw))
     mods = [make_module(i, dtype=dtype) for i in range(2)]  # one stack
-    out = batched_iga(mods, tau=0.5, normalize="mean", generators=generators(mods), power_iters=2, projection="svd", factors="split")
+    out = batched_iga(mods, svd_split(tau=0.5, normalize="mean", power_iters=2), generators=generators(mods))
     assert len(count) == calls
     assert_matches_reference(mods, out, dtype, tau=0.5, normalize="mean")
 
@@ -240,7 +244,7 @@ def test_cholesky_qr_solves_only_against_its_small_factor(monkeypatch):
     assert float((Q @ (Q.mT @ Y) - Y).abs().max()) < 1e-12  # the same span
     assert orthonormalize(Y.float(), final=False, out_dtype=torch.bfloat16).dtype == torch.bfloat16
     mods = [make_module(i) for i in range(2)]
-    out = batched_iga(mods, tau=0.5, normalize="snr", generators=generators(mods), projection="svd", factors="split")
+    out = batched_iga(mods, svd_split(tau=0.5, normalize="snr"), generators=generators(mods))
     assert_matches_reference(mods, out, torch.float64, tau=0.5, normalize="snr")
 
 
@@ -249,7 +253,7 @@ def test_rank_power_iterations_and_sketch_width(rank, power_iters, oversample):
     # oversample 100 makes the sketch as wide as the matrix: width = min(rank + p, out, in)
     mods = [make_module(i, r=4, d_in=36, d_out=30) for i in range(2)]
     kw = dict(tau=0.5, normalize="snr", rank=rank, power_iters=power_iters, oversample=oversample)
-    out = batched_iga(mods, generators=generators(mods), **kw, projection="svd", factors="split")
+    out = batched_iga(mods, svd_split(**kw), generators=generators(mods))
     assert_matches_reference(mods, out, torch.float64, **kw)
     for gA, gB, _ in out:
         assert torch.linalg.matrix_rank(gB @ gA).item() == rank
@@ -259,7 +263,7 @@ def test_independent_float64_reference_when_sketch_is_exact():
     # tau = 0: the matrix is the mean reconstruction, rank <= 2r = 8 < sketch width 14, so the
     # randomized SVD is exact and the result is numpy's truncated SVD of the mean
     mods = [make_module(i, r=4, d_in=30, d_out=26) for i in range(2)]
-    out = batched_iga(mods, tau=0.0, normalize="mean", generators=generators(mods), projection="svd", factors="split")
+    out = batched_iga(mods, svd_split(tau=0.0, normalize="mean"), generators=generators(mods))
     for m, (gA, gB, stats) in zip(mods, out):
         ref, g, mask, var = iga_reference(m.A, m.B, m.gA, m.gB, m.scaling, 0.0, 4, "mean")
         np.testing.assert_allclose(product(gA, gB, m.scaling).numpy(), ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
@@ -272,7 +276,7 @@ def test_masked_matrix_and_stats_against_numpy(normalize):
     # the mask statistics against the independent numpy reference (not against iga_update)
     tau = 1e8 if normalize == "none" else 0.7
     m = make_module(0, r=3, d_in=20, d_out=22)
-    (_, _, stats), = batched_iga([m], tau=tau, normalize=normalize, generators=generators([m]), oversample=30, projection="svd", factors="split")
+    (_, _, stats), = batched_iga([m], svd_split(tau=tau, normalize=normalize, oversample=30), generators=generators([m]))
     _, g, mask, var = iga_reference(m.A, m.B, m.gA, m.gB, m.scaling, tau, 3, normalize)
     assert stats["mask_mean"] == pytest.approx(mask.mean(), rel=1e-12)
     assert stats["mask_min"] == pytest.approx(mask.min(), rel=1e-12)
@@ -287,7 +291,7 @@ def test_identical_domains_and_zero_gradients():
     m = make_module(0)
     same = ModuleGrads("same", 1, m.A, m.B, m.gA[:1].expand(4, -1, -1).clone(), m.gB[:1].expand(4, -1, -1).clone(), 2.0)
     zero = ModuleGrads("zero", 2, m.A, m.B, torch.zeros_like(m.gA), torch.zeros_like(m.gB), 2.0)
-    out = batched_iga([same, zero], tau=5.0, normalize="mean", generators=generators([same, zero]), projection="svd", factors="split")
+    out = batched_iga([same, zero], svd_split(tau=5.0, normalize="mean"), generators=generators([same, zero]))
     (gA, gB, s1), (zA, zB, s2) = out
     assert s1["mask_mean"] == 1.0 and s1["gir"] == 0.0
     assert torch.isfinite(gA).all() and torch.isfinite(gB).all()
@@ -297,9 +301,9 @@ def test_identical_domains_and_zero_gradients():
 def test_low_precision_inputs_come_back_in_their_dtype():
     m64 = make_module(0)
     m16 = ModuleGrads("bf", 0, *(t.to(torch.bfloat16) for t in (m64.A, m64.B, m64.gA, m64.gB)), 2.0)
-    (gA, gB, _), = batched_iga([m16], generators=generators([m16]), projection="svd", factors="split")
+    (gA, gB, _), = batched_iga([m16], svd_split(), generators=generators([m16]))
     assert gA.dtype == gB.dtype == torch.bfloat16 and gA.shape == m16.A.shape
-    (gA32, gB32, _), = batched_iga([m16], generators=generators([m16]), tau=0.5, projection="svd", factors="split")
+    (gA32, gB32, _), = batched_iga([m16], svd_split(tau=0.5), generators=generators([m16]))
     assert torch.isfinite(gA32.float()).all()
 
 
@@ -322,20 +326,20 @@ def test_batched_method_equals_registered_iga(factors, svd, dtype):
 def test_bad_input_is_refused():
     m = make_module(0)
     with pytest.raises(ValueError, match="one generator per module"):
-        batched_iga([m], generators=[], projection="svd", factors="split")
+        batched_iga([m], svd_split(), generators=[])
     with pytest.raises(ValueError, match="normalize"):
-        batched_iga([m], normalize="max", generators=generators([m]), projection="svd", factors="split")
+        batched_iga([m], svd_split(normalize="max"), generators=generators([m]))
     with pytest.raises(ValueError, match="rank"):
-        batched_iga([m], rank=9, generators=generators([m]), projection="svd", factors="split")
+        batched_iga([m], svd_split(rank=9), generators=generators([m]))
     with pytest.raises(ValueError, match="factors"):
-        batched_iga([m], factors="transpose", generators=generators([m]), projection="svd")
+        batched_iga([m], IGAOptions(factors="transpose", projection="svd"), generators=generators([m]))
     with pytest.raises(ValueError, match="batched form"):
-        batched_iga([m], svd="exact", generators=generators([m]), projection="svd", factors="split")
+        batched_iga([m], svd_split(svd="exact"), generators=generators([m]))
     bad = ModuleGrads("bad", 0, m.A, m.B, m.gA[:, :, :-1], m.gB, 2.0)
     with pytest.raises(ValueError, match="bad: shapes disagree"):
-        batched_iga([bad], generators=generators([bad]), projection="svd", factors="split")
+        batched_iga([bad], svd_split(), generators=generators([bad]))
     with pytest.raises(ValueError, match="CUDA"):
-        batched_iga([m], generators=generators([m]), use_triton=True, projection="svd", factors="split")
+        batched_iga([m], svd_split(), generators=generators([m]), use_triton=True)
 
 
 def _cuda_modules(dtype=torch.float32, count=3, r=16, d_in=512, d_out=384):
@@ -355,7 +359,7 @@ def test_cuda_paths_match_reference(use_triton, normalize):
     tau = 1e8 if normalize == "none" else 0.5
     mods = _cuda_modules()
     gens = [torch.Generator(device="cuda").manual_seed(100 + m.index) for m in mods]
-    out = batched_iga(mods, tau=tau, normalize=normalize, generators=gens, use_triton=use_triton, projection="svd", factors="split")
+    out = batched_iga(mods, svd_split(tau=tau, normalize=normalize), generators=gens, use_triton=use_triton)
     for m, (gA, gB, stats) in zip(mods, out):
         ref = iga_update(m.A, m.B, m.gA, m.gB, scaling=m.scaling, tau=tau, normalize=normalize,
                          generator=torch.Generator(device="cuda").manual_seed(100 + m.index), projection="svd", factors="split")
@@ -372,7 +376,7 @@ def test_cuda_peak_memory_is_one_matrix_per_module_not_n():
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    batched_iga(mods, tau=0.5, normalize="mean", generators=gens, tile_elements=1 << 20, projection="svd", factors="split")
+    batched_iga(mods, svd_split(tau=0.5, normalize="mean"), generators=gens, tile_elements=1 << 20)
     extra = torch.cuda.max_memory_allocated() - base
     one_matrix = 2048 * 2048 * 4
     assert extra < 2.5 * one_matrix, f"peak {extra / one_matrix:.2f} out x in matrices (N = 4 would be >= 4)"
@@ -388,7 +392,7 @@ def test_cuda_auto_stacks_grow_into_the_room_below_the_peak(monkeypatch):
     def gens():
         return [torch.Generator(device="cuda").manual_seed(100 + m.index) for m in mods]
 
-    fixed = batched_iga(mods, tau=0.5, normalize="mean", generators=gens(), batch_bytes=64 << 20, projection="svd", factors="split")  # 4 per stack
+    fixed = batched_iga(mods, svd_split(tau=0.5, normalize="mean"), generators=gens(), batch_bytes=64 << 20)  # 4 per stack
     sizes = []
     real = batched.stack_modules
     monkeypatch.setattr(batched, "stack_modules", lambda m, g, b, e=None: sizes.append(b) or real(m, g, b, e))
@@ -397,7 +401,7 @@ def test_cuda_auto_stacks_grow_into_the_room_below_the_peak(monkeypatch):
     activations = torch.empty(6 << 30, dtype=torch.uint8, device="cuda")  # forward and backward's peak
     del activations
     peak = torch.cuda.max_memory_allocated()
-    auto = batched_iga(mods, tau=0.5, normalize="mean", generators=gens(), projection="svd", factors="split")
+    auto = batched_iga(mods, svd_split(tau=0.5, normalize="mean"), generators=gens())
     torch.cuda.synchronize()
     assert sizes == [3 << 30]  # half the 6 GiB below the peak: all 48 modules in one stack
     assert torch.cuda.max_memory_allocated() == peak, "the method raised the peak"
@@ -628,7 +632,7 @@ def test_cuda_keyed_sketches_are_drawn_as_the_reference_draws_them():
     _gaussian_draws_agree("cuda")
     mods = _cuda_modules()
     keys = [sketch_key(3, 4, m.index) for m in mods]
-    out = batched_iga(mods, tau=0.5, normalize="snr", generators=keys, rank=12, projection="svd", factors="split")
+    out = batched_iga(mods, svd_split(tau=0.5, normalize="snr", rank=12), generators=keys)
     for m, key, (gA, gB, _) in zip(mods, keys, out):
         ref = iga_update(m.A, m.B, m.gA, m.gB, scaling=m.scaling, tau=0.5, normalize="snr", rank=12, generator=key, projection="svd", factors="split")
         assert rel(product(gA, gB, m.scaling), product(ref[0], ref[1], m.scaling)) < 1e-4
@@ -687,9 +691,9 @@ def test_cuda_bf16_method_is_float32_up_to_bfloat16_rounding():
     def gens():
         return [torch.Generator(device="cuda").manual_seed(100 + m.index) for m in mods]
 
-    ref = batched_iga(mods, normalize="snr", generators=gens(), projection="svd", factors="split")
-    got = batched_iga(mods, normalize="snr", generators=gens(), triton_precision="bf16", projection="svd", factors="split")
-    torch_path = batched_iga(mods, normalize="snr", generators=gens(), triton_precision="bf16", use_triton=False, projection="svd", factors="split")
+    ref = batched_iga(mods, svd_split(normalize="snr"), generators=gens())
+    got = batched_iga(mods, svd_split(normalize="snr"), generators=gens(), triton_precision="bf16")
+    torch_path = batched_iga(mods, svd_split(normalize="snr"), generators=gens(), triton_precision="bf16", use_triton=False)
     for (gA, gB, stats), (rA, rB, rstats), (tA, tB, _), m in zip(got, ref, torch_path, mods):
         want = product(rA, rB, m.scaling)
         err_kernel = rel(product(gA.double(), gB.double(), m.scaling), want)
@@ -792,13 +796,16 @@ def test_bench_method_precision_rule_on_a_saved_model(tmp_path):
 @pytest.mark.slow
 def test_profile_method_small_runs_on_cpu():
     tool = os.path.join(os.path.dirname(BENCH), "tools", "profile_method.py")
-    proc = subprocess.run([sys.executable, tool, "--small", "--rows", "3",
-                           "--reps", "1", "--batch-bytes", "auto", "--power-iters", "1", "--oversample", "16"],
+    proc = subprocess.run([sys.executable, tool, "--small", "--rows", "3", "--reps", "1", "--batch-bytes", "auto",
+                           "--projection", "svd", "--power-iters", "1", "--oversample", "16"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "aten::" in proc.stdout
-    assert ("8 modules, precision ieee, batch_bytes auto, power_iters 1, oversample 16, factors chain_rule: wall"
-            in proc.stdout)
+    assert ("8 modules, projection svd, precision ieee, batch_bytes auto, power_iters 1, oversample 16, "
+            "factors chain_rule: wall" in proc.stdout)
+    # the truncation's flags under the shipped tangent projection are refused, not ignored
+    refused = subprocess.run([sys.executable, tool, "--small", "--power-iters", "1"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "power_iters=1: acts only with projection 'svd'" in refused.stderr
 
 
 @pytest.mark.parametrize("normalize", ["mean", "snr"])
@@ -811,10 +818,10 @@ def test_bf16_precision_is_float64_up_to_bfloat16_rounding(normalize):
             for m in mods]
     # tau 0.5, the setting these bounds were measured at: at 1.0 float32 alone lands about 1e-3
     # from float64 on these modules under the SVD split, which would hide what bf16 adds
-    opts = dict(normalize=normalize, tau=0.5, projection="svd", factors="split")
-    ref = batched_iga(wide, generators=generators(wide), **opts)
-    got = batched_iga(mods, generators=generators(mods), triton_precision="bf16", **opts)
-    f32 = batched_iga(mods, generators=generators(mods), **opts)
+    opts = svd_split(normalize=normalize, tau=0.5)
+    ref = batched_iga(wide, opts, generators=generators(wide))
+    got = batched_iga(mods, opts, generators=generators(mods), triton_precision="bf16")
+    f32 = batched_iga(mods, opts, generators=generators(mods))
     for (gA, gB, stats), (rA, rB, rstats), (fA, fB, _), m in zip(got, ref, f32, mods):
         want = product(rA, rB, m.scaling)
         err32 = rel(product(fA.double(), fB.double(), m.scaling), want)
@@ -938,7 +945,7 @@ def test_results_tile_the_stacks_buffers_they_name():
 
     shapes = [(4, 24, 20), (4, 24, 20), (3, 16, 18), (4, 24, 20)]
     mods = [make_module(i, r=r, d_in=a, d_out=b, dtype=torch.float32) for i, (r, a, b) in enumerate(shapes)]
-    out = batched_iga(mods, generators=generators(mods), batch_bytes=2 * 24 * 20 * 4, projection="svd", factors="split")  # stacks of at most 2
+    out = batched_iga(mods, svd_split(), generators=generators(mods), batch_bytes=2 * 24 * 20 * 4)  # stacks of at most 2
     assert isinstance(out, TiledResults) and len(out.bases) == 2 * 3
     base_of = {b.untyped_storage().data_ptr(): b for b in out.bases}
     assert len(base_of) == len(out.bases)
@@ -958,8 +965,8 @@ def test_modules_that_are_views_of_one_buffer_give_the_same_result():
     flat = torch.cat([t.flatten() for t in parts])
     views = [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in parts]), parts)]
     in_buffer = [ModuleGrads(m.name, m.index, *views[4 * i: 4 * i + 4], m.scaling) for i, m in enumerate(mods)]
-    want = batched_iga(mods, generators=generators(mods), projection="svd", factors="split")
-    got = batched_iga(in_buffer, generators=generators(in_buffer), projection="svd", factors="split")
+    want = batched_iga(mods, svd_split(), generators=generators(mods))
+    got = batched_iga(in_buffer, svd_split(), generators=generators(in_buffer))
     for (gA, gB, stats), (wA, wB, wstats) in zip(got, want):
         assert torch.equal(gA, wA) and torch.equal(gB, wB) and stats == wstats
 
@@ -985,9 +992,9 @@ def test_stable_modules_keep_their_stacks_and_follow_new_values(monkeypatch):
     stable = StableModules(in_buffer)
     copied = StableModules(mods)  # separate tensors: stacking copies them
     for step in range(3):
-        got = batched_iga(stable, generators=generators(stable), rank=3, projection="svd", factors="split")
-        got_copied = batched_iga(copied, generators=generators(copied), rank=3, projection="svd", factors="split")
-        fresh = batched_iga(list(stable), generators=generators(stable), rank=3, projection="svd", factors="split")
+        got = batched_iga(stable, svd_split(rank=3), generators=generators(stable))
+        got_copied = batched_iga(copied, svd_split(rank=3), generators=generators(copied))
+        fresh = batched_iga(list(stable), svd_split(rank=3), generators=generators(stable))
         for (gA, gB, stats), (fA, fB, fstats), (cA, cB, _) in zip(got, fresh, got_copied):
             assert torch.equal(gA, fA) and torch.equal(gB, fB) and stats == fstats
             assert torch.allclose(cA, fA, rtol=1e-5, atol=1e-12)

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from iga_ds.methods import ModuleGrads, get_method
-from iga_ds.methods.iga import IGA, IGASVD, MeanNoMask, batched_iga, iga_update
+from iga_ds.methods.iga import IGA, IGASVD, IGAOptions, MeanNoMask, batched_iga, iga_update
 from iga_ds.methods.iga.method import MaskedProjectionMethod
-from iga_ds.methods.iga.reference import reconstruct, tangent_factors
+from iga_ds.methods.iga.options import OPTION_DEFAULTS, OPTION_NAMES
+from iga_ds.methods.iga.reference import masked_projection, reconstruct, tangent_factors
 from iga_ds.lora.modules import find_lora_modules
 from tiny_models import batch, tiny_peft_llama
 
@@ -157,7 +158,7 @@ def test_the_svd_maps_are_not_erm_at_tau_zero(real_gradients):
 @pytest.mark.parametrize("damping", [0.0, 0.1])
 def test_batched_tangent_matches_the_reference(real_gradients, normalize, damping):
     grads, _ = real_gradients
-    fused = batched_iga(grads, tau=0.7, normalize=normalize, damping=damping, generators=[None] * len(grads))
+    fused = batched_iga(grads, IGAOptions(tau=0.7, normalize=normalize, damping=damping), generators=[None] * len(grads))
     for m, (gA, gB, stats) in zip(grads, fused):
         rA, rB, rstats = iga_update(m.A, m.B, m.gA, m.gB, scaling=m.scaling, tau=0.7, normalize=normalize,
                                     damping=damping)
@@ -174,21 +175,36 @@ def test_the_mask_changes_the_update(real_gradients):
     assert max(moved) > 1e-3
 
 
-OPTIONS = ("tau", "normalize", "projection", "factors", "damping")
-
-
 def test_one_default_per_option():
-    sources = {"iga_update": iga_update, "batched_iga": batched_iga, "IGA": IGA.__init__, "IGASVD": IGASVD.__init__,
+    # IGAOptions declares them; batched_iga and masked_projection take the object whole (only the
+    # chain ablation's projection, outside the options, overrides), and the signatures that spell
+    # options out (iga_update's keywords, the methods') repeat its defaults
+    assert inspect.signature(batched_iga).parameters["options"].default == IGAOptions()
+    for fn in (batched_iga, masked_projection):
+        assert not set(inspect.signature(fn).parameters) & (set(OPTION_NAMES) - {"projection"}), fn
+    assert inspect.signature(masked_projection).parameters["projection"].default is None
+    sources = {"iga_update": iga_update, "IGA": IGA.__init__, "IGASVD": IGASVD.__init__,
                "MaskedProjectionMethod": MaskedProjectionMethod.__init__, "MeanNoMask": MeanNoMask.__init__}
-    defaults: dict[str, dict] = {}
+    defaults: dict[str, dict] = {name: {"IGAOptions": OPTION_DEFAULTS[name]} for name in OPTION_NAMES}
     for where, fn in sources.items():
         for name, p in inspect.signature(fn).parameters.items():
-            if name in OPTIONS:
-                defaults.setdefault(name, {})[where] = p.default
-    for name in OPTIONS:
+            if name in OPTION_NAMES:
+                defaults[name][where] = p.default
+    for name in OPTION_NAMES:
         assert len(set(defaults[name].values())) == 1, (name, defaults[name])
+    assert set(inspect.signature(iga_update).parameters) - set(OPTION_NAMES) == {"A", "B", "gA", "gB", "scaling",
+                                                                                  "generator"}
     assert IGA.fixes["projection"] == defaults["projection"]["MeanNoMask"] == "tangent"
     assert IGASVD.fixes["projection"] == "svd" and defaults["factors"]["IGASVD"] == "chain_rule"
+
+
+def test_each_method_runs_with_its_fixes_in_its_options():
+    for name in ("iga", "iga_svd", "mean_no_mask", "iga_binary", "iga_no_projection", "iga_lora_space"):
+        m = get_method(name)
+        for option, value in m.fixes.items():
+            if (option, value) != ("projection", "chain"):  # no option value: masked_projection's override
+                assert getattr(m.options, option) == value, (name, option)
+        assert all(getattr(m, k) == v for k, v in vars(m.options).items() if k not in m.fixes), name
 
 
 def weight_gradient_modules(count=6, N=4, r=16, d_in=320, d_out=256, seed=0):
@@ -215,7 +231,7 @@ def test_batched_tangent_on_cuda_matches_float64(precision, tolerance):
     mods = weight_gradient_modules()
     cuda = [ModuleGrads(m.name, m.index, *(t.float().cuda() for t in (m.A, m.B, m.gA, m.gB)), m.scaling) for m in mods]
     for tau in (0.0, 0.5):
-        out = batched_iga(cuda, tau=tau, generators=[None] * len(cuda), triton_precision=precision)
+        out = batched_iga(cuda, IGAOptions(tau=tau), generators=[None] * len(cuda), triton_precision=precision)
         for m, c, (gA, gB, _) in zip(mods, cuda, out):
             if tau == 0:  # ERM's mean, computed as ERM computes it
                 assert torch.equal(gA, c.gA.mean(0)) and torch.equal(gB, c.gB.mean(0))

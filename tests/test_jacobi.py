@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from iga_ds.methods.iga import batched, jacobi
+from iga_ds.methods.iga import IGAOptions, batched, jacobi
 from triton_interpreter import run_interpreted
 
 
@@ -133,13 +133,13 @@ def test_the_fused_method_never_waits_for_the_device():
     mods = _cuda_modules(count=6)
     gens = sketch_keys(0, 1, [m.index for m in mods])
     for precision in ("ieee", "bf16"):
-        kwargs = dict(generators=gens, triton_precision=precision, projection="svd", factors="chain_rule",
-                      power_iters=1, oversample=16, batch_bytes=1 << 30)
-        batched.batched_iga(mods, **kwargs)  # compiles the kernels
+        kwargs = dict(generators=gens, triton_precision=precision, batch_bytes=1 << 30)
+        options = IGAOptions(projection="svd", factors="chain_rule", power_iters=1, oversample=16)
+        batched.batched_iga(mods, options, **kwargs)  # compiles the kernels
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            out = batched.batched_iga(mods, **kwargs)
+            out = batched.batched_iga(mods, options, **kwargs)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert all(torch.isfinite(gA).all() and torch.isfinite(gB).all() for gA, gB, _ in out)

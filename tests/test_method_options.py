@@ -14,6 +14,7 @@ from iga_ds.methods import ModuleGrads, available_methods, get_method, method_pa
 from iga_ds.methods.iga import method as iga_method
 from iga_ds.methods.iga.common import ACTING_DEFAULTS, ACTS_ONLY_WITH
 from iga_ds.methods.iga.batched import batched_iga
+from iga_ds.methods.iga.options import IGAOptions
 from iga_ds.methods.iga.sketch import sketch_keys
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,7 +138,7 @@ def test_the_config_reference_lists_exactly_the_options_and_statistics():
 def test_the_tangent_projection_draws_no_sketch_keys(monkeypatch):
     """The batched path's tangent update is what it was when every step drew keys it never read."""
     mods = modules(0)
-    drawn = batched_iga(mods, generators=sketch_keys(0, 3, [m.index for m in mods]))
+    drawn = batched_iga(mods, IGAOptions(), generators=sketch_keys(0, 3, [m.index for m in mods]))
 
     def no_keys(*args):
         raise AssertionError("sketch keys drawn")

@@ -6,6 +6,7 @@ import torch
 
 from iga_ds.methods import ModuleGrads, get_method, sketch_key
 from iga_ds.methods.iga.batched import batched_iga
+from iga_ds.methods.iga.options import IGAOptions
 from iga_ds.methods.iga.reference import iga_update
 from iga_ds.methods.iga.sketch import SketchKey, SketchKeys, gaussian, gaussian_stack, mixed_keys, sketch_keys
 
@@ -86,8 +87,8 @@ def test_keys_of_a_step_are_each_modules_key():
 
 def test_the_fused_method_draws_the_same_sketches_from_keys_of_a_step():
     mods = [_module(i, dtype=torch.float32) for i in range(3)]
-    listed = batched_iga(mods, generators=[sketch_key(7, 2, m.index) for m in mods], rank=3, batch_bytes=1, projection="svd", factors="split")
-    keyed = batched_iga(mods, generators=sketch_keys(7, 2, [m.index for m in mods]), rank=3, batch_bytes=1, projection="svd", factors="split")
+    listed = batched_iga(mods, IGAOptions(rank=3, projection="svd", factors="split"), generators=[sketch_key(7, 2, m.index) for m in mods], batch_bytes=1)
+    keyed = batched_iga(mods, IGAOptions(rank=3, projection="svd", factors="split"), generators=sketch_keys(7, 2, [m.index for m in mods]), batch_bytes=1)
     for (gA, gB, _), (kA, kB, _) in zip(listed, keyed):
         assert torch.equal(gA, kA) and torch.equal(gB, kB)
 
@@ -105,13 +106,13 @@ def _module(index, r=4, d_in=40, d_out=36, N=3, dtype=torch.float64):
 def test_keyed_modules_drawn_at_once_match_the_reference_drawn_one_by_one(dtype, tol, svd):
     mods = [_module(i, dtype=dtype) for i in range(3)]
     keys = [sketch_key(7, 2, m.index) for m in mods]
-    fused = batched_iga(mods, generators=keys, svd=svd, rank=3, projection="svd", factors="split")
+    fused = batched_iga(mods, IGAOptions(svd=svd, rank=3, projection="svd", factors="split"), generators=keys)
     for m, key, (gA, gB, _) in zip(mods, keys, fused):
         rA, rB, _ = iga_update(m.A, m.B, m.gA, m.gB, scaling=m.scaling, svd=svd, rank=3, generator=key, projection="svd", factors="split")
         want = (rB.double() @ rA.double())
         assert float((gB.double() @ gA.double() - want).norm() / want.norm()) < tol, m.name
     # the sketch matters at rank 3 of 4: another key gives another result
-    other = batched_iga(mods, generators=[sketch_key(8, 2, m.index) for m in mods], svd=svd, rank=3, projection="svd", factors="split")
+    other = batched_iga(mods, IGAOptions(svd=svd, rank=3, projection="svd", factors="split"), generators=[sketch_key(8, 2, m.index) for m in mods])
     assert not torch.allclose(other[0][1] @ other[0][0], fused[0][1] @ fused[0][0], rtol=1e-6, atol=0)
 
 

@@ -1,7 +1,7 @@
 """Where the IGA method's time goes: a torch.profiler table of the batched path on LLaMA-2-7B shapes.
 
     python tools/profile_method.py [--rows 30] [--precision ieee|tf32|bf16] [--batch-bytes 4294967296]
-        [--power-iters 2] [--oversample 10] [--factors chain_rule|split] [--trace FILE]
+        [--projection tangent|svd] [--power-iters 2] [--oversample 10] [--factors chain_rule|split] [--trace FILE]
 
 Prints the CUDA kernels (or CPU ops without CUDA) sorted by total device time, for one
 `batched_iga` call over the 128 q/k/v/o modules after a warm-up call, then the call's wall
@@ -28,6 +28,7 @@ from common import (
 )
 from iga_ds.methods import sketch_key
 from iga_ds.methods.iga.batched import batched_iga
+from iga_ds.methods.iga.options import IGAOptions
 
 
 def main(argv=None) -> int:
@@ -38,13 +39,21 @@ def main(argv=None) -> int:
     p.add_argument("--batch-bytes", type=batch_bytes_option, default="auto",
                    help="bytes of masked matrices per stack, or 'auto' (the training default)")
     p.add_argument("--reps", type=int, default=5, help="timed calls for the wall and busy times")
-    p.add_argument("--power-iters", type=int, default=2, help="power iterations (the method's default: 2)")
-    p.add_argument("--oversample", type=int, default=10, help="sketch columns beyond the rank (default 10)")
-    p.add_argument("--factors", choices=("chain_rule", "split"), default="chain_rule",
-                   help="how the rank-r direction becomes factor gradients (the method's default: chain_rule)")
+    p.add_argument("--projection", choices=("tangent", "svd"), default="tangent",
+                   help="the shipped update (iga: tangent) or the paper's rank-r truncation (iga_svd: svd)")
+    p.add_argument("--power-iters", type=int, default=None, help="svd: power iterations (default 2)")
+    p.add_argument("--oversample", type=int, default=None, help="svd: sketch columns beyond the rank (default 10)")
+    p.add_argument("--factors", choices=("chain_rule", "split"), default=None,
+                   help="svd: how the rank-r direction becomes factor gradients (default chain_rule)")
     p.add_argument("--small", action="store_true")
     p.add_argument("--trace", metavar="FILE", help="also write the profiled call's Chrome trace (range 'method')")
     args = p.parse_args(argv)
+    truncation = {k: v for k, v in (("power_iters", args.power_iters), ("oversample", args.oversample),
+                                    ("factors", args.factors)) if v is not None}
+    try:  # the truncation's flags act under --projection svd only, and are refused otherwise
+        options = IGAOptions(projection=args.projection, **truncation)
+    except ValueError as exc:
+        p.error(str(exc))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = model_config(layers=SMALL["layers"], hidden=SMALL["hidden"]) if args.small else model_config()
     modules = make_modules(lora_shapes(config), rank=16, alpha=32.0, domains=4, device=device)
@@ -52,9 +61,9 @@ def main(argv=None) -> int:
     precision = args.precision if device.type == "cuda" else "ieee"
 
     def run():
-        gens = [sketch_key(0, 1, m.index) for m in modules]
-        return batched_iga(modules, generators=gens, batch_bytes=args.batch_bytes, triton_precision=precision,
-                           power_iters=args.power_iters, oversample=args.oversample, factors=args.factors)
+        gens = [sketch_key(0, 1, m.index) if options.projection == "svd" else None for m in modules]
+        return batched_iga(modules, options, generators=gens, batch_bytes=args.batch_bytes,
+                           triton_precision=precision)
 
     run()
     synchronize(device)
@@ -70,8 +79,9 @@ def main(argv=None) -> int:
     key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=args.rows, max_name_column_width=60))
     wall = statistics.median(time_ms(run, device, warmup=1, reps=args.reps, clock="wall"))
-    line = (f"{len(modules)} modules, precision {precision}, batch_bytes {args.batch_bytes}, power_iters "
-            f"{args.power_iters}, oversample {args.oversample}, factors {args.factors}: wall {wall:.2f} ms")
+    shown = f", power_iters {options.power_iters}, oversample {options.oversample}, factors {options.factors}"
+    line = (f"{len(modules)} modules, projection {options.projection}, precision {precision}, batch_bytes "
+            f"{args.batch_bytes}{shown if options.projection == 'svd' else ''}: wall {wall:.2f} ms")
     if device.type == "cuda":
         busy = statistics.median(gpu_busy_ms(run) for _ in range(args.reps))
         line += f", device busy {busy:.2f} ms"

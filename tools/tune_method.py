@@ -55,6 +55,7 @@ from iga_ds.methods import sketch_key
 from iga_ds.methods.iga import jacobi, triton_kernels
 from iga_ds.methods.iga.common import SNR_EPS
 from iga_ds.methods.iga.batched import batched_iga, mask_scales, orthonormalize, stack_factors, stack_modules
+from iga_ds.methods.iga.options import IGAOptions
 
 
 def rel(a, b) -> float:
@@ -196,7 +197,7 @@ def qr_products(M: int = 128, rows: int = 4096, width: int = 32) -> list[dict]:
 def whole(modules, precision: str = "ieee") -> list[dict]:
     def run(batch_bytes):
         gens = [sketch_key(0, 1, m.index) for m in modules]
-        return batched_iga(modules, generators=gens, normalize="mean", batch_bytes=batch_bytes,
+        return batched_iga(modules, IGAOptions(normalize="mean"), generators=gens, batch_bytes=batch_bytes,
                            triton_precision=precision)
 
     reference = None

@@ -23,7 +23,8 @@ from __future__ import annotations
 from iga_ds.methods.iga.ablations import IGABinaryMask, IGALoRASpace, IGANoProjection, MeanNoMask
 from iga_ds.methods.iga.batched import batched_iga
 from iga_ds.methods.iga.method import IGA, IGASVD, MaskedProjectionMethod
+from iga_ds.methods.iga.options import IGAOptions
 from iga_ds.methods.iga.reference import chain_rule_factors, iga_update
 
-__all__ = ["IGA", "IGASVD", "IGABinaryMask", "IGALoRASpace", "IGANoProjection", "MaskedProjectionMethod", "MeanNoMask",
-           "batched_iga", "chain_rule_factors", "iga_update"]
+__all__ = ["IGA", "IGASVD", "IGABinaryMask", "IGALoRASpace", "IGANoProjection", "IGAOptions", "MaskedProjectionMethod",
+           "MeanNoMask", "batched_iga", "chain_rule_factors", "iga_update"]

@@ -59,15 +59,13 @@ from iga_ds.methods.base import ModuleGrads
 from iga_ds.methods.device_copies import host_to_device, stacked_view
 from iga_ds.methods.iga import jacobi, triton_kernels
 from iga_ds.methods.iga.common import (
-    DEFAULT_DAMPING, DEFAULT_FACTORS, DEFAULT_NORMALIZE, DEFAULT_OVERSAMPLE, DEFAULT_POWER_ITERS, DEFAULT_PROJECTION,
-    DEFAULT_SVD, DEFAULT_TAU, NORMALIZATIONS, SNR_EPS, check_choice, check_module, check_options,
-    check_projection_options,
+    DEFAULT_VARIANCE, NORMALIZATIONS, SNR_EPS, VARIANCES, check_choice, check_module,
 )
+from iga_ds.methods.iga.options import IGAOptions
 from iga_ds.methods.iga.reference import tangent_from_products
 from iga_ds.methods.iga.rsvd import canonical_signs, single_pass_widths
 from iga_ds.methods.iga.sketch import SketchKey, SketchKeys, gaussian, gaussian_stack
 from iga_ds.methods.iga.tiles import StableModules, StatsTable, TiledResults
-from iga_ds.methods.iga.variance import DEFAULT_VARIANCE, VARIANCES
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # the stacked masked matrices of one batch of equal-shape modules stay under this many bytes
@@ -164,10 +162,8 @@ def stack_modules(modules: Sequence[ModuleGrads], generators, batch_bytes: int,
     return out
 
 
-def _check(modules: Sequence[ModuleGrads], generators, normalize: str, tau: float, factors: str, svd: str,
-           precision: str, projection: str, damping: float) -> None:
-    check_options(normalize=normalize, projection=projection, factors=factors, tau=tau, damping=damping)
-    check_projection_options(projection, svd=svd, factors=factors, damping=damping)
+def _check(modules: Sequence[ModuleGrads], generators, svd: str, precision: str) -> None:
+    # the options themselves were checked when made (IGAOptions)
     check_choice(precision, triton_kernels.PRECISIONS, "triton_precision")
     if svd not in ("randomized", "single_pass"):
         raise ValueError(f"svd must be 'randomized' or 'single_pass' (the batched form), got {svd!r}")
@@ -830,29 +826,19 @@ def _energy_kept(proj: Projected, evals: torch.Tensor) -> torch.Tensor:
 
 def batched_iga(
     modules: Sequence[ModuleGrads],
+    options: IGAOptions = IGAOptions(),
     *,
-    tau: float = DEFAULT_TAU,
-    normalize: str = DEFAULT_NORMALIZE,
-    rank: int | None = None,
-    oversample: int = DEFAULT_OVERSAMPLE,
-    power_iters: int = DEFAULT_POWER_ITERS,
     generators: Sequence[SketchKey | torch.Generator | None],
+    averages: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
     batch_bytes: int | str = "auto",
     tile_elements: int = DEFAULT_TILE_ELEMENTS,
     use_triton: bool | None = None,
     triton_precision: str = "ieee",
-    factors: str = DEFAULT_FACTORS,
-    svd: str = DEFAULT_SVD,
-    projection: str = DEFAULT_PROJECTION,
-    damping: float = DEFAULT_DAMPING,
-    variance: str = DEFAULT_VARIANCE,
-    averages: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor, MutableMapping[str, float]]]:
     """IGA (continuous mask) for every module, in the order given, as
-    :func:`iga_ds.methods.iga.reference.iga_update` with the same options (and defaults) and
-    each module's generator would (``generators``: one per module, read by the ``svd``
-    projection only: the registered method passes None each under ``tangent``); one
-    ``(gA_new, gB_new, stats)`` per module, ``stats`` a
+    :func:`iga_ds.methods.iga.reference.iga_update` with the same options and each module's
+    generator would (``generators``: one per module, read by the ``svd`` projection only: the
+    registered method passes None each under ``tangent``); one ``(gA_new, gB_new, stats)`` per module, ``stats`` a
     :class:`iga_ds.methods.iga.tiles.PendingStats` (its copy to the host queued, not waited for).
     ``projection="tangent"``: :func:`tangent_stack`; ``"svd"``: the randomized (or
     ``single_pass``) SVD of the stages above, its factors by ``factors``.
@@ -861,33 +847,35 @@ def batched_iga(
     the CPU, on CUDA up to 4 GiB of what the device's peak leaves free; the result does not
     depend on it); ``tile_elements`` caps a row tile's temporaries. ``use_triton``: None picks
     Triton for float32 CUDA tensors when it imports. ``triton_precision``: the kernels'
-    ``tl.dot`` precision, "ieee", "tf32x3", "tf32" or "bf16" (masked matrices stored and
-    multiplied in bfloat16, float32 accumulation; docs/PERFORMANCE.md has the precision rule).
+    ``tl.dot`` precision (``options.precision`` resolved: :meth:`IGA.precision_for`), "ieee",
+    "tf32x3", "tf32" or "bf16" (masked matrices stored and multiplied in bfloat16, float32
+    accumulation; docs/PERFORMANCE.md has the precision rule).
     float16/bfloat16 inputs are computed in float32 and returned in their own dtype. ``variance``:
     ``ema`` takes ``averages`` (one ``(gA, gB)`` pair per module), ``debiased`` 2N per-(domain,
     half) means; both run the PyTorch tile pass (:class:`VarianceTerms`)."""
-    _check(modules, generators, normalize, tau, factors, svd, triton_precision, projection, damping)
-    _check_variance(modules, normalize, variance, averages)
+    o = options
+    _check(modules, generators, o.svd, triton_precision)
+    _check_variance(modules, o.normalize, o.variance, averages)
     device = modules[0].gA.device if modules else torch.device("cpu")
-    use_triton = use_triton if variance == DEFAULT_VARIANCE else False
-    if projection == "tangent":
-        return _batched_tangent(modules, generators, tau=float(tau), normalize=normalize, damping=float(damping),
+    use_triton = use_triton if o.variance == DEFAULT_VARIANCE else False
+    if o.projection == "tangent":
+        return _batched_tangent(modules, generators, tau=o.tau, normalize=o.normalize, damping=o.damping,
                                 batch_bytes=batch_bytes, tile_elements=int(tile_elements), use_triton=use_triton,
-                                triton_precision=triton_precision, variance=variance, averages=averages)
+                                triton_precision=triton_precision, variance=o.variance, averages=averages)
     # bf16 masked matrices take half the bytes: twice the modules per stack, half the launches
     element_bytes = triton_kernels.masked_dtype(triton_precision).itemsize
-    stacks = _stacks(modules, generators, rank, resolve_batch_bytes(batch_bytes, device),
+    stacks = _stacks(modules, generators, o.rank, resolve_batch_bytes(batch_bytes, device),
                      element_bytes if triton_precision == "bf16" else None)
     projected = []
     for st in stacks:  # the masked matrices of one stack are freed before the next is built
         # the kernel computes in float32; float64 stays on the PyTorch path
         triton_ok = _triton_wanted(use_triton, st.A.device) and st.A.dtype == torch.float32
         projected.append(project_stack(
-            st, tau=float(tau), normalize=normalize, rank=rank, oversample=int(oversample),
-            power_iters=int(power_iters), tile_elements=int(tile_elements), use_triton=triton_ok,
-            triton_precision=triton_precision, svd=svd, variance=variance, averaged=_averaged(st, averages),
+            st, tau=o.tau, normalize=o.normalize, rank=o.rank, oversample=o.oversample,
+            power_iters=o.power_iters, tile_elements=int(tile_elements), use_triton=triton_ok,
+            triton_precision=triton_precision, svd=o.svd, variance=o.variance, averaged=_averaged(st, averages),
         ))
-    return _finish_stacks(modules, stacks, projected, factors)
+    return _finish_stacks(modules, stacks, projected, o.factors)
 
 
 def _check_variance(modules: Sequence[ModuleGrads], normalize: str, variance: str, averages) -> None:

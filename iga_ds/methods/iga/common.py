@@ -12,8 +12,8 @@ PROJECTIONS = ("tangent", "svd")
 # with the SVD: how the rank-r matrix becomes factor gradients, the paper's split or the chain rule
 FACTOR_MAPS = ("split", "chain_rule")
 
-# the one set of defaults: the registered methods (options.IGAOptions), iga_update and
-# batched_iga all take these.
+# the one set of defaults, read by options.IGAOptions (which the registered methods, batched_iga
+# and masked_projection take whole) and by iga_update's keywords.
 # tau: chosen by the rule of configs/experiments/shift_smollm2.yaml (in-distribution accuracy)
 DEFAULT_TAU = 1.0
 DEFAULT_NORMALIZE = "snr"
@@ -28,6 +28,28 @@ DEFAULT_OVERSAMPLE = 10
 DEFAULT_POWER_ITERS = 2
 # the batched path's precision: bf16 for a bf16 run, else ieee (method.IGA.precision_for)
 DEFAULT_PRECISION = "auto"
+
+# where IGA's variance comes from (iga_ds.methods.iga.variance)
+VARIANCES = ("batch", "ema", "debiased")
+DEFAULT_VARIANCE = "batch"
+# ema's decay when none is given: about the last ten steps
+DEFAULT_VARIANCE_DECAY = 0.9
+
+
+def check_variance_options(variance: str, variance_decay: float | None) -> float | None:
+    """The decay ``ema`` uses (None for the others): ``variance_decay`` acts with ``ema`` only."""
+    if variance not in VARIANCES:
+        raise ValueError(f"variance must be one of {VARIANCES}, got {variance!r}")
+    if variance != "ema":
+        if variance_decay is not None:
+            raise ValueError(f"variance_decay={variance_decay!r}: acts only with variance 'ema', and variance is "
+                             f"{variance!r}")
+        return None
+    decay = DEFAULT_VARIANCE_DECAY if variance_decay is None else float(variance_decay)
+    if not 0 <= decay < 1:
+        raise ValueError(f"variance_decay must be in [0, 1), got {variance_decay!r}")
+    return decay
+
 
 # options that act only under another option's value: (the options, that option, its values
 # where they act). One of them at another value than its default, where that option has another

@@ -11,7 +11,7 @@ import torch
 
 from iga_ds.methods.base import GradientMethod, ModuleGrads, ModuleUpdate, Statistic
 from iga_ds.methods.iga.batched import batched_iga
-from iga_ds.methods.iga.options import OPTION_NAMES, make_options, option_signature
+from iga_ds.methods.iga.options import make_options, option_signature
 from iga_ds.methods.iga.options import refusal as option_refusal
 from iga_ds.methods.iga.reference import masked_projection, mean_and_variance
 from iga_ds.methods.iga.sketch import sketch_key, sketch_keys
@@ -88,11 +88,10 @@ class MaskedProjectionMethod(GradientMethod):
         if self.svd != "exact" and self.projection == "svd":  # sketched: keyed per step and module
             gen = sketch_key(self.seed, step, module.index)
         domain_A, domain_B, spread = self.domain_means_and_spread(module)
+        # self.projection: the options' own, or the one the method fixes outside them (iga_no_projection's chain)
         gA, gB, stats = masked_projection(
-            module.A, module.B, domain_A, domain_B, scaling=module.scaling, tau=self.tau, rank=self.rank,
-            normalize=self.normalize, svd=self.svd, oversample=self.oversample, power_iters=self.power_iters,
-            generator=gen, mask_kind=self.mask_kind, projection=self.projection, factors=self.factors,
-            damping=self.damping, spread=spread,
+            module.A, module.B, domain_A, domain_B, scaling=module.scaling, options=self.options, generator=gen,
+            mask_kind=self.mask_kind, spread=spread, projection=self.projection,
         )
         return ModuleUpdate(gA, gB, stats)
 
@@ -174,11 +173,8 @@ class IGA(MaskedProjectionMethod):
         # ema: this step's averages, bias-corrected, one pair per module (the reference path's update)
         averages = ([self._averages.update(m.index, m.gA, m.gB) for m in modules] if self.variance == "ema"
                     else None)
-        out = batched_iga(modules, tau=self.tau, normalize=self.normalize, rank=self.rank,
-                          oversample=self.oversample, power_iters=self.power_iters, generators=gens,
-                          triton_precision=self.precision_for(modules), factors=self.factors, svd=self.svd,
-                          projection=self.projection, damping=self.damping, variance=self.variance,
-                          averages=averages)
+        out = batched_iga(modules, self.options, generators=gens, averages=averages,
+                          triton_precision=self.precision_for(modules))
         return TiledResults([ModuleUpdate(gA, gB, stats) for gA, gB, stats in out], out.bases)
 
 

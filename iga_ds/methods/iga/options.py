@@ -15,10 +15,10 @@ from typing import Any
 
 from iga_ds.methods.iga.common import (
     DEFAULT_DAMPING, DEFAULT_FACTORS, DEFAULT_NORMALIZE, DEFAULT_OVERSAMPLE, DEFAULT_POWER_ITERS, DEFAULT_PRECISION,
-    DEFAULT_PROJECTION, DEFAULT_SVD, DEFAULT_TAU, PROJECTIONS, check_acting, check_choice, check_options,
+    DEFAULT_PROJECTION, DEFAULT_SVD, DEFAULT_TAU, DEFAULT_VARIANCE, PROJECTIONS, check_acting, check_choice,
+    check_options, check_variance_options,
 )
 from iga_ds.methods.iga.rsvd import SVD_METHODS
-from iga_ds.methods.iga.variance import DEFAULT_VARIANCE, check_variance_options
 
 IMPLEMENTATIONS = ("auto", "reference", "batched")
 PRECISIONS = ("auto", "ieee", "tf32", "bf16")

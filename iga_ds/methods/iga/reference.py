@@ -16,14 +16,15 @@ from typing import Literal
 
 import torch
 
-from iga_ds.methods.iga.common import (
-    DEFAULT_DAMPING, DEFAULT_FACTORS, DEFAULT_NORMALIZE, DEFAULT_OVERSAMPLE, DEFAULT_POWER_ITERS, DEFAULT_PROJECTION,
-    DEFAULT_SVD, DEFAULT_TAU, NORMALIZATIONS, SNR_EPS, check_module, check_options, check_projection_options,
-)
+from iga_ds.methods.iga.common import NORMALIZATIONS, SNR_EPS, check_module
+from iga_ds.methods.iga.options import OPTION_DEFAULTS as DEFAULTS
+from iga_ds.methods.iga.options import IGAOptions
 from iga_ds.methods.iga.rsvd import truncated_svd
 from iga_ds.methods.iga.sketch import SketchKey
 
 Normalize = Literal["none", "mean", "snr"]
+# the binary mask (iga_binary) keeps an element where exp(-tau V') reaches this
+BINARY_THRESHOLD = 0.5
 
 
 def reconstruct(A: torch.Tensor, B: torch.Tensor, gA: torch.Tensor, gB: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -165,9 +166,8 @@ def tangent_factors(A, B, G, scaling, damping: float = 0.0):
 
 
 def masked_projection(
-    A, B, gA, gB, *, scaling, tau, rank, normalize, svd, oversample, power_iters, generator,
-    mask_kind: str = "continuous", binary_threshold: float = 0.5, projection: str = DEFAULT_PROJECTION,
-    factors: str = DEFAULT_FACTORS, damping: float = DEFAULT_DAMPING, spread=None,
+    A, B, gA, gB, *, scaling, options: IGAOptions, generator, mask_kind: str = "continuous", spread=None,
+    projection: str | None = None,
 ):
     """IGA with the steps that its ablations change made explicit: the mask (``continuous``,
     ``binary`` or ``none``) and the projection back to the factors: ``tangent`` (ERM's factor
@@ -175,8 +175,12 @@ def masked_projection(
     rank-r ``svd`` then ``factors`` (``split`` or ``chain_rule``), or the ``chain`` rule without
     truncation. ``spread``: the (variance, mean) the mask is computed from, where they are not
     this step's (:mod:`iga_ds.methods.iga.variance`); the masked mean is this step's either way.
+    ``options``: tau, normalize, the projection and its settings; ``projection`` overrides
+    theirs with one that is no option value (``chain``, the ``iga_no_projection`` ablation).
     Returns (gA_new, gB_new, stats)."""
-    rank = check_module(A, B, gA, gB, rank)
+    o = options
+    projection = o.projection if projection is None else projection
+    rank = check_module(A, B, gA, gB, o.rank)
     r = A.shape[0]
     if spread is None:
         mean, var = mean_and_variance(A, B, gA, gB, scaling)
@@ -187,14 +191,14 @@ def masked_projection(
     if mask_kind == "none":
         mask = torch.ones_like(mean)
     else:
-        soft = torch.exp(-tau * normalize_variance(var, spread_mean, normalize))
-        mask = (soft >= binary_threshold).to(mean.dtype) if mask_kind == "binary" else soft
+        soft = torch.exp(-o.tau * normalize_variance(var, spread_mean, o.normalize))
+        mask = (soft >= BINARY_THRESHOLD).to(mean.dtype) if mask_kind == "binary" else soft
     stats = mask_stats(mask, var)
     if projection == "tangent":
         # what the mask removes, exactly zero where the mask is one: tau = 0 gives ERM bit for bit
         removed = mean * (mask - 1)
         masked_sq = float((mean * mask).pow(2).sum())
-        dA, dB = tangent_factors(A, B, removed, scaling, damping)
+        dA, dB = tangent_factors(A, B, removed, scaling, o.damping)
         gA_new, gB_new = gA.mean(dim=0) + dA, gB.mean(dim=0) + dB
         kept = float(reconstruct(A, B, gA_new, gB_new, scaling).pow(2).sum())
         stats["energy_kept"] = kept / masked_sq if masked_sq > 0 else 1.0
@@ -209,11 +213,11 @@ def masked_projection(
         stats["energy_kept"] = 1.0
         return gA_new, gB_new, stats
     U, S, Vh = truncated_svd(
-        masked, rank, method=svd, oversample=oversample, power_iters=power_iters, generator=generator
+        masked, rank, method=o.svd, oversample=o.oversample, power_iters=o.power_iters, generator=generator
     )
     stats["energy_kept"] = float(S.double().pow(2).sum() / total) if total > 0 else 1.0
     gA_new, gB_new = factors_from_svd(U, S, Vh, r, scaling)
-    if factors == "chain_rule":
+    if o.factors == "chain_rule":
         gA_new, gB_new = chain_rule_factors(A, B, gA_new, gB_new, scaling)
     return gA_new, gB_new, stats
 
@@ -225,18 +229,19 @@ def iga_update(
     gB: torch.Tensor,
     *,
     scaling: float,
-    tau: float = DEFAULT_TAU,
-    rank: int | None = None,
-    normalize: Normalize = DEFAULT_NORMALIZE,
-    projection: Literal["tangent", "svd"] = DEFAULT_PROJECTION,
-    damping: float = DEFAULT_DAMPING,
-    svd: Literal["randomized", "single_pass", "exact"] = DEFAULT_SVD,
-    oversample: int = DEFAULT_OVERSAMPLE,
-    power_iters: int = DEFAULT_POWER_ITERS,
+    tau: float = DEFAULTS["tau"],
+    rank: int | None = DEFAULTS["rank"],
+    normalize: Normalize = DEFAULTS["normalize"],
+    projection: Literal["tangent", "svd"] = DEFAULTS["projection"],
+    damping: float = DEFAULTS["damping"],
+    svd: Literal["randomized", "single_pass", "exact"] = DEFAULTS["svd"],
+    oversample: int = DEFAULTS["oversample"],
+    power_iters: int = DEFAULTS["power_iters"],
     generator: SketchKey | torch.Generator | None = None,
-    factors: Literal["split", "chain_rule"] = DEFAULT_FACTORS,
+    factors: Literal["split", "chain_rule"] = DEFAULTS["factors"],
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """The IGA update of one LoRA module; the defaults are the registered ``iga`` method's.
+    """The IGA update of one LoRA module: :func:`masked_projection` with these keywords made one
+    :class:`~iga_ds.methods.iga.options.IGAOptions` (its defaults, the registered ``iga`` method's).
 
     A: r x in, B: out x r, gA: N x r x in, gB: N x out x r (per-domain mean gradients).
     Returns (gA_new, gB_new, stats). The masked mean is g = mean_n G[n] * exp(-tau * V'),
@@ -248,11 +253,7 @@ def iga_update(
     gB_new @ gA_new = g~) or ``"chain_rule"`` (:func:`chain_rule_factors`).
     Computes in the dtype it is given.
     """
-    check_options(normalize=normalize, projection=projection, factors=factors, tau=tau, damping=damping)
-    check_projection_options(projection, rank=rank, svd=svd, oversample=oversample, power_iters=power_iters,
-                             factors=factors, damping=damping)
-    return masked_projection(
-        A, B, gA, gB, scaling=scaling, tau=tau, rank=rank, normalize=normalize, svd=svd,
-        oversample=oversample, power_iters=power_iters, generator=generator, factors=factors,
-        projection=projection, damping=damping,
-    )
+    # one IGAOptions: the checks and the defaults are its own
+    options = IGAOptions(tau=tau, rank=rank, normalize=normalize, projection=projection, damping=damping, svd=svd,
+                         oversample=oversample, power_iters=power_iters, factors=factors)
+    return masked_projection(A, B, gA, gB, scaling=scaling, options=options, generator=generator)

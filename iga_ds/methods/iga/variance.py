@@ -17,28 +17,9 @@ from __future__ import annotations
 
 import torch
 
+# the options' names and check sit with the others in common (options.py reads them without this module)
+from iga_ds.methods.iga.common import DEFAULT_VARIANCE, DEFAULT_VARIANCE_DECAY, VARIANCES, check_variance_options  # noqa: F401
 from iga_ds.methods.iga.reference import mean_and_variance, reconstruct
-
-VARIANCES = ("batch", "ema", "debiased")
-DEFAULT_VARIANCE = "batch"
-# ema's decay when none is given: about the last ten steps
-DEFAULT_VARIANCE_DECAY = 0.9
-
-
-def check_variance_options(variance: str, variance_decay: float | None) -> float | None:
-    """The decay ``ema`` uses (None for the others): ``variance_decay`` acts with ``ema`` only."""
-    if variance not in VARIANCES:
-        raise ValueError(f"variance must be one of {VARIANCES}, got {variance!r}")
-    if variance != "ema":
-        if variance_decay is not None:
-            raise ValueError(f"variance_decay={variance_decay!r}: acts only with variance 'ema', and variance is "
-                             f"{variance!r}")
-        return None
-    decay = DEFAULT_VARIANCE_DECAY if variance_decay is None else float(variance_decay)
-    if not 0 <= decay < 1:
-        raise ValueError(f"variance_decay must be in [0, 1), got {variance_decay!r}")
-    return decay
-
 
 def split_halves(gA: torch.Tensor, gB: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """2N x ... per-(domain, half) means, domain n's halves at n and N + n -> (hA1, hA2, hB1, hB2)."""
