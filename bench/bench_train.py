@@ -6,6 +6,11 @@ same records, token ids, batches and schedule:
 - ``torch``: a plain PyTorch loop: PEFT LoRA, SDPA attention, bf16 autocast (float32 on the
   CPU), fused AdamW on CUDA, clipping at 1.0, no DeepSpeed; ``torch_no_cudnn``: the same loop
   with SDPA's cuDNN kernel off, as ``iga-ds train`` runs by default (``model.cudnn_attention``);
+  both load the base in bf16 on CUDA and take the trainer's per-sequence losses on the full logits;
+- ``torch_user``: the loop as users write it, the anchor to hold iga-ds against: float32
+  weights under bf16 autocast, SDPA's default kernels, the model's own ``labels=`` loss (the
+  token mean over a micro-batch's targets, not the trainer's mean over sequences), otherwise
+  ``torch``'s loop (its skeleton, micro-batches, optimizer, clipping, schedule);
 - ``hf_trainer``: the Hugging Face ``Trainer`` with PEFT and the DeepSpeed JSON iga-ds uses
   (the shipped ``ds_configs/zero2.json`` on a GPU, the package's default fp32
   ``zero2_fp32.json`` on the CPU), SDPA attention; needs ``accelerate`` (skipped with the
@@ -40,7 +45,7 @@ step time does not depend on the values) and the built-in tiny base's word-level
 every variant. The named shapes keep their own vocabulary size (larger than the tokenizer's:
 the output layer costs what it costs in the real model).
 
-A step's time: ``torch`` synchronizes the device and reads the clock around each optimizer step
+A step's time: the plain loops synchronize the device and read the clock around each optimizer step
 (building the micro-batches included, as the trainer's step times include them);
 ``hf_trainer`` times from one ``on_step_end`` to the next, the device synchronized there (its
 loop fetches a step's batches before ``on_step_begin``). The median and its spread (10th-90th
@@ -61,7 +66,7 @@ gradients): 12, counted over the full ``n x n`` as PaLM's appendix does (a causa
 about half). MFU = FLOPs of the timed steps / their time / the card's dense bf16 peak (``PEAK_BF16``;
 ``--peak-tflops`` overrides); n/a on the CPU.
 
-``--profile``: the 3 steps after the warm-up ones run under ``torch.profiler`` in ``torch`` and the
+``--profile``: the 3 steps after the warm-up ones run under ``torch.profiler`` in the plain loops and the
 ``iga_ds_*`` variants (``logging.profile_steps`` and ``profile_after`` in their run YAML; the plain
 loop through the trainer's own ``iga_ds.train.profiling.StepProfiler``) and are left out of the
 figures; each variant's ``profile.json`` and ``profile.txt`` are copied beside ``--out`` as
@@ -114,11 +119,12 @@ from iga_ds.train.optim import lr_lambda
 from iga_ds.train.pretrain import corpus_texts, generator_words
 from iga_ds.train.profiling import PROFILE_JSON, PROFILE_TXT, StepProfiler
 
-VARIANTS = ("torch", "torch_no_cudnn", "hf_trainer", "sft_trainer_iga", "iga_ds_erm", "iga_ds_iga",
+VARIANTS = ("torch", "torch_no_cudnn", "torch_user", "hf_trainer", "sft_trainer_iga", "iga_ds_erm", "iga_ds_iga",
             "iga_ds_erm_packed", "iga_ds_iga_packed", "iga_ds_erm_captured", "iga_ds_erm_liger", "iga_ds_iga_liger",
             "iga_ds_erm_packed_liger", "iga_ds_iga_packed_liger", "iga_ds_erm_unfused", "iga_ds_iga_unfused",
             "iga_ds_erm_packed_liger_unfused", "iga_ds_iga_packed_liger_unfused")
 LABELS = {"torch": "PyTorch + PEFT loop", "torch_no_cudnn": "PyTorch + PEFT loop, cuDNN attention off",
+          "torch_user": "PyTorch + PEFT loop as users write it (fp32 weights, model's loss)",
           "hf_trainer": "HF Trainer + PEFT + DeepSpeed",
           "sft_trainer_iga": "TRL SFTTrainer + iga-ds IGA (IGASFTTrainer)",
           "iga_ds_erm": "iga-ds train, ERM", "iga_ds_iga": "iga-ds train, IGA",
@@ -182,15 +188,15 @@ def step_sizes(batches, plan) -> tuple[list[int], list[int]]:
     return tokens, squares
 
 
-# -- variant: a plain PyTorch loop ----------------------------------------------------------------
+# -- variants: plain PyTorch loops ---------------------------------------------------------------
 
 
-def run_torch(spec: dict, cudnn: bool = True) -> dict:
-    batches, plan = load_plan(spec)
-    allow_cudnn_attention(cudnn)  # True: PyTorch's default; False: what iga-ds train does by default
+def plain_setup(spec: dict, weights: str):
+    """(device, model, its trainable weights, optimizer, schedule) of a plain loop: the base in
+    ``weights`` on CUDA (float32 on the CPU), PEFT LoRA, AdamW (fused on CUDA), iga-ds's schedule."""
     device = torch.device(spec["device"])
     cuda = device.type == "cuda"
-    base = load_base_model(spec["model_dir"], "bfloat16" if cuda else "float32", "sdpa")
+    base = load_base_model(spec["model_dir"], weights if cuda else "float32", "sdpa")
     torch.manual_seed(spec["seed"])  # the adapters' initial values: one loop's run is the other's
     model = add_lora(base, spec["r"], spec["alpha"], 0.0, spec["targets"]).to(device)
     model.train()
@@ -198,9 +204,17 @@ def run_torch(spec: dict, cudnn: bool = True) -> dict:
     opt = torch.optim.AdamW(trainable, lr=spec["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                             fused=cuda or None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec["steps"], spec["warmup_ratio"], 0.0))
+    return device, model, trainable, opt, sched
+
+
+def plain_loop(spec: dict, name: str, weights: str, micro_loss, dtype: str) -> dict:
+    """The plain loops' skeleton: the plan's steps, each micro-batch's ``micro_loss(model, mb)``
+    (a mean) averaged over the step, clipping at 1.0; each step timed with the device
+    synchronized (building the micro-batches included, as the trainer's step times include them)."""
+    batches, plan = load_plan(spec)
+    device, model, trainable, opt, sched = plain_setup(spec, weights)
     # --profile: the window iga-ds train profiles (logging.profile_steps after profile_after), by its helper
-    runs = Path(spec["work"]) / "runs" / ("torch" if cudnn else "torch_no_cudnn")
-    profiler = StepProfiler(runs, spec["profile_steps"], spec["warmup_steps"],
+    profiler = StepProfiler(Path(spec["work"]) / "runs" / name, spec["profile_steps"], spec["warmup_steps"],
                             device, total_steps=len(plan))
     times, tokens, losses = [], [], []
     for index, step in enumerate(plan):
@@ -210,9 +224,7 @@ def run_torch(spec: dict, cudnn: bool = True) -> dict:
             loss_sum, count = torch.zeros((), device=device), 0
             for groups in step:
                 mb = batches.micro_batch(groups).to(device)
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-                    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-                loss = sequence_losses(logits, mb.labels).mean()
+                loss = micro_loss(model, mb)
                 (loss / len(step)).backward()
                 loss_sum += loss.detach()
                 count += mb.num_tokens
@@ -226,7 +238,32 @@ def run_torch(spec: dict, cudnn: bool = True) -> dict:
             tokens.append(count)
     paths = profiler.finish()
     return {"step_times_s": times, "step_tokens": tokens, "losses": losses, "attn_implementation": "sdpa",
-            "dtype": "bf16 autocast" if cuda else "float32", "profile": [str(p) for p in paths] if paths else None}
+            "dtype": dtype if device.type == "cuda" else "float32",
+            "profile": [str(p) for p in paths] if paths else None}
+
+
+def sequence_mean_loss(model, mb):
+    """``torch``'s loss: the trainer's per-sequence losses (``sequence_losses``) on the full logits, their mean."""
+    with torch.autocast(mb.input_ids.device.type, dtype=torch.bfloat16, enabled=mb.input_ids.is_cuda):
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+    return sequence_losses(logits, mb.labels).mean()
+
+
+def labels_loss(model, mb):
+    """``torch_user``'s loss: the model's own from ``labels=`` (the token mean over the micro-batch's targets)."""
+    with torch.autocast(mb.input_ids.device.type, dtype=torch.bfloat16, enabled=mb.input_ids.is_cuda):
+        return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, labels=mb.labels).loss
+
+
+def run_torch(spec: dict, cudnn: bool = True) -> dict:
+    """bf16 weights under bf16 autocast, the trainer's loss on the full logits."""
+    allow_cudnn_attention(cudnn)  # True: PyTorch's default; False: what iga-ds train does by default
+    return plain_loop(spec, "torch" if cudnn else "torch_no_cudnn", "bfloat16", sequence_mean_loss, "bf16 autocast")
+
+
+def run_torch_user(spec: dict) -> dict:
+    """The loop as users write it: fp32 weights under bf16 autocast, SDPA's default kernels, the model's own loss."""
+    return plain_loop(spec, "torch_user", "float32", labels_loss, "fp32 weights, bf16 autocast")
 
 
 # -- variant: the Hugging Face Trainer ------------------------------------------------------------
@@ -411,7 +448,8 @@ def worker(variant: str, spec_path: str, result_path: str) -> int:
         result.update(rc=rc, dtype="bf16 (DeepSpeed)" if spec["device"] == "cuda" else "float32")
     else:
         result = {"torch": run_torch, "torch_no_cudnn": lambda s: run_torch(s, cudnn=False),
-                  "hf_trainer": run_hf_trainer, "sft_trainer_iga": run_sft_trainer_iga}[variant](spec)
+                  "torch_user": run_torch_user, "hf_trainer": run_hf_trainer,
+                  "sft_trainer_iga": run_sft_trainer_iga}[variant](spec)
         result["rc"] = 0
     cuda = spec["device"] == "cuda"
     result["peak_memory_bytes"] = torch.cuda.max_memory_allocated() if cuda else None
@@ -649,6 +687,7 @@ def earlier_rows(path: str, settings: dict, card: str) -> dict[str, dict]:
 # (variant, baseline) step-time ratios paired by step: the method's cost, each layout's, the anchors
 PAIRS = (("iga_ds_iga", "iga_ds_erm"), ("iga_ds_iga_packed", "iga_ds_erm_packed"), ("iga_ds_erm_packed", "iga_ds_erm"),
          ("iga_ds_erm_captured", "iga_ds_erm"), ("iga_ds_erm", "torch"), ("iga_ds_iga", "torch"),
+         ("iga_ds_erm", "torch_user"), ("iga_ds_iga", "torch_user"), ("torch", "torch_user"),
          ("iga_ds_erm", "hf_trainer"), ("iga_ds_iga", "hf_trainer"), ("sft_trainer_iga", "iga_ds_iga"),
          ("sft_trainer_iga", "hf_trainer"), ("torch_no_cudnn", "torch"),
          ("iga_ds_erm", "torch_no_cudnn"), ("iga_ds_iga", "torch_no_cudnn"), ("iga_ds_erm_liger", "iga_ds_erm"),
@@ -859,7 +898,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--small", action="store_true", help="CPU smoke run: a tiny shape, a few steps, seconds")
     p.add_argument("--profile", action="store_true",
                    help=f"torch.profiler over the {PROFILE_STEPS} steps after the warm-up ones (left out of the "
-                        "figures) of the torch and iga-ds variants; their profile.json/.txt beside --out as "
+                        "figures) of the plain loops and iga-ds variants; their profile.json/.txt beside --out as "
                         "<out stem>_profile_<variant>.json/.txt")
     p.add_argument("--out", default="bench_train.json")
     p.add_argument("--resume", action="store_true",

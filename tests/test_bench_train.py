@@ -229,3 +229,47 @@ def test_paired_ratios_compare_the_same_timed_steps():
     assert lo < spread["step_ratio"] < hi and 0.5 <= lo and hi <= 2.0
     with pytest.raises(ValueError, match="3 steps against 2"):
         bench_train.paired_ratio([1.0, 2.0, 3.0], [1.0, 2.0])
+
+
+def hand_losses(model, mb) -> tuple[float, float]:
+    """(token mean, mean over sequences of their token means) of the cross-entropy of ``mb``'s
+    targets, by hand in float64 from the logits: position t predicts token t + 1."""
+    with torch.no_grad():
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits.double()
+    logp, targets = logits[:, :-1].log_softmax(-1), mb.labels[:, 1:]
+    mask = targets != -100
+    nll = -logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
+    return float(nll.sum() / mask.sum()), float((nll.sum(1) / mask.sum(1)).mean())
+
+
+def test_the_users_loop_runs_from_the_command_line_with_the_models_own_loss(tmp_path, monkeypatch):
+    """``torch_user`` beside ``torch`` through the CLI (driver and worker argv; the worker in this
+    process, no second start-up), 2 steps of 2 micro-batches: the same token counts, and step 1's
+    losses (the adapters add nothing yet) as a float64 model gives them by hand: the token mean
+    for ``torch_user``'s ``labels=`` loss, the mean over sequences for ``torch``'s."""
+    real = subprocess.run
+
+    def in_process(command, **kwargs):  # the worker's command line, run by its own main()
+        if "--worker" not in command:
+            return real(command, **kwargs)
+        return subprocess.CompletedProcess(command, bench_train.main(command[2:]))
+
+    monkeypatch.setattr(bench_train.subprocess, "run", in_process)
+    work, out = tmp_path / "work", tmp_path / "out.json"
+    assert bench_train.main(["--small", "--variants", "torch_user,torch", "--steps", "2", "--groups-per-micro-batch",
+                             "2", "--work-dir", str(work), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = {row["variant"]: row for row in report["variants"]}
+    assert list(rows) == ["torch_user", "torch"] and rows["torch_user"]["label"] == bench_train.LABELS["torch_user"]
+    user, plain = rows["torch_user"], rows["torch"]
+    assert user["steps"] == 2 and user["dtype"] == "float32" and user["step_tokens"] == plain["step_tokens"]
+    assert ("torch", "torch_user") in {(p["variant"], p["baseline"]) for p in report["paired"]}
+    spec = json.loads((work / "spec.json").read_text())
+    batches, plan = bench_train.load_plan(spec)
+    assert len(plan[0]) == 2  # the step's loss: the mean of its micro-batches' losses
+    model = bench_train.load_base_model(spec["model_dir"], "float32", "sdpa").double()
+    token_mean, sequence_mean = (sum(v) / 2 for v in zip(*(hand_losses(model, batches.micro_batch(g))
+                                                           for g in plan[0])))
+    assert user["losses"][0] == pytest.approx(token_mean, rel=1e-5)
+    assert plain["losses"][0] == pytest.approx(sequence_mean, rel=1e-5)
+    assert abs(token_mean - sequence_mean) > 1e-4 * token_mean  # the two losses are told apart
