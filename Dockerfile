@@ -3,7 +3,7 @@
 # DeepSpeed without prebuilt ops (the trainer's optimizer is torch's AdamW, so no rank needs
 # DeepSpeed's fused Adam), a non-root user, and the base image's own entrypoint (its driver
 # checks) in front of every command. CI builds and runs it with podman on a stand-in base made
-# from Debian's packages (docker/standin-base.sh, tests/test_container_image.py); see
+# from Debian's packages (docker/standin-base.sh, tests/launch/test_container_image.py); see
 # docs/DOCKER.md.
 #
 # No cache variable (HF_HOME, TRITON_CACHE_DIR, TORCH_EXTENSIONS_DIR, XDG_CACHE_HOME) is set

@@ -35,9 +35,10 @@ for s in "$@"; do
   case "$s" in
     checks)
       IGA_DS_RESULTS="$out" stage gpu_tests 560 python3 -m pytest -q -s -p no:cacheprovider -m gpu \
-        tests/test_ds_hook_gpu.py tests/test_batched.py tests/test_capture.py tests/test_bench_profile.py \
-        tests/test_jacobi.py tests/test_iga_tangent.py tests/test_iga_variance.py tests/test_varlen_attention.py tests/test_liger_kernel.py \
-        tests/test_lora_fused.py tests/test_padding_free.py
+        tests/engine/test_ds_hook_gpu.py tests/methods/test_batched.py tests/lora/test_capture.py \
+        tests/bench/test_bench_profile.py tests/methods/test_jacobi.py tests/methods/test_iga_tangent.py \
+        tests/methods/test_iga_variance.py tests/train/test_varlen_attention.py tests/train/test_liger_kernel.py \
+        tests/lora/test_lora_fused.py tests/train/test_padding_free.py
       stage bench_method 240 python3 bench/bench_method.py --out "$out/bench_method.json"
       ;;
     capture)

@@ -6,7 +6,7 @@
 #   (no part named: all three; --dry-run or DRY_RUN=1 prints every command and runs nothing)
 #   bench:       bench_step.py, ERM and the fused IGA (LLaMA-2-7B shape, ZeRO-2, bf16) on 1, 2, 4
 #                and 8 GPUs, as many of them as the machine has
-#   equivalence: tests/test_ds_hook_gpu.py at world size N (every visible GPU) against world size 1
+#   equivalence: tests/engine/test_ds_hook_gpu.py at world size N (every visible GPU) against world size 1
 #   resume:      the launch line of the Slurm templates run directly under torchrun on N GPUs (tiny
 #                built-in base, ds_configs/zero2.json): midway, OUT_DIR/train/STOP and SIGUSR1
 #                to the ranks (as the templates' trap does), the same command again, then a check
@@ -155,7 +155,7 @@ if want equivalence; then
     skip equivalence "needs 2 GPUs, $n visible"
   else
     stage equivalence "${EQUIV_LIMIT:-900}" env "IGA_DS_RESULTS=$out" "IGA_DS_GPU_WORLD=$n" \
-      "$py" -m pytest -q -s -p no:cacheprovider tests/test_ds_hook_gpu.py -m gpu
+      "$py" -m pytest -q -s -p no:cacheprovider tests/engine/test_ds_hook_gpu.py -m gpu
   fi
 fi
 

@@ -5,7 +5,7 @@
 
 Reads, where present: ``bench_step_<N>gpu.json`` (bench/bench_step.py's output: ``env``,
 ``settings``, one row per method in ``results``), ``gpu_equivalence.json``
-(tests/test_ds_hook_gpu.py), ``train/metrics.jsonl`` with ``train_run1.log`` and
+(tests/engine/test_ds_hook_gpu.py), ``train/metrics.jsonl`` with ``train_run1.log`` and
 ``train_run2.log`` (the interrupted and the resumed training run), ``stages.tsv`` (stage, exit
 status) and ``skipped.txt`` (stage, reason).
 
@@ -137,7 +137,7 @@ def equivalence(out: Path) -> dict | None:
 
 
 def equivalence_section(eq: dict | None) -> list[str]:
-    lines = ["## 2. ZeRO-2 bf16 equivalence, world size N against 1 (tests/test_ds_hook_gpu.py)", ""]
+    lines = ["## 2. ZeRO-2 bf16 equivalence, world size N against 1 (tests/engine/test_ds_hook_gpu.py)", ""]
     if eq is None:
         return lines + ["No gpu_equivalence.json (not run, skipped, or failed before writing it).", ""]
     world, key = eq["world_size"], eq["key"]

@@ -8,7 +8,7 @@ It reads the JSON that ``bench_step.py``, ``bench_method.py`` and ``bench_train.
 campaign folders that results/README.md lists (oldest first, each with the commit that archived
 it). For each card and benchmark (the step on N GPUs, the method alone, the precision rule,
 training throughput per model shape beside its anchors) the
-latest campaign that ran it gives the rows, one per archived run. ``tests/test_perf_table.py``
+latest campaign that ran it gives the rows, one per archived run. ``tests/bench/test_perf_table.py``
 runs the check, so a figure in the doc is always one in an archived JSON.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A stand-in for the NGC base image, built on this machine from Debian's packages, for building
-# and running the real Dockerfile where nvcr.io cannot be reached (CI: tests/test_container_image.py).
+# and running the real Dockerfile where nvcr.io cannot be reached (CI: tests/launch/test_container_image.py).
 # Debian minbase (debootstrap) with Python 3 and a virtual environment at /opt/venv, first on
 # PATH, so that `python` and `pip` are what they are in NGC's image; no torch (the Dockerfile
 # installs a CPU build when given TORCH_VERSION). Root only (debootstrap, chroot); a couple of

@@ -17,7 +17,7 @@
 # IGA_NUM_GPUS (DeepSpeed's --num_gpus: default all GPUs; on the CPU the number of ranks);
 # IGA_CONTAINER_USER (uid:gid to run as; empty: the image's user); IGA_CACHE_DIR.
 #
-# On the CPU, with podman (2 ranks, gloo; tests/test_container_image.py runs it on a smaller tiny base):
+# On the CPU, with podman (2 ranks, gloo; tests/launch/test_container_image.py runs it on a smaller tiny base):
 #   IGA_ENGINE=podman IGA_ACCELERATOR=cpu IGA_NUM_GPUS=2 IGA_IMAGE=localhost/iga-ds:cpu \
 #       launch/docker_run.sh --config configs/tiny_cpu.yaml schedule.max_steps=2
 set -euo pipefail

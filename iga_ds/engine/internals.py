@@ -15,7 +15,7 @@
 - DeepSpeed's globals the trainer resets, and the op builders ``iga-ds selfcheck`` probes.
 
 The private names used here (``_hp_mapping``, ``setup_buckets``, ``micro_step_id``, ...) are
-those of DeepSpeed's ZeRO-1/2 optimizer; ``tests/test_ds_internals.py`` removes each in turn
+those of DeepSpeed's ZeRO-1/2 optimizer; ``tests/engine/test_ds_internals.py`` removes each in turn
 from a real engine. ``TESTED_DEEPSPEED`` is the range pyproject.toml allows (a test holds the
 two together). DeepSpeed is imported inside the functions: on a CPU machine ``DS_ACCELERATOR``
 must be set before its first import, which the trainer does when it starts.
