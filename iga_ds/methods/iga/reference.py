@@ -6,8 +6,8 @@ G[n] of a domain's factor gradients. (The paper's g^B A^T + B^T g^A does not typ
 The update: mean Gbar and population variance V of the G[n], mask exp(-tau V'), then the
 ``tangent`` projection (the default): ERM's factor gradients plus the pseudo-inverse of the
 reconstruction applied to what the mask removed, Gbar * (mask - 1), so that tau = 0 is ERM.
-The paper's rank-r truncation of Gbar * mask (``projection="svd"``) and the chain rule without
-one (the ``iga_no_projection`` ablation) are ablations, computed here too.
+The paper's rank-r truncation of Gbar * mask (``projection="svd"``: the method ``iga_svd``) and
+the chain rule without one (the ``iga_no_projection`` ablation) are computed here too.
 """
 from __future__ import annotations
 
