@@ -35,21 +35,22 @@ def iga_reference(A, B, gA, gB, scaling, tau, rank, normalize, binary=False, mas
     return (U[:, :k] * S[:k]) @ Vt[:k], g, mask, var
 
 
-def and_mask_reference(grads, threshold):
+def and_mask_reference(grads, threshold, with_mask=False):
     grads = np.asarray(grads, dtype=np.float64)
     N = grads.shape[0]
     flat = grads.reshape(N, -1)
     out = np.zeros(flat.shape[1])
-    kept = 0
+    mask = np.zeros(flat.shape[1])
     for e in range(flat.shape[1]):
         signs = [np.sign(flat[n, e]) for n in range(N)]
         if abs(sum(signs) / N) >= threshold:
             out[e] = flat[:, e].mean()
-            kept += 1
-    return (out / (kept / flat.shape[1] + 1e-10)).reshape(grads.shape[1:])
+            mask[e] = 1.0
+    out = (out / (mask.sum() / flat.shape[1] + 1e-10)).reshape(grads.shape[1:])
+    return (out, mask) if with_mask else out
 
 
-def sand_mask_reference(grads, tau, k, gamma):
+def sand_mask_reference(grads, tau, k, gamma, with_mask=False):
     grads = np.asarray(grads, dtype=np.float64)
     N = grads.shape[0]
     flat = grads.reshape(N, -1)
@@ -59,8 +60,8 @@ def sand_mask_reference(grads, tau, k, gamma):
         agree = abs(np.sign(col).mean())
         var = max(col.var(ddof=1), 1e-17)
         mask[e] = max(0.0, np.tanh(k * (agree - tau) / (gamma * var)))
-    out = mask * flat.mean(axis=0) / (mask.sum() / mask.size + 1e-10)
-    return out.reshape(grads.shape[1:])
+    out = (mask * flat.mean(axis=0) / (mask.sum() / mask.size + 1e-10)).reshape(grads.shape[1:])
+    return (out, mask) if with_mask else out
 
 
 def pcgrad_reference(vectors, orders):

@@ -40,5 +40,5 @@ class ANDMask(GradientMethod):
     def combine_module(self, module: ModuleGrads, step: int) -> ModuleUpdate:
         gA, mA = self._apply(module.gA)
         gB, mB = self._apply(module.gB)
-        kept = float((mA.sum() + mB.sum()) / (mA.numel() + mB.numel()))
+        kept = (mA.sum() + mB.sum()) / (mA.numel() + mB.numel())  # read back with every module's, by combine
         return ModuleUpdate(gA, gB, {"mask_mean": kept, "mask_frac_below_half": 1.0 - kept})

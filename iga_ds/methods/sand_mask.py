@@ -32,6 +32,7 @@ class SANDMask(GradientMethod):
         mA, mB = self.mask(module.gA), self.mask(module.gB)
         gA = rescaled_masked_mean(module.gA, mA)
         gB = rescaled_masked_mean(module.gB, mB)
-        mean = float((mA.sum() + mB.sum()) / (mA.numel() + mB.numel()))
-        below = float(((mA < 0.5).sum() + (mB < 0.5).sum()) / (mA.numel() + mB.numel()))
+        # tensors, read back for all modules at once by combine
+        mean = (mA.sum() + mB.sum()) / (mA.numel() + mB.numel())
+        below = ((mA < 0.5).sum() + (mB < 0.5).sum()) / (mA.numel() + mB.numel())
         return ModuleUpdate(gA, gB, {"mask_mean": mean, "mask_frac_below_half": below})

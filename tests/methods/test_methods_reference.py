@@ -141,6 +141,35 @@ def test_sand_mask_elementwise_loop():
         np.testing.assert_allclose(u.gB.numpy(), sand_mask_reference(m.gB.numpy(), 0.3, 0.05, 1.0), rtol=1e-9)
 
 
+def _masks_statistics(masks):
+    """Mean and below-1/2 share over the elements of every mask of one module."""
+    every = np.concatenate(masks)
+    return every.mean(), (every < 0.5).mean()
+
+
+@covers("sand_mask", "and_mask")
+@pytest.mark.parametrize("name", ["sand_mask", "and_mask"])
+def test_mask_statistics_are_host_floats_equal_to_the_reference_masks(name):
+    # the statistics come back from the device in one copy for all modules: floats, each module's own
+    mods = modules(N=4, seed=3)
+    for m in mods:
+        m.gA.mul_(0.1)
+        m.gA[:, 0] = m.gA[:, 0].abs()
+    if name == "sand_mask":
+        method, reference = get_method(name, tau=0.3, k=0.05), lambda g: sand_mask_reference(g, 0.3, 0.05, 1.0, True)
+    else:
+        method, reference = get_method(name, threshold=0.6), lambda g: and_mask_reference(g, 0.6, True)
+    updates = method.combine(mods, 0)
+    means = []
+    for m, u in zip(mods, updates):
+        assert all(type(v) is float for v in u.stats.values()), u.stats
+        mean, below = _masks_statistics([reference(m.gA.numpy())[1], reference(m.gB.numpy())[1]])
+        np.testing.assert_allclose(u.stats["mask_mean"], mean, rtol=1e-6)
+        np.testing.assert_allclose(u.stats["mask_frac_below_half"], below, rtol=1e-6)
+        means.append(mean)
+    assert len(set(np.round(means, 6))) > 1  # modules differ, so a shared or shifted figure would fail
+
+
 @covers("pcgrad")
 def test_pcgrad_equals_pairwise_projection_loop():
     mods = modules(N=4, seed=4)
