@@ -25,7 +25,8 @@ def register(subparsers: Any) -> None:
         "pack",
         help="a results folder as one .tar.xz, or parts of a given size, without weights and data",
         description="Archive DIR for copying elsewhere: cells' results, logs and evaluations; leaves out "
-        "adapter/ and checkpoints/ folders and the grid's data/ unless asked. With --part-size the "
+        "adapter/ and checkpoints/ folders, the grid's data/ and the cells' own train.jsonl unless asked, and lock "
+        "files always. With --part-size the "
         "archive is cut into OUT.part000, OUT.part001, ...; `cat OUT.part* > OUT` joins them, "
         "`tar xJf OUT` unpacks.",
     )
@@ -33,7 +34,7 @@ def register(subparsers: Any) -> None:
     pk.add_argument("--out", required=True, help="archive to write, e.g. replication.tar.xz")
     pk.add_argument("--part-size", metavar="SIZE", help="cut into parts of at most SIZE (15M, 512K, 2G)")
     pk.add_argument("--with-weights", action="store_true", help="keep adapter/ and checkpoints/ folders")
-    pk.add_argument("--with-data", action="store_true", help="keep the grid's generated data/ folder")
+    pk.add_argument("--with-data", action="store_true", help="keep the generated data: the grid's data/ folder, the cells' train.jsonl")
     pk.set_defaults(func=run_pack)
 
     exp = subparsers.add_parser(

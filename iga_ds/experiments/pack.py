@@ -3,7 +3,8 @@
 What a report needs stays: every cell's ``cell.json``, spec, resolved config, training log and
 evaluations (with each item's generated text), and the logs. What is large and can be rebuilt
 is left out unless asked for: the weights (``adapter/`` and ``checkpoints/`` folders) and the
-grid's generated data (``data/`` at the top; the grid file regenerates it). Parts let the archive
+generated data (``data/`` at the top and an ungrouped cell's own ``train.jsonl``; the grid file
+regenerates both). Lock files never go in: they belong to the processes that held them. Parts let the archive
 pass limits on file size; ``cat OUT.part* > OUT`` joins them.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from iga_ds.files import atomic_write_bytes, check_output_file, make_dir, temp_f
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 WEIGHT_FOLDERS = ("adapter", "checkpoints")
+CELL_DATA = "train.jsonl"  # a cell's own training set (rows that regroup the grid's data), as experiment.py writes it
 MAX_PARTS = 1000
 
 
@@ -36,7 +38,9 @@ def parse_size(text: str) -> int:
 
 def excluded(rel: Path, with_weights: bool, with_data: bool) -> bool:
     """Whether a path inside the results folder stays out of the archive."""
-    if not with_data and rel.parts[:1] == ("data",):
+    if rel.name.endswith(".lock"):
+        return True
+    if not with_data and (rel.parts[:1] == ("data",) or (len(rel.parts) >= 2 and rel.name == CELL_DATA)):
         return True
     return not with_weights and any(part in WEIGHT_FOLDERS for part in rel.parts)
 

@@ -14,18 +14,20 @@ KEPT = ["grid.yaml", "logs/iga-s0.log", "iga-s0/cell.json", "iga-s0/metrics.json
         "erm-s1/cell.json", "erm-s1/eval/synthetic.json"]
 WEIGHTS = ["iga-s0/adapter/adapter_model.safetensors", "iga-s0/adapter/adapter_config.json",
            "erm-s1/checkpoints/step_2/state.pt"]
-DATA = ["data/train.jsonl", "data/ood.jsonl"]
+DATA = ["data/train.jsonl", "data/ood.jsonl", "erm-s1/train.jsonl", "selection/erm_lr0.1-s0/train.jsonl"]
+LOCKS = ["iga-s0/.iga-ds.lock", "selection.json.lock"]
 
 
 def _results(root: Path) -> dict[str, bytes]:
     """A results folder; returns every file's bytes by relative path. Random bytes in one file
     keep the archive larger than a few KiB after compression."""
     content = {}
-    for i, rel in enumerate(KEPT + WEIGHTS + DATA):
+    for i, rel in enumerate(KEPT + WEIGHTS + DATA + LOCKS):
         data = os.urandom(6000) if rel.endswith("metrics.jsonl") else f"{rel} {i}\n".encode() * 20
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_bytes(data)
-        content[rel] = data
+        if rel not in LOCKS:  # never archived
+            content[rel] = data
     return content
 
 
