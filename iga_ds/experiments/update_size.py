@@ -40,11 +40,13 @@ def module_type(name: str) -> str:
     return name.rsplit(".", 1)[-1]
 
 
-def erm_reference(cells: Sequence[Cell]) -> dict[int, Cell]:
-    """Per seed, the run of the main table's ERM-SFT row (not an ablation, not a control row)."""
+def erm_reference(cells: Sequence[Cell], baseline: str | None = None) -> dict[int, Cell]:
+    """Per seed, the run of the main table's row ``baseline`` (default: the row labelled ERM-SFT;
+    not an ablation)."""
+    label = baseline or METHOD_LABELS["erm"]
     refs: dict[int, Cell] = {}
     for cell in cells:
-        if not cell.ablation and cell.label == METHOD_LABELS["erm"]:
+        if not cell.ablation and cell.label == label:
             refs.setdefault(cell.seed, cell)
     return refs
 
@@ -105,12 +107,13 @@ UPDATE_SIZE_NOTE = (
 )
 
 
-def update_size_table(cells: Sequence[Cell]) -> str | None:
-    """How far each row moved the adapter against ERM-SFT (per seed, then mean ± std over seeds),
-    for rows in the main-table order then the ablations'; None when no cell recorded update norms."""
+def update_size_table(cells: Sequence[Cell], baseline: str | None = None) -> str | None:
+    """How far each row moved the adapter against ``baseline``, the ERM-SFT row (per seed, then mean
+    ± std over seeds), for rows in the main-table order then the ablations'; None when no cell
+    recorded update norms."""
     if not any(c.update_norms for c in cells):
         return None
-    refs = erm_reference(cells)
+    refs = erm_reference(cells, baseline)
     ratios = {id(c): update_ratios(c, refs.get(c.seed)) for c in cells}
     main = group_rows([c for c in cells if not c.ablation])
     rows = {label: main[label] for label in row_order(list(main))}

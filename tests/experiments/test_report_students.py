@@ -247,3 +247,21 @@ def test_cli_names_a_malformed_update_norms_file(tmp_path):
     run = _cli(str(tmp_path), "--no-figures")
     assert run.returncode != 0 and len(run.stderr.strip().splitlines()) == 1
     assert "erm-s0/update_norms.json: field 'modules.m.path'" in run.stderr
+
+
+def test_the_ratios_are_against_the_erm_sft_row_by_its_definition_whatever_its_label(tmp_path):
+    """A grid that labels its ERM-SFT row ("ERM-SFT, 64 single instances per step") and records how
+    it trained: the table's reference is that row, found by the paper's definition."""
+    rng, label, given = random.Random(3), "ERM-SFT, 64 single instances per step", {}
+    for seed in SEEDS:
+        for name, method, scale in (("erm_sft", "erm", 1.0), ("erm_grouped", "erm", 0.5), ("iga", "iga", 0.3)):
+            given[(name, seed)] = _norms(rng, scale)
+            named = {"erm_sft": label, "erm_grouped": "ERM, grouped batches"}.get(name)  # no row labelled ERM-SFT
+            _cell(tmp_path, f"{name}-s{seed}", method, seed, 50.0, label=named, norms=given[(name, seed)])
+            variant = {"method": method, **({"grouping": "none"} if name == "erm_sft" else {})}
+            (tmp_path / f"{name}-s{seed}" / "cell_spec.json").write_text(json.dumps({"variant": variant}))
+    section = _section(build_report(load_results(tmp_path)), f"## How far each row moved the adapter, against {label}")
+    rows = _rows(section)
+    assert rows[label] == ["1.00 ± 0.00"] * 9
+    per_seed = [_slow_ratios(given[("iga", s)], given[("erm_sft", s)]) for s in SEEDS]
+    assert rows["IGA"] == [_pm([seed[i] for seed in per_seed]) for i in range(9)]
