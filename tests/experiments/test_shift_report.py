@@ -162,3 +162,28 @@ def test_the_32_group_grids_iga_row_is_the_one_the_16_group_rule_chooses(g16):
         chosen = [name for name, row in _grid_rows(grid).items() if row.get("method") in ("iga", "iga_svd")]
         assert chosen == [best], (grid, means)
         assert _grid_rows(grid)[best] == rows[best], grid  # the same parameters and label
+
+
+def _table_after(report: str, marker: str) -> dict[str, list[str]]:
+    """The rows of the first table after ``marker``, by label; cells split as printed."""
+    section = report.split(marker, 1)[1].split("\n\n")[1]
+    return {line.split(" | ")[0][2:]: line.split(" | ") for line in section.splitlines() if line.startswith("| ")}
+
+
+def test_the_readme_states_the_16_group_answer_from_the_archived_report():
+    """The README's first screen quotes the 16-group grid's shipped IGA row (tau 1, the defaults)
+    against ERM-SFT at equal sequences and against grouped ERM on the same batches, and the claim
+    that every AdamW IGA row is below ERM-SFT with an interval that excludes zero."""
+    report = _report("shift-g16-smollm2").read_text(encoding="utf-8")
+    erm_sft = _table_after(report, "Headline baseline:")
+    grouped = _table_after(report, 'Every row against the row "ERM, grouped batches", paired the same way:')
+    iga, base = erm_sft["IGA (tau 1)"], erm_sft["ERM-SFT, 64 single instances per step"]
+    text = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    quoted = (f"the shipped IGA scores {iga[2].split(' [')[0]}% against ERM-SFT's {base[2].split(' [')[0]}% at equal "
+              f"sequences: {iga[3].replace(' [', ' points [')}; against grouped ERM on the same batches: "
+              f"{grouped['IGA (tau 1)'][3].replace(' [', ' points [')};")
+    assert quoted in text
+    adamw_iga = [label for label in erm_sft if label.startswith("IGA (") and "SGD" not in label]
+    uppers = [float(erm_sft[label][3].split(", ")[1].rstrip("]")) for label in adamw_iga]
+    assert f"all {len(adamw_iga)} AdamW IGA rows score below ERM-SFT, each interval excluding zero" in text
+    assert len(adamw_iga) == 8 and max(uppers) < 0
