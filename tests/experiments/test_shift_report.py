@@ -187,3 +187,34 @@ def test_the_readme_states_the_16_group_answer_from_the_archived_report():
     uppers = [float(erm_sft[label][3].split(", ")[1].rstrip("]")) for label in adamw_iga]
     assert f"all {len(adamw_iga)} AdamW IGA rows score below ERM-SFT, each interval excluding zero" in text
     assert len(adamw_iga) == 8 and max(uppers) < 0
+
+
+GROUPED = 'Every row against the row "ERM, grouped batches", paired the same way:'
+GROUPED_SGD = 'Every row against the row "ERM, grouped batches, SGD with momentum (departure)", paired the same way:'
+# docs/METHOD_NOTES.md's reading of the 16-group grid: (table, row, column) of each figure it quotes;
+# paired tables: 3 the OOD difference, 5 the cue effect's, 8 the update size
+NOTES_FIGURES = [
+    (GROUPED, "IGA (tau 1, variance debiased; departure)", 3), (GROUPED, "IGA (tau 1, variance debiased; departure)", 5),
+    (GROUPED, "IGA (tau 4)", 3), (GROUPED, "IGA (tau 4)", 5), (GROUPED, "IGA (tau 4)", 8),
+    (GROUPED_SGD, "IGA (tau 4), SGD with momentum (departure)", 3),
+    (GROUPED_SGD, "IGA (tau 4), SGD with momentum (departure)", 5),
+    (GROUPED, "ERM-SFT, 64 single instances per step", 3), (GROUPED, "SAND-Mask", 3),
+    (GROUPED, "no mask (plain mean, projection svd, factors chain_rule)", 3),
+    (GROUPED, "no mask (plain mean, projection svd, factors chain_rule)", 8),
+    (GROUPED, "IGA (tau 4, randomized SVD, factors chain_rule)", 3),
+    ("## Main results (paper Table 2)", "ERM, grouped batches, SGD with momentum (departure)", 1),
+    ("## Main results (paper Table 2)", "IGA (tau 4), SGD with momentum (departure)", 1),
+    ("## Main results (paper Table 2)", "ERM, grouped batches", 1),
+]
+
+
+def test_the_method_notes_quote_the_16_group_report():
+    report = _report("shift-g16-smollm2").read_text(encoding="utf-8")
+    notes = " ".join((ROOT / "docs" / "METHOD_NOTES.md").read_text(encoding="utf-8").split())
+    section = notes.split("## At 16 groups a step", 1)[1].split("## ", 1)[0]
+    for marker, row, col in NOTES_FIGURES:
+        figure = _table_after(report, marker)[row][col].rstrip(" |")
+        assert figure in section, (row, col, figure)
+    masks = _table_after(report, "## Mask statistics over training")
+    for row in ("IGA (tau 1, variance debiased; departure)", "IGA (tau 1)"):
+        assert f"{masks[row][1].split(' ±')[0]}" in section, row
