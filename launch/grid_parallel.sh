@@ -11,7 +11,8 @@
 # each, round-robin over the visible GPUs (CPU only when there are none), the longest expected
 # first (`--dry-run` shows the estimates). In a grid with a selection stage the candidates go
 # first, and a row's cells start as soon as its own choice is made. Logs: OUT/logs/CELL.log.
-# Rerun the same line to resume after a kill: finished cells are skipped, killed ones rerun.
+# Rerun the same line to resume after a kill: finished cells are skipped, killed ones rerun. A cell
+# that runs out of GPU memory (too many beside it) runs once more, when fewer cells run.
 # PATTERNs after JOBS keep the cells whose names match one (and their rows' selection
 # candidates), as `--only` does; two runs on one OUT with disjoint patterns share the machine. LAUNCH_FOR=SECONDS starts no cell after that many seconds, so that
 # a job with a time limit ends with its cells finished rather than killed. NO_REPORT=1 skips the
@@ -47,12 +48,30 @@ start_cell() {  # CELL INDEX: one cell in the background, on GPU INDEX mod the G
     if "${cli[@]}" experiment --grid "$grid" --out "$out" --only "$cell" --no-report --no-progress \
         > "$out/logs/$cell.log" 2>&1; then
       echo "grid_parallel: $cell done"
+    elif ((jobs > 1)) && [[ -z ${retried[$cell]:-} ]] \
+        && grep -q -E 'CUDA out of memory|OutOfMemoryError' "$out/logs/$cell.log"; then
+      # the processes beside it filled the GPU: the main loop retries it once, with fewer of them
+      cp "$out/logs/$cell.log" "$out/logs/$cell.oom.log"
+      touch "$out/logs/$cell.oom"
+      echo "grid_parallel: $cell ran out of GPU memory; it runs once more with fewer cells beside it" >&2
+      exit 3
     else
       echo "grid_parallel: $cell FAILED (see $out/logs/$cell.log)" >&2
       exit 1
     fi
   ) &
   running[$!]=$cell
+}
+
+retry_out_of_memory() {  # the cells that ran out of GPU memory may start once more
+  local marker cell
+  for marker in "$out"/logs/*.oom; do
+    [[ -e $marker ]] || continue
+    cell=$(basename "$marker" .oom)
+    rm -f "$marker"
+    retried[$cell]=1
+    unset "tried[$cell]"
+  done
 }
 
 state=$(listing)
@@ -67,7 +86,7 @@ if ((left > 0)); then
   echo "grid_parallel: data and bases ready"
 fi
 ngpu=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
-declare -A running=() tried=()
+declare -A running=() tried=() retried=()
 status=0 launched=0 chose=0
 while ((left > 0)); do
   # ready: not finished, not waiting for a choice, not started by this run (a failed cell is
@@ -77,6 +96,8 @@ while ((left > 0)); do
   for cell in "${ready[@]}"; do
     ((${#running[@]} < jobs)) || break
     [[ -z ${tried[$cell]:-} ]] || continue
+    # a retry after running out of GPU memory waits until fewer cells run than when it failed
+    if [[ -n ${retried[$cell]:-} ]] && ((${#running[@]} > jobs - 2)); then continue; fi
     if [[ -n $launch_for ]] && ((SECONDS >= launch_for)); then break; fi
     tried[$cell]=1
     start_cell "$cell" "$launched"
@@ -96,8 +117,11 @@ while ((left > 0)); do
     fi
     break
   fi
-  wait -n || status=1  # one cell ended
+  ended=0
+  wait -n || ended=$?  # one cell ended; 3: out of GPU memory, retried
+  ((ended == 0 || ended == 3)) || status=1
   for pid in "${!running[@]}"; do kill -0 "$pid" 2>/dev/null || unset "running[$pid]"; done
+  retry_out_of_memory
   state=$(listing)
 done
 wait || status=1

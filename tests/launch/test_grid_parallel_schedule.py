@@ -52,6 +52,12 @@ FAKE = textwrap.dedent("""\
         sys.exit(0)
     if only in os.environ.get("FAKE_FAIL", "").split():
         sys.exit(1)
+    oomed = out / f"oom_{only.replace('/', '_')}"
+    if only in os.environ.get("FAKE_OOM", "").split() and (os.environ.get("FAKE_OOM_ALWAYS") or not oomed.exists()):
+        oomed.touch()
+        time.sleep(0.3)
+        print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 160.00 MiB.", file=sys.stderr)
+        sys.exit(1)
     time.sleep(seconds.get(only, 0.3))
     (out / "done").mkdir(parents=True, exist_ok=True)
     (out / "done" / only.replace("/", "_")).touch()
@@ -138,3 +144,42 @@ def test_cells_start_in_the_listings_launch_order(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     starts = [n for _, w, n in sorted(events) if w == "start" and not n.startswith("selection/")]
     assert starts == ["b-s0", "a-s0", "a-s1"]
+
+
+def _live_beside(events, name, nth):
+    """How many other cells ran when ``name`` started for the ``nth`` time (0-based)."""
+    live, starts = set(), 0
+    for _, what, cell in sorted(events):
+        if cell == "selection/*":
+            continue
+        if what == "start" and cell == name:
+            if starts == nth:
+                return len(live - {name})
+            starts += 1
+        if what == "start":
+            live.add(cell)
+        else:
+            live.discard(cell)
+    raise AssertionError(f"{name} did not start {nth + 1} times")
+
+
+def test_a_cell_out_of_gpu_memory_runs_once_more_with_fewer_cells_beside_it(tmp_path):
+    # a-s1 fails with CUDA's out-of-memory error the first time, among 3 cells; its retry waits
+    # until at most JOBS - 2 others run, and the run succeeds
+    seconds = {"a-s0": 1.5, "b-s0": 1.5}
+    proc, events = _run(tmp_path, 3, seconds, FAKE_OOM="a-s1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [n for _, w, n in events if w == "start"].count("a-s1") == 2
+    assert "a-s1 ran out of GPU memory; it runs once more" in proc.stderr and "FAILED" not in proc.stderr
+    assert _live_beside(events, "a-s1", 1) <= 1
+    assert "CUDA out of memory" in (tmp_path / "out" / "logs" / "a-s1.oom.log").read_text()
+
+
+def test_a_cell_out_of_gpu_memory_twice_or_alone_fails_the_run(tmp_path):
+    proc, events = _run(tmp_path, 3, FAKE_OOM="a-s1", FAKE_OOM_ALWAYS="1")
+    assert proc.returncode == 1 and "a-s1 FAILED" in proc.stderr and "1 cells unfinished" in proc.stderr
+    assert [n for _, w, n in events if w == "start"].count("a-s1") == 2
+    (tmp_path / "alone").mkdir()
+    alone, events = _run(tmp_path / "alone", 1, FAKE_OOM="b-s0")  # nothing beside it to blame: no retry
+    assert alone.returncode == 1 and "b-s0 FAILED" in alone.stderr
+    assert [n for _, w, n in events if w == "start"].count("b-s0") == 1
