@@ -68,7 +68,7 @@ def _pretrain_tiny(args: argparse.Namespace) -> int:
     from iga_ds.config.run import TinyBaseConfig
     from iga_ds.train.batching import read_records
     from iga_ds.train.model import ensure_tiny_base
-    from iga_ds.train.pretrain import PRETRAIN_GROUPS, corpus_texts, generator_corpus, generator_words
+    from iga_ds.train.pretrain import corpus_texts, default_tiny_base, generator_words
 
     cfg = validate_section(TinyBaseConfig, {} if args.steps is None else {"steps": args.steps}, "pretrain-tiny")
     if args.data and args.groups is not None:
@@ -77,10 +77,12 @@ def _pretrain_tiny(args: argparse.Namespace) -> int:
         raise UserError(f"--groups {args.groups}: expected a positive number of groups")
     if args.data:
         texts = corpus_texts([r for path in args.data for r in read_records(path)])
+        # the generator's words always join the vocabulary: generated data stays readable
+        print(ensure_tiny_base(texts, cfg, args.cache_dir, extra_words=generator_words()))
     else:
-        texts = generator_corpus(PRETRAIN_GROUPS if args.groups is None else args.groups)
-    # the generator's words always join the vocabulary: generated data stays readable
-    print(ensure_tiny_base(texts, cfg, args.cache_dir, extra_words=generator_words()))
+        # the generator's corpus, as builtin:tiny builds it: its recipe is recorded, so that a
+        # later lookup of the same base generates no corpus
+        print(default_tiny_base(cfg, args.groups, cache_dir=args.cache_dir))
     return 0
 
 

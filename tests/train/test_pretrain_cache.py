@@ -127,3 +127,21 @@ def test_a_record_that_does_not_hold_is_not_trusted(tmp_path, monkeypatch, damag
     assert pretrain.default_tiny_base(cfg, cache_dir=str(tmp_path), **QUIET) == first
     assert built == [first.name] * 2  # found by the corpus again (the fake build stands for a hit)
     assert json.loads(record.read_text()) == content  # and recorded anew
+
+
+def test_pretrain_tiny_records_the_recipe_it_built(tmp_path, monkeypatch, capsys):
+    """`iga-ds pretrain-tiny` on the generator's corpus writes the recipe record that builtin:tiny's
+    lookups read: the same base is found afterwards without generating a corpus."""
+    from iga_ds.cli import main
+    from iga_ds.train.model import pretrain_device
+
+    built = []
+    _fake_build(monkeypatch, built)
+    assert main(["pretrain-tiny", "--groups", "3", "--steps", "20", "--cache-dir", str(tmp_path)]) == 0
+    base = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    assert built == [base.name] and (base.parent / base.name).is_dir()
+    (record,) = base.parent.glob("*" + pretrain.RECIPE_SUFFIX)
+    _no_generator(monkeypatch)
+    cfg = TinyBaseConfig(steps=20)
+    assert pretrain.builtin_key(cfg, pretrain_device(), base.parent, groups=3) == base.name
+    assert json.loads(record.read_text())["key"] == base.name
