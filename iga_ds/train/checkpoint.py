@@ -350,33 +350,40 @@ def write_failure(exc: BaseException) -> str:
 def _write_checkpoint(engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], rank: int, keep_last: int,
                       save_adapter: Callable[[Path], None] | None, method_state: dict[str, Any] | None,
                       meta: dict[str, Any]) -> Path:
+    """The save, in steps that every rank passes together (:func:`written_by_every_rank`)."""
     import torch
-    import torch.distributed as dist
 
     tag = tag_for(step)
     final = ckpt_dir / tag
     staging = ckpt_dir / f"{PARTIAL_PREFIX}{tag}"
-    if rank == 0:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        # an interrupted save of this step would mix its files (another world size's ZeRO
-        # partitions, say) into this one
-        remove_partial_checkpoints(ckpt_dir)
-    if dist.is_initialized():
-        dist.barrier()  # no rank writes before the leftovers are gone
-    staging.mkdir(parents=True, exist_ok=True)
-    tmp = _rng_file(staging, rank).with_suffix(".tmp")
-    torch.save(capture_rng(), tmp)
-    os.replace(tmp, _rng_file(staging, rank))
-    save_method_state(staging, rank, method_state or {})
-    save_full_optimizer_state(engine, staging / FULL_OPTIMIZER_FILE, rank)
-    if rank == 0:
-        if (staging / FULL_OPTIMIZER_FILE).is_file():
-            follow_umask(staging / FULL_OPTIMIZER_FILE)  # safetensors' save_file makes it 0600
-        atomic_write_json(staging / META_FILE, {**meta, "step": step, "world_size": _world_size()})
-        if save_adapter is not None:
-            save_adapter(staging / "adapter")
-    if dist.is_initialized():
-        dist.barrier()
+
+    def clear():
+        if rank == 0:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            # an interrupted save of this step would mix its files (another world size's ZeRO
+            # partitions, say) into this one
+            remove_partial_checkpoints(ckpt_dir)
+
+    written_by_every_rank(clear, step, engine.device)  # no rank writes before the leftovers are gone
+
+    def own_part():  # what this rank writes alone
+        staging.mkdir(parents=True, exist_ok=True)
+        tmp = _rng_file(staging, rank).with_suffix(".tmp")
+        torch.save(capture_rng(), tmp)
+        os.replace(tmp, _rng_file(staging, rank))
+        save_method_state(staging, rank, method_state or {})
+
+    def gathered_part():  # a collective gather, then rank 0's files
+        save_full_optimizer_state(engine, staging / FULL_OPTIMIZER_FILE, rank)
+        if rank == 0:
+            if (staging / FULL_OPTIMIZER_FILE).is_file():
+                follow_umask(staging / FULL_OPTIMIZER_FILE)  # safetensors' save_file makes it 0600
+            atomic_write_json(staging / META_FILE, {**meta, "step": step, "world_size": _world_size()})
+            if save_adapter is not None:
+                save_adapter(staging / "adapter")
+
+    written_by_every_rank(own_part, step, engine.device)
+    written_by_every_rank(gathered_part, step, engine.device)  # past it, no rank is still writing
     # DeepSpeed writes its `latest` on rank 0 before the other ranks are done writing theirs; a
     # node lost in between would leave `latest` naming a half-written checkpoint. Its save ends
     # in a barrier, so past it every rank's part is on disk: only then does the folder get its
@@ -384,13 +391,41 @@ def _write_checkpoint(engine, ckpt_dir: Path, step: int, client_state: dict[str,
     # DeepSpeed's loader reads the renamed folder as its own.
     engine.save_checkpoint(str(ckpt_dir), tag=staging.name, client_state=client_state,
                            exclude_frozen_parameters=True, save_latest=False)
-    if rank == 0:
-        _move_into_place(staging, final)
-        atomic_write_text(ckpt_dir / "latest", tag)
-        prune_checkpoints(ckpt_dir, keep_last)
-    if dist.is_initialized():
-        dist.barrier()
+    def into_place():
+        if rank == 0:
+            _move_into_place(staging, final)
+            atomic_write_text(ckpt_dir / "latest", tag)
+            prune_checkpoints(ckpt_dir, keep_last)
+
+    written_by_every_rank(into_place, step, engine.device)
     return final
+
+
+def written_by_every_rank(write: Callable[[], None], step: int, device) -> None:
+    """Run this rank's ``write``, then agree with the other ranks on whether all of theirs
+    succeeded: where one failed, every rank stops with an error (the failed one with its own),
+    so that none waits in a later collective for a rank that has left."""
+    import torch
+    import torch.distributed as dist
+
+    failure = None
+    try:
+        write()
+    except (OSError, RuntimeError, UserError) as exc:
+        failure = exc
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flags = torch.zeros(dist.get_world_size(), dtype=torch.float32, device=device)
+        flags[dist.get_rank()] = float(failure is not None)
+        dist.all_reduce(flags)
+        failed = [rank for rank, flag in enumerate(flags.tolist()) if flag]
+    else:
+        failed = []
+    if failure is not None:
+        raise failure
+    if failed:
+        ranks = ", ".join(map(str, failed))
+        raise UserError(f"writing the checkpoint of step {step}: rank {ranks} could not write its part "
+                        f"(its own error says why)")
 
 
 def _move_into_place(staging: Path, final: Path) -> None:

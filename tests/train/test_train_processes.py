@@ -78,13 +78,13 @@ def test_sigterm_saves_exits_zero_and_resumes(setup):
     assert _steps(out) == list(range(1, stopped_at + 3))
 
 
-def _two_ranks(cfg: Path, **popen):
+def _two_ranks(cfg: Path, extra_env=None, **popen):
     port = str(free_port())
     return [
         subprocess.Popen(
             [sys.executable, str(REPO / "launch/train.py"), "--config", str(cfg)],
             env=_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=port),
+                     MASTER_PORT=port, **(extra_env or {})),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen,
         )
         for r in range(2)
@@ -123,6 +123,44 @@ def test_stop_file_stops_both_ranks_at_one_step_and_resume_completes(setup):
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert _steps(out) == list(range(1, stopped_at + 3))
+
+
+# the disk of rank 1 fills at its second checkpoint: its random-state file cannot be written
+FULL_DISK_ON_RANK_1 = """\
+import os
+if os.environ.get("RANK") == "1":
+    import torch
+    real_save, calls = torch.save, []
+    def save(obj, f, *args, **kwargs):
+        if "rng_rank00001" in str(f):
+            calls.append(f)
+            if len(calls) == 2:
+                raise OSError(28, "No space left on device", str(f))
+        return real_save(obj, f, *args, **kwargs)
+    torch.save = save
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_checkpoint_one_rank_cannot_write_stops_every_rank_and_keeps_the_last(setup):
+    """Rank 1's disk fills while it writes its part of step 2's checkpoint: both ranks stop at
+    once with an error (rank 0 naming rank 1) instead of waiting for each other, and step 1's
+    checkpoint stays the one `latest` names, with no partial folder beside it."""
+    tmp, data, base = setup
+    inject = tmp / "full_disk"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(FULL_DISK_ON_RANK_1)
+    cfg = _write_config(tmp, data, base, "fulldisk", **{"schedule.max_steps": 4, "checkpoint.every_steps": 1})
+    out = tmp / "fulldisk"
+    procs = _two_ranks(cfg, extra_env={"PYTHONPATH": str(inject)})
+    logs = [p.communicate(timeout=180)[0] for p in procs]
+    assert all(p.returncode not in (0, None) for p in procs), logs[0][-2000:] + logs[1][-2000:]
+    assert "No space left on device" in logs[1], logs[1][-2000:]
+    assert "writing the checkpoint of step 2: rank 1 could not write its part" in logs[0], logs[0][-2000:]
+    for log in logs:
+        assert "the last complete checkpoint" in log and "step_00000001, is intact" in log, log[-2000:]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000001"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == ["step_00000001"]
 
 
 @pytest.mark.timeout(240)
