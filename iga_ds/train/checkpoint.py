@@ -364,7 +364,7 @@ def _write_checkpoint(engine, ckpt_dir: Path, step: int, client_state: dict[str,
             # partitions, say) into this one
             remove_partial_checkpoints(ckpt_dir)
 
-    written_by_every_rank(clear, step, engine.device)  # no rank writes before the leftovers are gone
+    written_by_every_rank(clear, step)  # no rank writes before the leftovers are gone
 
     def own_part():  # what this rank writes alone
         staging.mkdir(parents=True, exist_ok=True)
@@ -382,8 +382,8 @@ def _write_checkpoint(engine, ckpt_dir: Path, step: int, client_state: dict[str,
             if save_adapter is not None:
                 save_adapter(staging / "adapter")
 
-    written_by_every_rank(own_part, step, engine.device)
-    written_by_every_rank(gathered_part, step, engine.device)  # past it, no rank is still writing
+    written_by_every_rank(own_part, step)
+    written_by_every_rank(gathered_part, step)  # past it, no rank is still writing
     # DeepSpeed writes its `latest` on rank 0 before the other ranks are done writing theirs; a
     # node lost in between would leave `latest` naming a half-written checkpoint. Its save ends
     # in a barrier, so past it every rank's part is on disk: only then does the folder get its
@@ -397,11 +397,11 @@ def _write_checkpoint(engine, ckpt_dir: Path, step: int, client_state: dict[str,
             atomic_write_text(ckpt_dir / "latest", tag)
             prune_checkpoints(ckpt_dir, keep_last)
 
-    written_by_every_rank(into_place, step, engine.device)
+    written_by_every_rank(into_place, step)
     return final
 
 
-def written_by_every_rank(write: Callable[[], None], step: int, device) -> None:
+def written_by_every_rank(write: Callable[[], None], step: int) -> None:
     """Run this rank's ``write``, then agree with the other ranks on whether all of theirs
     succeeded: where one failed, every rank stops with an error (the failed one with its own),
     so that none waits in a later collective for a rank that has left."""
@@ -414,6 +414,9 @@ def written_by_every_rank(write: Callable[[], None], step: int, device) -> None:
     except (OSError, RuntimeError, UserError) as exc:
         failure = exc
     if dist.is_initialized() and dist.get_world_size() > 1:
+        # NCCL reduces CUDA tensors only; gloo (and a CPU part of a mixed backend) CPU ones
+        nccl = dist.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         flags = torch.zeros(dist.get_world_size(), dtype=torch.float32, device=device)
         flags[dist.get_rank()] = float(failure is not None)
         dist.all_reduce(flags)
