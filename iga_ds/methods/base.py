@@ -4,14 +4,12 @@ A method turns per-domain LoRA gradients into the gradient the optimizer sees: p
 groups, no DeepSpeed. Its ``scope`` picks the one hook it overrides: ``"module"``, one module at a time
 (``combine_module``; IGA, AND-mask), so the engine hook can spread modules over ranks; ``"global"``, every
 module at once (``combine``; PCGrad, MGDA); ``"loss"``, a new objective and no gradients (``objective``; ERM,
-IRM, V-REx). What serves speed, which no method needs, lives with the batched IGA path and the engine. The
-keyword arguments of ``__init__`` are the method's config parameters. V-REx, as in vrex.py::
+IRM, V-REx). Speed lives with the batched IGA path and the engine; ``__init__``'s keywords are the config's. V-REx::
 
     class VREx(GradientMethod):
         name, scope, paper = "vrex", "loss", "Krueger et al., ... ICML 2021"
         def __init__(self, penalty_weight: float = 1.0, seed: int = 0):
-            super().__init__(seed)
-            self.penalty_weight = float(penalty_weight)
+            super().__init__(seed); self.penalty_weight = float(penalty_weight)
         def objective(self, sequence_losses, domain_ids, num_domains, dummy_scale=None):
             risks = per_domain_means(sequence_losses, domain_ids, num_domains)
             return sequence_losses.mean() + self.penalty_weight * vrex_penalty(risks)
@@ -23,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Sequence
 
 import torch
+
+from iga_ds.methods.device_copies import stats_to_host  # tensor statistics: one copy for all
 
 Scope = Literal["module", "global", "loss"]
 
@@ -64,24 +64,11 @@ class ModuleGrads:
 
 @dataclass
 class ModuleUpdate:
-    """The optimizer's input for one module: gA shaped as A, gB as B, ``stats`` by statistic name (any mapping;
-    a value may be a 0-dim tensor, which :meth:`GradientMethod.combine` reads back as a float)."""
+    """The optimizer's input for one module: gA shaped as A, gB as B, ``stats`` by name (floats or 0-dim tensors)."""
 
     gA: torch.Tensor
     gB: torch.Tensor
-    stats: MutableMapping[str, float | torch.Tensor] = field(default_factory=dict)
-
-
-def stats_to_host(updates: list[ModuleUpdate]) -> list[ModuleUpdate]:
-    """The updates' tensor statistics as floats, in one device-to-host copy: a copy per figure would wait for
-    the device once per module (a step of SmolLM2's 210 modules spent seconds waiting)."""
-    slots = [(u.stats, k) for u in updates for k, v in u.stats.items() if isinstance(v, torch.Tensor)]
-    if slots:
-        # float64 holds every float32 and bfloat16 value exactly: the figures equal float(tensor)
-        values = torch.stack([stats[k].detach().reshape(()).to(torch.float64) for stats, k in slots]).tolist()
-        for (stats, k), value in zip(slots, values):
-            stats[k] = value
-    return updates
+    stats: MutableMapping[str, float] = field(default_factory=dict)
 
 
 class GradientMethod:
