@@ -44,7 +44,7 @@ def stacked_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
 
 def stats_to_host(updates: list) -> list:
     """The updates' tensor statistics as floats, in one device-to-host copy: a copy per figure would wait for
-    the device once per module (a step of SmolLM2's 210 modules spent seconds waiting)."""
+    the device once per module."""
     slots = [(u.stats, k) for u in updates for k, v in u.stats.items() if isinstance(v, torch.Tensor)]
     if slots:
         # float64 holds every float32 and bfloat16 value exactly: the figures equal float(tensor)
