@@ -21,7 +21,7 @@ from iga_ds.experiments.results import cell_cue_follow_by_domain, load_results, 
 
 ROOT = Path(__file__).resolve().parents[2]
 GRIDS = ("shift-smollm2", "control-smollm2")  # whole grids, quoted by the README
-REGENERATED = GRIDS + ("shift-g16-smollm2",)  # every archived report, the interim one included
+REGENERATED = GRIDS + ("shift-g16-smollm2",)  # every archived report
 # the folder each archive unpacks into under runs/, where it differs from the archive's name
 UNPACKS_TO = {"shift-g16-smollm2": "shift_g16_smollm2"}
 
