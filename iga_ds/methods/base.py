@@ -68,7 +68,7 @@ class ModuleUpdate:
 
     gA: torch.Tensor
     gB: torch.Tensor
-    stats: MutableMapping[str, float] = field(default_factory=dict)
+    stats: MutableMapping[str, float | torch.Tensor] = field(default_factory=dict)
 
 
 class GradientMethod:
